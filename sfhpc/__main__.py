@@ -1,0 +1,5 @@
+import sys
+
+from sfhpc.cli import main
+
+sys.exit(main())

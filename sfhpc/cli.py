@@ -1,0 +1,211 @@
+"""The ``sfhpc`` command line.
+
+    sfhpc launch RECIPE [--cluster MAP] [--wait]   submit one heterogeneous Slurm job
+    sfhpc render RECIPE [--cluster MAP] [--template] print the batch script without submitting
+    sfhpc run RECIPE [--cluster MAP]               run on this machine with mpiexec (no Slurm)
+    sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
+    sfhpc status|logs|cancel JOB                   watch and control a submitted job
+    sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
+
+Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from sfhpc import __version__
+from sfhpc.config import ClusterMap, Recipe, load_cluster_map, load_recipe
+from sfhpc.errors import SfhpcError
+from sfhpc.launch.resolve import LaunchPlan, resolve
+
+DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED")
+
+
+def _default_map() -> str:
+    return os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP)
+
+
+def _load(args: argparse.Namespace) -> tuple[Recipe, ClusterMap, LaunchPlan]:
+    recipe = load_recipe(args.recipe)
+    cluster = load_cluster_map(args.cluster)
+    return recipe, cluster, resolve(recipe, cluster)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    _, _, plan = _load(args)
+    print(plan.describe())
+    for slot in plan.ranks():
+        print(f"  rank {slot.rank}: component {slot.component}, roles {','.join(slot.roles)}")
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from sfhpc.launch.slurm_launch import executor_for, template_text
+
+    recipe, cluster, plan = _load(args)
+    if args.template:
+        print(template_text(recipe, cluster, plan), end="")
+        return 0
+    placeholder = Path(recipe.output_dir).absolute() / f"{recipe.name}-<time>"
+    print(executor_for(recipe, cluster, plan, placeholder).script_text(), end="")
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from sfhpc.launch.rundir import new_run_dir
+    from sfhpc.launch.slurm_launch import executor_for, submit
+
+    recipe, cluster, plan = _load(args)
+    executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
+    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    submission = submit(recipe, cluster, plan, run_dir)
+    print(plan.describe())
+    print(f"submitted job {submission.job_id}; run folder {run_dir}")
+    if not args.wait:
+        print(f"follow it with: sfhpc status {submission.job_id} / sfhpc logs {submission.job_id}")
+        return 0
+    return _wait(submission.job_id, run_dir, args.timeout)
+
+
+def _wait(job_id: str, run_dir: Path, timeout: float) -> int:
+    from sfhpc.launch.jobs import job_status
+
+    deadline, last = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        try:
+            state = job_status(job_id).state
+        except SfhpcError:
+            state = "SUBMITTED"  # accounting lags a moment behind sbatch
+        if state != last:
+            print(f"job {job_id}: {state}", flush=True)
+            last = state
+        if state.split()[0] in FINAL_STATES:
+            log = run_dir / f"slurm-{job_id}.out"
+            if log.exists():
+                print(log.read_text(encoding="utf-8", errors="replace"), end="")
+            return 0 if state == "COMPLETED" else 1
+        time.sleep(1)
+    raise SfhpcError(f"job {job_id} did not finish within {timeout:.0f} s; it keeps running: "
+                     f"sfhpc status {job_id}, or sfhpc cancel {job_id}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from sfhpc.launch.local import local_cluster_map, run_local
+    from sfhpc.launch.rundir import new_run_dir
+
+    recipe = load_recipe(args.recipe)
+    cluster = load_cluster_map(args.cluster) if args.cluster else local_cluster_map(recipe)
+    plan = resolve(recipe, cluster)
+    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    print(plan.describe())
+    print(f"run folder {run_dir}", flush=True)
+    return run_local(plan, args.recipe, args.cluster, run_dir)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from sfhpc.launch.jobs import format_status, job_status
+    from sfhpc.launch.rundir import find_run_dir
+
+    print(format_status(job_status(args.job), find_run_dir(args.output_dir, args.job)))
+    return 0
+
+
+def cmd_logs(args: argparse.Namespace) -> int:
+    from sfhpc.launch.jobs import job_logs
+
+    print(job_logs(args.job, args.output_dir, args.rank), end="")
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    from sfhpc.launch.jobs import cancel_job
+
+    cancel_job(args.job)
+    print(f"cancelled job {args.job}")
+    return 0
+
+
+def cmd_tags_show(args: argparse.Namespace) -> int:
+    from sfhpc.admin.tags import show_tags
+
+    print(show_tags(load_cluster_map(args.map)))
+    return 0
+
+
+def cmd_tags_check(args: argparse.Namespace) -> int:
+    from sfhpc.admin.live_cluster import query_live_cluster
+    from sfhpc.admin.tags import check_tags, format_check
+
+    cluster = load_cluster_map(args.map)
+    live = query_live_cluster()
+    problems = check_tags(cluster, live)
+    print(format_check(cluster, live, problems))
+    return 1 if problems else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sfhpc", description="Slurm-native RL for language-model agents.")
+    parser.add_argument("--version", action="version", version=f"sfhpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def recipe_command(name: str, func, help: str, cluster_default: str | None = "map") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("recipe", help="recipe YAML file")
+        default = _default_map() if cluster_default == "map" else None
+        p.add_argument("--cluster", default=default, metavar="MAP",
+                       help=f"cluster tag map (default: $SFHPC_CLUSTER_MAP or {DEFAULT_CLUSTER_MAP})"
+                       if cluster_default == "map" else "cluster tag map (default: this machine alone)")
+        p.set_defaults(func=func)
+        return p
+
+    p = recipe_command("launch", cmd_launch, "submit a recipe as one heterogeneous Slurm job")
+    p.add_argument("--wait", action="store_true", help="wait for the job to end and print its output")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds to wait with --wait (default 3600)")
+    p = recipe_command("render", cmd_render, "print the batch script of a recipe without submitting it")
+    p.add_argument("--template", action="store_true",
+                   help="a reusable template: `sbatch SCRIPT RECIPE.yaml` runs any recipe of this shape")
+    recipe_command("run", cmd_run, "run a recipe on this machine with mpiexec (no Slurm)", cluster_default=None)
+    recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
+
+    for name, func, help in (("status", cmd_status, "state of a job and of each of its components"),
+                             ("logs", cmd_logs, "output of a job (all ranks, labelled), or of one rank"),
+                             ("cancel", cmd_cancel, "cancel a job")):
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("job", help="Slurm job id")
+        if name != "cancel":
+            p.add_argument("--output-dir", default="runs", help="the recipe's output_dir (default: runs)")
+        if name == "logs":
+            p.add_argument("--rank", type=int, help="show this rank's own log file")
+        p.set_defaults(func=func)
+
+    tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
+        dest="tags_command", required=True, metavar="SUBCOMMAND")
+    for name, func, help in (("show", cmd_tags_show, "table of tags -> partitions, nodes, GPUs"),
+                             ("check", cmd_tags_check, "compare a tag map with the live cluster")):
+        p = tags.add_parser(name, help=help, description=help)
+        p.add_argument("map", help="cluster tag map YAML file")
+        p.set_defaults(func=func)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except SfhpcError as exc:
+        print(f"sfhpc: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("sfhpc: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The cluster tag map: what an admin writes to describe the hardware in capability tags.
+
+A *pool* is a set of identical nodes that a job reaches with one partition and, optionally, one
+feature constraint (``partition: gpu``, ``constraint: h100``). The admin gives each pool the capability
+tags its nodes offer (``train``, ``rollout``, ``reward`` ...) and what one node holds. Recipes ask for
+tags; they never name partitions, so a recipe runs unchanged on every site with a map.
+
+    cluster: sfhpcdev
+    pools:
+      h100:
+        partition: train
+        constraint: h100
+        nodes: 2
+        tags: [train, rollout]
+        cpus_per_node: 4
+        gpus_per_node: 0
+        memory_mb: 4000
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+from sfhpc.config.schema import Where, build
+from sfhpc.config.yaml_source import read_yaml
+
+# Tags and pool names are used in communicator names, sbatch flags and file names: keep them simple.
+_NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_-]*$")
+
+
+def check_name(value: str, where: Where, what: str) -> None:
+    if not _NAME.match(value):
+        raise where.error(f"{what} {value!r} must start with a letter and hold only letters, digits, '-' and '_'")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pool:
+    """Identical nodes reached through one partition (and optional feature constraint)."""
+
+    name: str
+    partition: str
+    nodes: int
+    tags: tuple[str, ...]
+    cpus_per_node: int
+    memory_mb: int
+    constraint: str | None = None
+    gpus_per_node: int = 0
+    gpu_type: str | None = None
+    interconnect: str | None = None
+
+    def validate(self, where: Where) -> None:
+        check_name(self.name, where, "pool name")
+        if not self.tags:
+            raise where.child("tags").error("a pool needs at least one capability tag")
+        for tag in self.tags:
+            check_name(tag, where.child("tags"), "tag")
+        for key in ("nodes", "cpus_per_node", "memory_mb"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
+        if self.gpus_per_node < 0:
+            raise where.child("gpus_per_node").error(f"must be 0 or more, found {self.gpus_per_node}")
+
+    @property
+    def label(self) -> str:
+        """``partition`` or ``partition[constraint]``: how the pool shows up in tables and messages."""
+        return f"{self.partition}[{self.constraint}]" if self.constraint else self.partition
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterMap:
+    """Every pool of a cluster, in the admin's order of preference."""
+
+    cluster: str
+    pools: tuple[Pool, ...]
+    source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})
+
+    def validate(self, where: Where) -> None:
+        if not self.pools:
+            raise where.child("pools").error("the map lists no pools")
+        seen: dict[tuple[str, str | None], str] = {}
+        for pool in self.pools:
+            key = (pool.partition, pool.constraint)
+            if key in seen:
+                raise where.child("pools").error(
+                    f"pools '{seen[key]}' and '{pool.name}' both select {pool.label}; merge them"
+                )
+            seen[key] = pool.name
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        """Every tag some pool offers, sorted."""
+        return tuple(sorted({tag for pool in self.pools for tag in pool.tags}))
+
+    def pools_with(self, tags: tuple[str, ...] | frozenset[str]) -> tuple[Pool, ...]:
+        """The pools whose nodes carry all of `tags`, in map order."""
+        wanted = set(tags)
+        return tuple(p for p in self.pools if wanted <= set(p.tags))
+
+
+def load_cluster_map(path: str | Path) -> ClusterMap:
+    """Read and validate a cluster tag map; raises ConfigError naming file, line and key."""
+    data = read_yaml(path)
+    return dataclasses.replace(build(ClusterMap, data, Where(str(path), "", data.line)), source=str(path))

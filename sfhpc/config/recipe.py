@@ -1,0 +1,192 @@
+"""The recipe: what an ML engineer writes to describe one RL run.
+
+A recipe names a model, an algorithm, a pipeline mode, budgets, a task and the *roles* of the run with
+the capability tags and sizes they need. It never names partitions: `sfhpc.launch.resolve` places the
+roles on a cluster through the admin's tag map.
+
+    roles:
+      controller: {place_with: trainer}            # one extra rank on the trainer's nodes
+      trainer:    {tags: [train], nodes: 1}
+      rollout:    {tags: [rollout], nodes: 2, tasks_per_node: 1}
+
+A colocated recipe runs rollout on the trainer's own ranks: ``rollout: {colocate_with: trainer}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Literal
+
+from sfhpc.config.cluster import check_name
+from sfhpc.config.schema import Where, build
+from sfhpc.config.yaml_source import read_yaml
+
+RoleName = Literal["controller", "trainer", "rollout", "reward"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """One kind of rank and where it runs.
+
+    A role is placed in one of three ways: on nodes of its own (``tags`` + ``nodes`` +
+    ``tasks_per_node``), as extra ranks on another role's nodes (``place_with`` + ``tasks``), or on
+    another role's very ranks (``colocate_with``), which is what makes a recipe colocated.
+    """
+
+    name: RoleName
+    tags: tuple[str, ...] = ()
+    nodes: int = 1
+    tasks_per_node: int = 1
+    tasks: int = 1
+    cpus_per_task: int = 1
+    gpus_per_task: int = 0
+    place_with: RoleName | None = None
+    colocate_with: RoleName | None = None
+
+    @property
+    def owns_nodes(self) -> bool:
+        return self.place_with is None and self.colocate_with is None
+
+    @property
+    def num_tasks(self) -> int:
+        """Ranks this role adds to the job (a colocated role adds none)."""
+        if self.colocate_with is not None:
+            return 0
+        return self.tasks if self.place_with is not None else self.nodes * self.tasks_per_node
+
+    def validate(self, where: Where) -> None:
+        if self.place_with is not None and self.colocate_with is not None:
+            raise where.error("give either place_with or colocate_with, not both")
+        if self.name in (self.place_with, self.colocate_with):
+            raise where.error("a role cannot be placed with itself")
+        if self.owns_nodes and not self.tags:
+            raise where.error("needs 'tags' (the capability tags its nodes must carry), "
+                              "or 'place_with' / 'colocate_with' another role")
+        for tag in self.tags:
+            check_name(tag, where.child("tags"), "tag")
+        for key in ("nodes", "tasks_per_node", "tasks", "cpus_per_task"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
+        if self.gpus_per_task < 0:
+            raise where.child("gpus_per_task").error(f"must be 0 or more, found {self.gpus_per_task}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The policy model. Without ``path`` sfhpc builds its own small Llama-architecture model."""
+
+    name: str = "tiny-llama"
+    path: str | None = None
+    layers: int = 4
+    hidden_size: int = 256
+    heads: int = 4
+    max_seq_len: int = 256
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    name: Literal["grpo", "ppo"] = "grpo"
+    group_size: int = 8
+    learning_rate: float = 1e-4
+    clip_ratio: float = 0.2
+    kl_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineSpec:
+    """How rollout and training share time: ``sync`` (generate, then train), ``async`` (overlap under
+    a staleness bound) or ``seamless`` (async plus lending idle trainer ranks to rollout)."""
+
+    mode: Literal["sync", "async", "seamless"] = "sync"
+    max_staleness: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Budgets:
+    steps: int = 20
+    prompts_per_step: int = 16
+    max_new_tokens: int = 32
+    wall_minutes: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSpec:
+    """The environment the agents act in; ``options`` are passed to it as they are."""
+
+    name: str = "launch-report"
+    options: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """Slurm job settings that are not placement (placement comes from roles and the tag map)."""
+
+    time_minutes: int = 30
+    job_name: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    mpi: str = "pmix"
+    setup: tuple[str, ...] = ()          # shell lines run before srun, e.g. "module load openmpi"
+    extra_sbatch: tuple[str, ...] = ()   # escape hatch, e.g. "--reservation=rl" (added to component 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    name: str
+    roles: tuple[Role, ...]
+    model: ModelSpec = ModelSpec()
+    algorithm: AlgorithmSpec = AlgorithmSpec()
+    pipeline: PipelineSpec = PipelineSpec()
+    budgets: Budgets = Budgets()
+    task: TaskSpec = TaskSpec()
+    launch: LaunchSpec = LaunchSpec()
+    seed: int = 0
+    output_dir: str = "runs"
+    source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})
+
+    def role(self, name: str) -> Role | None:
+        return next((r for r in self.roles if r.name == name), None)
+
+    @property
+    def colocated(self) -> bool:
+        """True when rollout runs on the trainer's ranks."""
+        rollout = self.role("rollout")
+        return rollout is not None and rollout.colocate_with == "trainer"
+
+    def validate(self, where: Where) -> None:
+        check_name(self.name, where.child("name"), "recipe name")
+        roles = where.child("roles")
+        names = [r.name for r in self.roles]
+        for required in ("controller", "trainer", "rollout"):
+            if required not in names:
+                raise roles.error(f"missing role '{required}' (roles: controller, trainer, rollout, reward)")
+        for role in self.roles:
+            target = role.place_with or role.colocate_with
+            if target is None:
+                continue
+            other = self.role(target)
+            if other is None:
+                raise roles.child(role.name).error(f"is placed with '{target}', which the recipe lacks")
+            if not other.owns_nodes:
+                raise roles.child(role.name).error(
+                    f"is placed with '{target}', which has no nodes of its own; place it with "
+                    f"'{other.place_with or other.colocate_with}' instead")
+        controller = self.role("controller")
+        assert controller is not None
+        if controller.colocate_with is not None or controller.num_tasks != 1:
+            raise roles.child("controller").error(
+                "the controller is exactly one rank of its own: use 'place_with: trainer' (or tags + nodes: 1)")
+        if self.pipeline.mode in ("async", "seamless") and self.colocated:
+            raise where.child("pipeline").child("mode").error(
+                f"'{self.pipeline.mode}' overlaps rollout with training, so rollout needs ranks of its own; "
+                "use mode 'sync' for a colocated recipe or give rollout its own tags and nodes")
+        if self.pipeline.max_staleness < 0:
+            raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe; raises ConfigError naming file, line and key."""
+    data = read_yaml(path)
+    return dataclasses.replace(build(Recipe, data, Where(str(path), "", data.line)), source=str(path))

@@ -1,0 +1,164 @@
+"""Build frozen dataclasses from YAML mappings, with errors that name file, line, key and expectation.
+
+The dataclasses themselves are the schema: field names are the YAML keys, type hints say what a value
+must be, defaults make a key optional. Supported hints: ``int``, ``float``, ``str``, ``bool``,
+``Literal[...]``, ``X | None``, ``tuple[X, ...]`` (from a YAML list), nested dataclasses (from a
+mapping) and ``tuple[D, ...]`` of dataclasses with a ``name`` field (from a mapping of name -> entry).
+Fields with ``metadata={"yaml": False}`` are not YAML keys (the loader fills them in).
+A dataclass may define ``validate(self, where)`` for checks between fields; it raises via ``where``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar, Union
+
+from sfhpc.config.yaml_source import LineDict
+from sfhpc.errors import ConfigError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """A position in a YAML file: the file, the dotted key path and the line (when known)."""
+
+    source: str
+    key: str
+    line: int | None
+
+    def child(self, key: str, mapping: Any = None) -> Where:
+        line = mapping.line_of(key) if isinstance(mapping, LineDict) else self.line
+        return Where(self.source, f"{self.key}.{key}" if self.key else key, line)
+
+    def error(self, problem: str) -> ConfigError:
+        return ConfigError(self.source, self.key, problem, self.line)
+
+
+def nearest(word: str, choices: typing.Iterable[str]) -> str:
+    """A ' (did you mean ...?)' hint, or '' when nothing is close."""
+    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean '{match[0]}'?)" if match else ""
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint) if a is not type(None))
+    if origin is tuple:
+        return f"a list of {_describe(typing.get_args(hint)[0])}"
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        hint, str(hint)
+    )
+
+
+def build(cls: type[T], data: Any, where: Where) -> T:
+    """Convert the YAML value `data` into an instance of the dataclass `cls`."""
+    if not isinstance(data, dict):
+        raise where.error(f"expected a mapping, found {_yaml_type(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {
+        f.name: f
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.init and f.metadata.get("yaml", True)  # metadata yaml=False: set by code, not by users
+    }
+    for key in data:
+        if key not in fields:
+            raise where.child(key, data).error(f"unknown key{nearest(key, fields)}")
+    values: dict[str, Any] = {}
+    for name, field in fields.items():
+        if name in data:
+            values[name] = convert(hints[name], data[name], where.child(name, data))
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise where.error(f"missing required key '{name}' ({_describe(hints[name])})")
+    instance = cls(**values)
+    validate: Callable[[Where], None] | None = getattr(instance, "validate", None)
+    if validate is not None:
+        validate(where)
+    return instance
+
+
+def convert(hint: Any, value: Any, where: Where) -> Any:
+    """Convert one YAML value to the type `hint`, or raise a ConfigError at `where`."""
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        non_none = [a for a in args if a is not type(None)]
+        if len(non_none) == 1:
+            return convert(non_none[0], value, where)
+        for arg in non_none:
+            try:
+                return convert(arg, value, where)
+            except ConfigError:
+                continue
+        raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)}")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            hint_text = nearest(str(value), [str(c) for c in choices])
+            raise where.error(f"expected {_describe(hint)}, found {value!r}{hint_text}")
+        return value
+    if origin is tuple:
+        (item,) = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        if dataclasses.is_dataclass(item) and isinstance(value, dict):
+            return tuple(_named_entry(item, name, entry, where.child(name, value))
+                         for name, entry in value.items())
+        if isinstance(value, str) and item is str:
+            value = [value]  # `tags: train` reads as `tags: [train]`
+        if not isinstance(value, list):
+            raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)}")
+        return tuple(convert(item, v, Where(where.source, f"{where.key}[{i}]", where.line))
+                     for i, v in enumerate(value))
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value, where)  # type: ignore[arg-type]
+    return _scalar(hint, value, where)
+
+
+def _named_entry(cls: Any, name: str, entry: Any, where: Where) -> Any:
+    if entry is None:
+        entry = {}
+    if not isinstance(entry, dict):
+        raise where.error(f"expected a mapping, found {_yaml_type(entry)}")
+    if "name" in entry:
+        raise where.child("name", entry).error("the name is the key above; remove this line")
+    merged = LineDict(entry)
+    merged.line, merged.key_lines = getattr(entry, "line", where.line), getattr(entry, "key_lines", {})
+    merged["name"] = name
+    return build(cls, merged, where)
+
+
+def _scalar(hint: Any, value: Any, where: Where) -> Any:
+    # bool is a subclass of int in Python; YAML's `yes` must not pass as the integer 1.
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):
+        try:
+            return float(value)  # PyYAML reads 1e-4 (no dot) as a string
+        except ValueError:
+            pass
+    if hint is str and isinstance(value, str):
+        return value
+    if hint is Any:
+        return value
+    raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)} {value!r}")
+
+
+def _yaml_type(value: Any) -> str:
+    if value is None:
+        return "nothing (null)"
+    return {dict: "a mapping", LineDict: "a mapping", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)

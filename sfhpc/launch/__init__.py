@@ -1,0 +1,1 @@
+"""Launch: recipe + tag map -> heterogeneous Slurm job (or a local mpiexec run)."""

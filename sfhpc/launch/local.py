@@ -1,0 +1,54 @@
+"""Run a recipe on one machine without Slurm: the same ranks, started by Open MPI's mpiexec.
+
+The recipe is placed on a *local* map (one pool that offers every tag the recipe asks for), so the rank
+table, roles and components are the ones a Slurm launch would give.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from sfhpc.config.cluster import ClusterMap, Pool
+from sfhpc.config.recipe import Recipe
+from sfhpc.errors import SfhpcError
+from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.runtime.slurm_env import TASKS_PER_COMPONENT_VAR
+
+LOCAL_MAP_NAME = "local"  # `--cluster local`: place the recipe on this machine alone
+
+
+def local_cluster_map(recipe: Recipe) -> ClusterMap:
+    """A map of this machine: one pool carrying every tag the recipe needs, with room for every role."""
+    tags = tuple(sorted({t for r in recipe.roles for t in r.tags}))
+    nodes = sum(r.nodes for r in recipe.roles if r.owns_nodes)
+    cpus = max(os.cpu_count() or 1, sum(r.num_tasks * r.cpus_per_task for r in recipe.roles))
+    gpus = max(r.tasks_per_node * r.gpus_per_task for r in recipe.roles)
+    pool = Pool(name="local", partition="local", nodes=nodes, tags=tags, cpus_per_node=cpus,
+                memory_mb=1, gpus_per_node=gpus)
+    return ClusterMap(cluster="local", pools=(pool,), source="(this machine)")
+
+
+def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path) -> list[str]:
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin) "
+                         "or run `make setup`")
+    # --bind-to none: Open MPI would pin each rank to one core, and vLLM's CPU engine then finds no
+    # core to spare. --oversubscribe: a recipe may ask for more ranks than this machine has cores.
+    command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(plan.world_size),
+               sys.executable, "-m", "sfhpc.runtime", recipe_path, "--run-dir", str(run_dir),
+               "--cluster", cluster_path or LOCAL_MAP_NAME]
+    return command
+
+
+def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path) -> int:
+    """Start every rank with mpiexec and wait; returns mpiexec's exit code."""
+    env = dict(os.environ)
+    env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
+    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir), env=env)

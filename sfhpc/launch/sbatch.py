@@ -1,0 +1,110 @@
+"""sbatch script text, from one pure function.
+
+`render_sbatch` turns an `SbatchSpec` into the exact text of a batch script: flags sorted within each
+component, values shell-quoted, ``snake_case`` keys as ``--kebab-case`` flags, one ``#SBATCH hetjob``
+line between components, and one ``srun`` that spans every component (``--het-group=0,1,...``) so that
+all ranks share one MPI world. The same inputs always give the same bytes (golden-file tests).
+`spec_for_plan` builds the spec of a resolved recipe.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+from collections.abc import Mapping
+
+from sfhpc.config.recipe import Recipe
+from sfhpc.launch.resolve import Component, LaunchPlan
+
+FlagValue = str | int | bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class SbatchSpec:
+    """Everything a batch script holds. ``command`` is shell text, used as it is after srun."""
+
+    components: tuple[Mapping[str, FlagValue], ...]
+    command: str
+    srun_flags: Mapping[str, FlagValue] = dataclasses.field(default_factory=dict)
+    extra_directives: tuple[str, ...] = ()    # verbatim "#SBATCH <text>" lines of component 0
+    setup: tuple[str, ...] = ()               # shell lines before srun
+    environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    header: tuple[str, ...] = ()              # comment lines under the shebang
+
+
+def flag(key: str, value: FlagValue) -> str | None:
+    """``("cpus_per_task", 2)`` -> ``--cpus-per-task=2``; True -> bare flag; None/False -> omitted."""
+    if value is None or value is False:
+        return None
+    name = "--" + key.replace("_", "-")
+    return name if value is True else f"{name}={shlex.quote(str(value))}"
+
+
+def _flags(flags: Mapping[str, FlagValue]) -> list[str]:
+    return [f for f in (flag(k, flags[k]) for k in sorted(flags)) if f is not None]
+
+
+def render_sbatch(spec: SbatchSpec) -> str:
+    """The batch script text of `spec` (pure: no clock, no environment, no file system)."""
+    if not spec.components:
+        raise ValueError("an sbatch script needs at least one component")
+    lines = ["#!/bin/bash"]
+    lines += [f"# {h}" if h else "#" for h in spec.header]
+    for index, component in enumerate(spec.components):
+        if index > 0:
+            lines.append("#SBATCH hetjob")
+        lines += [f"#SBATCH {f}" for f in _flags(component)]
+        if index == 0:
+            lines += [f"#SBATCH {d}" for d in spec.extra_directives]
+    lines += ["", "set -euo pipefail"]
+    if spec.setup:
+        lines += ["", "# setup", *spec.setup]
+    if spec.environment:
+        lines.append("")
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.environment.items())]
+    srun = ["srun"]
+    if len(spec.components) > 1:
+        srun.append("--het-group=" + ",".join(str(i) for i in range(len(spec.components))))
+    srun += _flags(spec.srun_flags)
+    lines += ["", "# one step spans every component: one MPI world", " ".join(srun) + " " + spec.command, ""]
+    return "\n".join(lines)
+
+
+def component_flags(component: Component, time_minutes: int) -> dict[str, FlagValue]:
+    """sbatch flags that place one component on its pool."""
+    return {
+        "partition": component.pool.partition,
+        "constraint": component.pool.constraint,
+        "nodes": component.nodes,
+        "ntasks": component.num_tasks,
+        "ntasks_per_node": component.tasks_per_node,
+        "cpus_per_task": component.cpus_per_task,
+        "gpus_per_node": component.gpus_per_node or None,
+        "time": time_minutes,
+    }
+
+
+def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None,
+                  setup: tuple[str, ...] = (), environment: Mapping[str, str] | None = None,
+                  header: tuple[str, ...] = ()) -> SbatchSpec:
+    """The batch script of a resolved recipe; `command` is what every rank runs."""
+    launch = recipe.launch
+    components = [component_flags(c, launch.time_minutes) for c in plan.components]
+    components[0].update(
+        job_name=launch.job_name or f"sfhpc-{recipe.name}",
+        account=launch.account,
+        qos=launch.qos,
+        output=output,
+        open_mode="append" if output else None,  # a requeued job appends to its log
+    )
+    return SbatchSpec(
+        components=tuple(components),
+        command=command,
+        # --label prefixes each output line with the world rank; --kill-on-bad-exit ends the whole
+        # step when one rank fails, so a crashed rank cannot leave the others blocked in MPI.
+        srun_flags={"mpi": launch.mpi, "label": True, "kill_on_bad_exit": 1},
+        extra_directives=launch.extra_sbatch,
+        setup=(*launch.setup, *setup),
+        environment=dict(environment or {}),
+        header=header,
+    )

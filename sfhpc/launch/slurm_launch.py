@@ -1,0 +1,68 @@
+"""Submit a recipe to Slurm as one heterogeneous job, or render the script that would be submitted.
+
+Two scripts come from the same plan and the same renderer:
+
+* the *launch* script (``sfhpc launch``): submitit pickles a `RankProgram` into the run folder and every
+  rank unpickles and runs it;
+* the *template* script (``sfhpc render --template``, ``slurm_templates/``): every rank runs
+  ``python -m sfhpc.runtime "$@"``, so ``sbatch TEMPLATE RECIPE.yaml`` runs any recipe of that shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from sfhpc.config.cluster import ClusterMap
+from sfhpc.config.recipe import Recipe
+from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.launch.rundir import record_job
+from sfhpc.launch.sbatch import SbatchSpec, render_sbatch, spec_for_plan
+from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
+from sfhpc.runtime.program import RankProgram
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    job: HetSlurmJob
+    run_dir: Path
+
+    @property
+    def job_id(self) -> str:
+        return str(self.job.job_id)
+
+
+def _header(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> tuple[str, ...]:
+    return (f"sfhpc job for recipe '{recipe.name}' on cluster '{cluster.cluster}' ({plan.world_size} ranks)",
+            *(f"component {c.index}: {c.pool.label} x{c.nodes}, roles {','.join(c.roles)}"
+              for c in plan.components))
+
+
+def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> HetSlurmExecutor:
+    def spec(command: str) -> SbatchSpec:
+        # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
+        return spec_for_plan(plan, recipe, command, output=str(run_dir / "slurm-%j.out"),
+                             environment={"SUBMITIT_EXECUTOR": "slurm"}, header=_header(recipe, cluster, plan))
+
+    return HetSlurmExecutor(run_dir / "submitit", spec, num_tasks=plan.world_size)
+
+
+def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> Submission:
+    """Submit the job; the run folder must exist (it holds the batch log from the first second)."""
+    executor = executor_for(recipe, cluster, plan, run_dir)
+    job = executor.submit_program(RankProgram(recipe, plan, run_dir))
+    record_job(recipe.output_dir, str(job.job_id), run_dir, recipe.source)
+    return Submission(job, run_dir)
+
+
+def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:
+    """A batch script that runs any recipe of this shape: ``sbatch SCRIPT RECIPE.yaml``."""
+    usage = ": \"${1:?usage: sbatch " + "<this script> RECIPE.yaml (run from the project folder)}\""
+    spec = spec_for_plan(
+        plan, recipe, '"${SFHPC_PYTHON:-python3}" -m sfhpc.runtime "$@"', output=None,
+        setup=(usage, f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{cluster.source}}}"'),
+        header=(*_header(recipe, cluster, plan),
+                f"Written by: sfhpc render {recipe.source} --cluster {cluster.source} --template",
+                "Run a recipe of the same shape with: sbatch THIS_FILE RECIPE.yaml"),
+    )
+    return render_sbatch(spec)

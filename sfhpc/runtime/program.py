@@ -1,0 +1,69 @@
+"""The program every rank runs: learn who it is, join the MPI world, do the recipe's work.
+
+`RankProgram` is what `sfhpc launch` hands to submitit (it is pickled into the job folder) and what
+``python -m sfhpc.runtime`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from sfhpc.config.recipe import Recipe
+from sfhpc.errors import SfhpcError
+from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.runtime.identity import RankIdentity, identify
+from sfhpc.runtime.report import launch_report
+from sfhpc.runtime.slurm_env import read_rank_environment
+
+log = logging.getLogger("sfhpc")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProgram:
+    recipe: Recipe
+    plan: LaunchPlan
+    run_dir: Path
+
+    def __call__(self) -> dict[str, Any]:
+        identity = identify(self.plan, read_rank_environment())
+        _log_to_file(self.run_dir / "logs" / f"rank-{identity.rank:03d}.log", identity)
+        # Import mpi4py here, never at module level: vLLM's CPU engine spawns children that re-import
+        # the main module, and a top-level import would run MPI_Init in them.
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        if comm.Get_size() != identity.env.world_size or comm.Get_rank() != identity.rank:
+            raise SfhpcError(
+                f"MPI sees rank {comm.Get_rank()} of {comm.Get_size()} but the launcher says "
+                f"{identity.rank} of {identity.env.world_size}: start ranks with srun --mpi=pmix or mpiexec")
+        log.info("rank %d: component %d, node %s, roles %s, tags %s", identity.rank, identity.env.component,
+                 identity.env.node, ",".join(identity.roles), ",".join(identity.tags))
+        if identity.rank == 0:
+            print(self.plan.describe(), flush=True)
+        task = self.recipe.task.name
+        if task == "launch-report":
+            return launch_report(identity, comm, self.run_dir)
+        raise SfhpcError(f"{self.recipe.source}: task.name: unknown task '{task}' (known: launch-report)")
+
+
+def _log_to_file(path: Path, identity: RankIdentity) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {identity.rank} %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
+    """Run `program`, turning user errors into one line (printed once, by rank 0) and exit code 2."""
+    try:
+        program()
+    except SfhpcError as exc:
+        if is_rank_zero:
+            print(f"sfhpc: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    return 0
