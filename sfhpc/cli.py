@@ -34,6 +34,9 @@ def _default_map() -> str:
 
 def _load(args: argparse.Namespace) -> tuple[Recipe, ClusterMap, LaunchPlan]:
     recipe = load_recipe(args.recipe)
+    if args.cluster == DEFAULT_CLUSTER_MAP and not Path(args.cluster).exists():
+        raise SfhpcError(f"no cluster map given and {DEFAULT_CLUSTER_MAP} is not in this folder: "
+                         "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
     cluster = load_cluster_map(args.cluster)
     return recipe, cluster, resolve(recipe, cluster)
 

@@ -41,7 +41,10 @@ class Where:
 
 def nearest(word: str, choices: typing.Iterable[str]) -> str:
     """A ' (did you mean ...?)' hint, or '' when nothing is close."""
-    match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    choices = list(choices)
+    match = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    # Abbreviations (`gpus` for `gpus_per_node`) are far from their key by edit distance.
+    match = match or [c for c in choices if len(word) >= 3 and c.startswith(word)][:1]
     return f" (did you mean '{match[0]}'?)" if match else ""
 
 

@@ -38,11 +38,16 @@ def _header(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> tuple[str,
               for c in plan.components))
 
 
+def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, command: str) -> SbatchSpec:
+    """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point)."""
+    # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
+    return spec_for_plan(plan, recipe, command, output=str(run_dir / "slurm-%j.out"),
+                         environment={"SUBMITIT_EXECUTOR": "slurm"}, header=_header(recipe, cluster, plan))
+
+
 def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> HetSlurmExecutor:
     def spec(command: str) -> SbatchSpec:
-        # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
-        return spec_for_plan(plan, recipe, command, output=str(run_dir / "slurm-%j.out"),
-                             environment={"SUBMITIT_EXECUTOR": "slurm"}, header=_header(recipe, cluster, plan))
+        return launch_spec(recipe, cluster, plan, run_dir, command)
 
     return HetSlurmExecutor(run_dir / "submitit", spec, num_tasks=plan.world_size)
 

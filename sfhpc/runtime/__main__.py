@@ -17,7 +17,7 @@ from sfhpc.errors import SfhpcError
 from sfhpc.launch.local import LOCAL_MAP_NAME, local_cluster_map
 from sfhpc.launch.resolve import resolve
 from sfhpc.launch.rundir import job_run_dir, new_run_dir, record_job
-from sfhpc.runtime.program import RankProgram, run_rank_main
+from sfhpc.runtime.program import RankProgram, report_user_error, run_rank_main
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
@@ -46,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if env.world_rank == 0 and env.job_id is not None and env.restart_count == 0 and not args.run_dir:
             record_job(recipe.output_dir, env.job_id, run_dir, recipe.source)
     except SfhpcError as exc:
-        if env.world_rank == 0:
-            print(f"sfhpc: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return report_user_error(exc, env.world_rank == 0)
     return run_rank_main(RankProgram(recipe, plan, run_dir), env.world_rank == 0)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from sfhpc.runtime.report import launch_report
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 log = logging.getLogger("sfhpc")
+_OTHER_RANKS_EXIT_DELAY_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +60,23 @@ def _log_to_file(path: Path, identity: RankIdentity) -> None:
     log.setLevel(logging.INFO)
 
 
+def report_user_error(exc: SfhpcError, is_rank_zero: bool) -> int:
+    """Print a user error once (rank 0) and return the exit code every rank should use.
+
+    Every rank usually hits the same error. Other ranks wait a moment before exiting, because srun's
+    --kill-on-bad-exit would otherwise kill rank 0 before its message is out.
+    """
+    if is_rank_zero:
+        print(f"sfhpc: error: {exc}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
+    return exc.exit_code
+
+
 def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
     """Run `program`, turning user errors into one line (printed once, by rank 0) and exit code 2."""
     try:
         program()
     except SfhpcError as exc:
-        if is_rank_zero:
-            print(f"sfhpc: error: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
+        return report_user_error(exc, is_rank_zero)
     return 0

@@ -1,0 +1,62 @@
+# sfhpc: the two commands a newcomer runs are `make demo` and `make test`; everything they need is
+# installed here (system packages through apt when missing, Python packages into .venv).
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+DEVCLUSTER := scripts/devcluster.sh
+SLURM_CONF ?= $(or $(SFHPC_DEVCLUSTER_DIR),/var/tmp/sfhpc-devcluster)/etc/slurm.conf
+export SLURM_CONF
+
+# Debian packages the runtime needs without Slurm (mpi4py's wheel loads the system's Open MPI).
+SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
+
+.PHONY: setup system-packages demo test test-fast bench lint cluster-up cluster-down cluster-status clean
+
+setup: system-packages $(VENV)/.installed
+
+system-packages:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (apt-get install$$missing)"; exit 1; fi; \
+	  echo "installing$$missing"; apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
+	fi
+
+# torch first, from the exact CPU build, then everything else under constraints.txt (which pins torch),
+# so that no package can pull a CUDA build of torch onto a CPU machine.
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/sfhpc run recipes/report.yaml
+
+cluster-up:
+	$(DEVCLUSTER) up
+
+cluster-down:
+	$(DEVCLUSTER) down
+
+cluster-status:
+	$(DEVCLUSTER) status
+
+test: setup cluster-up
+	$(VENV)/bin/pytest -q -ra
+
+# Tests that need neither Slurm nor long runs.
+test-fast: setup
+	$(VENV)/bin/pytest -q -m "not slurm"
+
+bench: setup
+	$(VENV)/bin/sfhpc bench all
+
+lint: setup
+	$(VENV)/bin/ruff check sfhpc tests
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,116 @@
+"""Recipes and cluster maps: the shipped examples load, and every kind of bad input names file, line and key."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config import load_cluster_map, load_recipe
+from sfhpc.errors import ConfigError
+from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
+
+GOOD_RECIPE = """\
+name: t
+roles:
+  controller: {place_with: trainer}
+  trainer: {tags: [train], nodes: 1}
+  rollout: {tags: [rollout], nodes: 2}
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_shipped_examples_load() -> None:
+    dev = load_cluster_map(RECIPES / "cluster-dev.yaml")
+    assert [p.name for p in dev.pools] == ["h100", "l40s"]
+    assert dev.pools[0].tags == ("train", "rollout") and dev.pools[0].constraint == "h100"
+    assert dev.tags == ("reward", "rollout", "train")
+    site = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
+    assert site.pools[0].gpus_per_node == 8 and site.pools[2].constraint is None
+    recipe = load_recipe(RECIPES / "report.yaml")
+    assert recipe.pipeline.mode == "async" and not recipe.colocated
+    assert recipe.role("rollout").nodes == 2  # type: ignore[union-attr]
+    assert load_recipe(RECIPES / "report-colocated.yaml").colocated
+    gpu = load_recipe(RECIPES / "h100-l40s-grpo.yaml")
+    assert gpu.algorithm.learning_rate == pytest.approx(1e-6) and gpu.role("trainer").gpus_per_task == 1  # type: ignore[union-attr]
+
+
+def test_config_objects_are_immutable() -> None:
+    recipe = load_recipe(RECIPES / "report.yaml")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        recipe.name = "other"  # type: ignore[misc]
+    assert isinstance(recipe.roles, tuple) and isinstance(recipe.roles[0].tags, tuple)
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("name: t\nroles: [unclosed\n", ["r.yaml:3", "malformed YAML"]),
+        (GOOD_RECIPE.replace("nodes: 2", "nodse: 2"), ["r.yaml:5", "roles.rollout.nodse", "did you mean 'nodes'"]),
+        (GOOD_RECIPE + "pipelin: {mode: sync}\n", ["r.yaml:6", "pipelin", "did you mean 'pipeline'"]),
+        ("roles:\n  trainer: {tags: [train]}\n", ["missing required key 'name'"]),
+        (GOOD_RECIPE.replace("nodes: 2", "nodes: two"), ["roles.rollout.nodes", "expected an integer", "'two'"]),
+        (GOOD_RECIPE + "pipeline: {mode: fast}\n", ["pipeline.mode", "one of 'sync', 'async', 'seamless'"]),
+        (GOOD_RECIPE.replace("  rollout: {tags: [rollout], nodes: 2}\n", ""), ["missing role 'rollout'"]),
+        (GOOD_RECIPE + "name: again\n", ["r.yaml:6", "name: key appears twice"]),
+        ("", ["expected a mapping of keys at the top level, found an empty file"]),
+        (GOOD_RECIPE.replace("{place_with: trainer}", "{place_with: reward}"), ["which the recipe lacks"]),
+        (GOOD_RECIPE.replace("nodes: 1", "nodes: 0"), ["roles.trainer.nodes", "at least 1"]),
+        (GOOD_RECIPE.replace("trainer: {tags: [train], nodes: 1}", "trainer: {nodes: 1}"), ["needs 'tags'"]),
+        (GOOD_RECIPE.replace("rollout: {tags: [rollout], nodes: 2}", "rollout: {colocate_with: trainer}")
+         + "pipeline: {mode: async}\n", ["pipeline.mode", "use mode 'sync'"]),
+    ],
+    ids=["malformed", "unknown-nested-key", "unknown-top-key", "missing-field", "wrong-type", "bad-choice",
+         "missing-role", "duplicate-key", "empty", "bad-reference", "zero-nodes", "no-tags", "async-colocated"],
+)
+def test_bad_recipe_names_file_line_and_key(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    path = write(tmp_path, text)
+    before = path.read_bytes()
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    assert "\n" not in message
+    assert path.read_bytes() == before  # nothing a user wrote is touched
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("cluster: c\npools:\n  a: {partition: p, nodes: 1, tags: [train], cpus_per_node: 4, memory_mb: 1,"
+         " gpus: 2}\n", ["cluster.yaml:3", "pools.a.gpus", "did you mean 'gpus_per_node'"]),
+        ("cluster: c\npools:\n  a: {partition: p, nodes: 1, cpus_per_node: 4, memory_mb: 1}\n",
+         ["missing required key 'tags'"]),
+        ("cluster: c\npools: {}\n", ["the map lists no pools"]),
+        ("cluster: c\npools:\n  a: {partition: p, nodes: 1, tags: [train], cpus_per_node: 4, memory_mb: 1}\n"
+         "  b: {partition: p, nodes: 1, tags: [x], cpus_per_node: 4, memory_mb: 1}\n", ["both select p"]),
+        ("cluster: c\npools:\n  a: {partition: p, nodes: 1, tags: [tr ain], cpus_per_node: 4, memory_mb: 1}\n",
+         ["tag 'tr ain'"]),
+    ],
+    ids=["unknown-key", "missing-tags", "no-pools", "duplicate-pool", "bad-tag"],
+)
+def test_bad_cluster_map(tmp_path: Path, text: str, fragments: list[str]) -> None:
+    path = write(tmp_path, text, "cluster.yaml")
+    with pytest.raises(ConfigError) as info:
+        load_cluster_map(path)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_cli_bad_recipe_is_one_line_without_traceback(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD_RECIPE.replace("nodes: 2", "nodse: 2"))
+    done = run_sfhpc("plan", str(path))
+    assert_one_line_error(done, f"{path}:5", "did you mean 'nodes'")
+    done = run_sfhpc("plan", str(tmp_path / "missing.yaml"))
+    assert_one_line_error(done, "missing.yaml", "file not found")
+    done = run_sfhpc("tags", "show", str(write(tmp_path, "cluster: [1, 2\n", "m.yaml")))
+    assert_one_line_error(done, "m.yaml", "malformed YAML")

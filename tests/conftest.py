@@ -1,0 +1,47 @@
+"""Shared fixtures: the project folder, the real dev Slurm cluster, and a CLI runner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPES = ROOT / "recipes"
+DEVCLUSTER = ROOT / "scripts" / "devcluster.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """Start (or reuse) the real 4-node dev cluster; returns SLURM_CONF and exports it to the tests."""
+    done = subprocess.run([str(DEVCLUSTER), "up"], capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        pytest.fail(f"dev cluster did not come up:\n{done.stdout}\n{done.stderr}")
+    conf = done.stdout.strip().splitlines()[-1].split("=", 1)[1]
+    os.environ["SLURM_CONF"] = conf
+    return conf
+
+
+def run_sfhpc(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
+              timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run the sfhpc command line as a user would, in `cwd`."""
+    full_env = dict(os.environ)
+    full_env["PATH"] = f"{Path(sys.executable).parent}:{full_env.get('PATH', '')}"
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", "sfhpc", *args], cwd=cwd, env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *fragments: str) -> str:
+    """A user error: non-zero exit, one `sfhpc: error:` line on stderr, no traceback, all fragments in it."""
+    assert done.returncode != 0, done.stdout
+    assert "Traceback" not in done.stderr, done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("sfhpc: error: "), lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    return lines[0]

@@ -1,0 +1,96 @@
+"""Roles -> tags -> pools -> het components, for colocated and disaggregated recipes, and the errors."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config import load_cluster_map, load_recipe
+from sfhpc.config.recipe import Recipe
+from sfhpc.errors import ResolveError
+from sfhpc.launch.local import local_cluster_map
+from sfhpc.launch.resolve import resolve
+from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
+
+DEV = load_cluster_map(RECIPES / "cluster-dev.yaml")
+SITE = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
+
+
+def with_role(recipe: Recipe, name: str, **changes: object) -> Recipe:
+    roles = tuple(dataclasses.replace(r, **changes) if r.name == name else r for r in recipe.roles)  # type: ignore[arg-type]
+    return dataclasses.replace(recipe, roles=roles)
+
+
+def test_disaggregated_recipe_gives_one_component_per_role_with_nodes() -> None:
+    plan = resolve(load_recipe(RECIPES / "report.yaml"), DEV)
+    assert [(c.pool.partition, c.pool.constraint, c.nodes, c.num_tasks) for c in plan.components] == [
+        ("train", "h100", 1, 2), ("rollout", "l40s", 2, 2)]
+    ranks = plan.ranks()
+    assert [(s.rank, s.component, s.roles) for s in ranks] == [
+        (0, 0, ("controller",)), (1, 0, ("trainer",)), (2, 1, ("rollout",)), (3, 1, ("rollout",))]
+    assert ranks[2].tags == ("rollout", "reward")
+
+
+def test_colocated_recipe_gives_one_component() -> None:
+    plan = resolve(load_recipe(RECIPES / "report-colocated.yaml"), DEV)
+    assert len(plan.components) == 1
+    only = plan.components[0]
+    assert (only.pool.name, only.nodes, only.num_tasks) == ("h100", 2, 3)
+    assert only.task_roles == (("controller",), ("trainer", "rollout"), ("trainer", "rollout"))
+    assert only.tasks_per_node is None  # the controller makes the first node hold one more task
+
+
+def test_rollout_prefers_nodes_the_trainer_does_not_need() -> None:
+    # Both pools carry `rollout`; the trainer nodes (h100) must be kept for the trainer.
+    recipe = load_recipe(RECIPES / "report.yaml")
+    plan = resolve(with_role(recipe, "rollout", nodes=1), DEV)
+    assert [c.pool.name for c in plan.components] == ["h100", "l40s"]
+    # A rollout role that also asks for `train` can only go to h100, next to the trainer's node.
+    plan = resolve(with_role(recipe, "rollout", nodes=1, tags=("rollout", "train")), DEV)
+    assert [c.pool.name for c in plan.components] == ["h100", "h100"]
+
+
+def test_gpu_site_plan_places_controller_beside_trainers() -> None:
+    plan = resolve(load_recipe(RECIPES / "h100-l40s-grpo.yaml"), SITE)
+    trainer, rollout = plan.components
+    assert (trainer.pool.name, trainer.nodes, trainer.num_tasks, trainer.gpus_per_node) == ("h100", 4, 33, 8)
+    assert (rollout.pool.name, rollout.nodes, rollout.num_tasks, rollout.gpus_per_node) == ("l40s", 8, 32, 4)
+    assert trainer.cpus_per_task == 10 and plan.world_size == 65
+
+
+def test_tag_that_no_pool_offers() -> None:
+    recipe = with_role(load_recipe(RECIPES / "report.yaml"), "rollout", tags=("rollout", "tpu"))
+    with pytest.raises(ResolveError, match=r"role 'rollout' needs nodes tagged \[rollout, tpu\], but no pool"):
+        resolve(recipe, DEV)
+
+
+def test_more_nodes_than_the_pools_have() -> None:
+    recipe = with_role(load_recipe(RECIPES / "report.yaml"), "rollout", nodes=3)
+    with pytest.raises(ResolveError) as info:
+        resolve(recipe, DEV)
+    assert "needs 3 node(s) tagged [rollout]" in str(info.value)
+    assert "pool 'l40s' (partition rollout) has 2 free of 2" in str(info.value)
+    assert "pool 'h100' (partition train) has 1 free of 2" in str(info.value)  # one went to the trainer
+
+
+def test_gpu_recipe_does_not_fit_cpu_cluster() -> None:
+    with pytest.raises(ResolveError, match="needs 8 GPU\\(s\\) per node, pool 'h100' has 0"):
+        resolve(load_recipe(RECIPES / "h100-l40s-grpo.yaml"), DEV)
+
+
+def test_local_map_fits_every_recipe() -> None:
+    for name in ("report.yaml", "report-colocated.yaml"):
+        recipe = load_recipe(RECIPES / name)
+        plan = resolve(recipe, local_cluster_map(recipe))
+        assert plan.world_size == resolve(recipe, DEV).world_size
+        assert plan.tasks_per_component == resolve(recipe, DEV).tasks_per_component
+
+
+def test_cli_resolution_errors(tmp_path: Path) -> None:
+    recipe = tmp_path / "big.yaml"
+    recipe.write_text((RECIPES / "report.yaml").read_text().replace("nodes: 2", "nodes: 5"))
+    assert_one_line_error(run_sfhpc("plan", str(recipe)), "needs 5 node(s)", "lower 'nodes'")
+    assert_one_line_error(run_sfhpc("render", str(RECIPES / "h100-l40s-grpo.yaml")), "GPU")
+
