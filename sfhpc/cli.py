@@ -6,6 +6,7 @@
     sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
+    sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
 
 Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
 """
@@ -153,6 +154,33 @@ def cmd_tags_check(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def available_benchmarks() -> list[str]:
+    """Modules of sfhpc.bench with a ``main(argv) -> int`` (each one figure of merit)."""
+    import importlib
+    import pkgutil
+
+    import sfhpc.bench
+
+    names = []
+    for info in pkgutil.iter_modules(sfhpc.bench.__path__):
+        if not info.name.startswith("_") and hasattr(importlib.import_module(f"sfhpc.bench.{info.name}"), "main"):
+            names.append(info.name)
+    return sorted(names)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    names = available_benchmarks()
+    if args.name != "all" and args.name not in names:
+        raise SfhpcError(f"unknown benchmark '{args.name}' (known: all, {', '.join(names)})")
+    worst = 0
+    for name in names if args.name == "all" else [args.name]:
+        print(f"== sfhpc bench {name}", flush=True)
+        worst = max(worst, int(importlib.import_module(f"sfhpc.bench.{name}").main(args.options)))
+    return worst
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfhpc", description="Slurm-native RL for language-model agents.")
     parser.add_argument("--version", action="version", version=f"sfhpc {__version__}")
@@ -187,6 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             p.add_argument("--rank", type=int, help="show this rank's own log file")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("bench", help="benchmarks: the figures of merit, one command each",
+                       description="Run one benchmark (or all); options after the name go to the benchmark.")
+    p.add_argument("name", help="benchmark name, or 'all'")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="options of the benchmark (see NAME --help)")
+    p.set_defaults(func=cmd_bench)
 
     tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
         dest="tags_command", required=True, metavar="SUBCOMMAND")

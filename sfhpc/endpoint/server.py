@@ -1,0 +1,205 @@
+"""The HTTP server of the agent endpoint (aiohttp): OpenAI routes, bearer-token guard, SSE streaming.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+The trajectory id travels in the ``X-Trajectory-Id`` header (or the body's ``user`` field) and comes
+back in the same header and in the body's ``trajectory_id``; ``X-Task`` / ``X-Group`` label a new
+trajectory.
+
+Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
+bearer token. With a token, every ``/v1/`` request needs ``Authorization: Bearer <token>``; ``/health``
+stays open so that liveness probes need no secret (it reveals only the model name and version).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+from aiohttp import web
+
+from sfhpc.endpoint.api import OpenAIApi
+from sfhpc.endpoint.errors import (
+    BadRequest,
+    EndpointConfigError,
+    EndpointError,
+    MethodNotAllowed,
+    NotFound,
+    ServerError,
+    Unauthorized,
+)
+from sfhpc.endpoint.protocol import Identity, Route
+
+DEFAULT_HOST = "127.0.0.1"
+TRAJECTORY_HEADER = "X-Trajectory-Id"
+TASK_HEADER = "X-Task"
+GROUP_HEADER = "X-Group"
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        return False
+
+
+def check_exposure(host: str, token: str | None) -> None:
+    if not is_loopback(host) and not token:
+        raise EndpointConfigError(f"the agent endpoint would listen on {host}, beyond this machine, without a "
+                                  f"token; set a bearer token or bind {DEFAULT_HOST}")
+
+
+def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
+    """The aiohttp application serving `api`; with `token`, ``/v1/`` requests must carry it."""
+    expected = f"Bearer {token}".encode() if token else None
+
+    @web.middleware
+    async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if expected is not None and request.path.startswith("/v1/"):
+                given = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(given, expected):
+                    raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+            return await handler(request)
+        except EndpointError as exc:
+            return _error_response(exc)
+        except web.HTTPNotFound:
+            return _error_response(NotFound(f"no route {request.method} {request.path}; see GET /v1/models"))
+        except web.HTTPMethodNotAllowed:
+            return _error_response(MethodNotAllowed(f"{request.method} is not allowed on {request.path}"))
+        except web.HTTPException as exc:
+            return _error_response(BadRequest(exc.reason or str(exc), code=str(exc.status)))
+        except Exception as exc:  # the server keeps serving; the agent gets a JSON 500
+            log.exception("agent endpoint: %s %s failed", request.method, request.path)
+            return _error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))
+
+    async def completion(request: web.Request, route: Route) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+        identity = Identity(trajectory_id=request.headers.get(TRAJECTORY_HEADER) or None,
+                            task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER))
+        async with api.call(route, body, identity) as call:
+            headers = {TRAJECTORY_HEADER: call.trajectory_id}
+            if not call.stream:
+                return web.json_response(await call.response(), headers=headers)
+            response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                try:
+                    async for chunk in call.chunks():
+                        await response.write(_sse(chunk))
+                except EndpointError as exc:  # headers are sent: the error becomes the last event
+                    await response.write(_sse(exc.body()))
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+            except ConnectionResetError:  # the agent left; the turn recorded what was generated
+                pass
+            return response
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        return await completion(request, "chat")
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await completion(request, "completions")
+
+    async def models(request: web.Request) -> web.StreamResponse:
+        return web.json_response(api.models())
+
+    async def health(request: web.Request) -> web.StreamResponse:
+        return web.json_response(api.health())
+
+    app = web.Application(middlewares=[guard])
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    return app
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _error_response(exc: EndpointError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+async def start_site(api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0,
+                     token: str | None = None) -> tuple[web.AppRunner, int]:
+    """Serve `api` on the running loop; returns the runner (``await runner.cleanup()`` stops it) and the
+    port (the chosen one when `port` is 0)."""
+    check_exposure(host, token)
+    runner = web.AppRunner(build_app(api, token=token), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise EndpointConfigError(f"the agent endpoint cannot listen on {host}:{port}: {exc.strerror}; "
+                                  f"choose another port (0 picks a free one)") from exc
+    server = site._server  # aiohttp keeps the listening sockets there
+    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+    return runner, bound
+
+
+class EndpointServer:
+    """Runs the HTTP server on its own event loop in a background thread.
+
+    The engine and the `AgentEndpoint` behind `api` live on that loop; other threads reach them with
+    `call` (e.g. ``server.call(endpoint.update_weights(...))``).
+    """
+
+    def __init__(self, api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0, token: str | None = None) -> None:
+        check_exposure(host, token)
+        self.api = api
+        self.host, self.port, self.token = host, port, token
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sfhpc-endpoint", daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        """Base URL of the OpenAI API (what an agent passes as ``base_url``)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/v1"
+
+    def start(self) -> EndpointServer:
+        self._thread.start()
+        self._runner, self.port = self.call(start_site(self.api, host=self.host, port=self.port, token=self.token))
+        return self
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run `coro` on the server's loop and return its result (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._runner is not None:
+            self.call(self._runner.cleanup(), timeout=30)
+            self._runner = None
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+        if not self.loop.is_running():
+            self.loop.close()
+
+    def __enter__(self) -> EndpointServer:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()

@@ -1,0 +1,308 @@
+"""The endpoint's core: one agent turn = record the prompt, generate, record the output, survive pauses.
+
+`AgentEndpoint` sits between agents and one rollout engine and writes every turn into a
+`TrajectorySink`. It knows nothing about HTTP (the server and the in-process client are thin layers on
+top), so both kinds of agent get the same semantics:
+
+- a turn of an existing trajectory ``observe``s its full prompt (the sink appends the new suffix, or
+  branches), a turn without a trajectory id ``start``s a new trajectory;
+- turns of one trajectory run one at a time, in arrival order;
+- when the engine is paused (weight swap) or replaced (its rank is taken back), a generation ends with
+  ``abort``. The turn records the partial segment (``add_generated(..., finish_reason="abort")``, then
+  ``interrupt``), waits until an engine runs again and resubmits ``prompt + partial`` with the
+  remaining budget. The agent receives one completion; the sink holds one segment per engine run, each
+  token with the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from sfhpc.endpoint.errors import ContextLengthExceeded, TrajectoryClosed, TrajectoryNotFound, from_sink_error
+from sfhpc.endpoint.sink import OPEN_STATUSES, TrajectorySink
+from sfhpc.engine.base import FinishReason, GenerationRequest, RolloutEngine
+from sfhpc.errors import SfhpcError
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How to sample one turn. ``max_tokens=None`` means: as many as the context has room for."""
+
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnRequest:
+    """One agent call. ``prompt_param`` names the request field the prompt came from (for error messages)."""
+
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling = Sampling()
+    trajectory_id: str | None = None
+    task: str = ""
+    group: str | None = None
+    metadata: dict[str, Any] | None = None
+    prompt_param: str = "prompt"
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenDelta:
+    """Tokens the agent has not seen yet, as they stream."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnResult:
+    """The whole completion of one turn (across any pauses) and how it was produced."""
+
+    trajectory_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    finish_reason: FinishReason
+    interruptions: int  # engine runs that ended in a pause and were continued
+
+
+class AgentEndpoint:
+    """Turns of agents against one engine (replaceable) and one trajectory sink.
+
+    All methods run on the event loop that owns the engine; the sink is called from that loop's thread
+    only, so a sink need not be thread-safe.
+    """
+
+    def __init__(self, engine: RolloutEngine, sink: TrajectorySink) -> None:
+        self._engine = engine
+        self.sink = sink
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._request_ids = itertools.count()
+        self._engine_changed = asyncio.Event()
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self._engine
+
+    def turn(self, request: TurnRequest) -> Turn:
+        """``async with endpoint.turn(req) as turn: async for delta in turn.stream(): ...``; then ``turn.result``."""
+        return Turn(self, request)
+
+    async def complete(self, request: TurnRequest) -> TurnResult:
+        """One turn, without streaming."""
+        async with self.turn(request) as turn:
+            async for _ in turn.stream():
+                pass
+            assert turn.result is not None
+            return turn.result
+
+    async def update_weights(self, weights: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
+        """Pause the engine, load `weights`, resume; in-flight turns continue on the new weights."""
+        engine = self._engine
+        await engine.pause()
+        try:
+            return await engine.load_weights(weights, version=version)
+        finally:
+            await engine.resume()
+
+    async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
+        """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
+        continues on the new one from where it stopped."""
+        old, self._engine = self._engine, engine
+        # Wake turns that wait for the old engine to resume: they must move, not wait.
+        self._engine_changed.set()
+        self._engine_changed = asyncio.Event()
+        await old.pause()
+        return old
+
+    # -- internals used by Turn ------------------------------------------------------------------
+    def _next_request_id(self) -> str:
+        return f"gen-{next(self._request_ids)}"
+
+    async def _running_engine(self) -> RolloutEngine:
+        """The current engine once it is not paused (following replacements while waiting)."""
+        while True:
+            engine, changed = self._engine, self._engine_changed
+            if not engine.paused:
+                return engine
+            resumed = asyncio.ensure_future(engine.wait_resumed())
+            moved = asyncio.ensure_future(changed.wait())
+            try:
+                await asyncio.wait({resumed, moved}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                resumed.cancel()
+                moved.cancel()
+
+    async def _lock(self, trajectory_id: str) -> asyncio.Lock:
+        lock, users = self._locks.get(trajectory_id, (asyncio.Lock(), 0))
+        self._locks[trajectory_id] = (lock, users + 1)
+        try:
+            await lock.acquire()
+        except BaseException:
+            self._forget(trajectory_id)
+            raise
+        return lock
+
+    def _forget(self, trajectory_id: str) -> None:
+        lock, users = self._locks[trajectory_id]
+        if users == 1:
+            del self._locks[trajectory_id]
+        else:
+            self._locks[trajectory_id] = (lock, users - 1)
+
+    def _unlock(self, trajectory_id: str) -> None:
+        self._locks[trajectory_id][0].release()
+        self._forget(trajectory_id)
+
+    def _sink_call(self, trajectory_id: str, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        try:
+            return call(*args, **kwargs)
+        except SfhpcError as exc:
+            raise from_sink_error(exc, trajectory_id) from exc
+
+
+class Turn:
+    """One agent call in progress; see `AgentEndpoint.turn`."""
+
+    def __init__(self, endpoint: AgentEndpoint, request: TurnRequest) -> None:
+        self._endpoint = endpoint
+        self.request = request
+        self.trajectory_id = ""
+        self.result: TurnResult | None = None
+        self._locked = False
+        self._stream: AsyncIterator[TokenDelta] | None = None
+        self._max_new = 0
+
+    async def __aenter__(self) -> Turn:
+        ep, req = self._endpoint, self.request
+        limit = ep.engine.max_model_len
+        prompt_len = len(req.prompt_token_ids)
+        if prompt_len == 0:
+            raise ContextLengthExceeded("the prompt is empty; send at least one token", param=req.prompt_param,
+                                        code="empty_prompt")
+        if prompt_len >= limit:
+            raise ContextLengthExceeded(
+                f"the prompt has {prompt_len} tokens but the model's context holds {limit}, including at least "
+                f"one generated token; shorten the prompt", param=req.prompt_param)
+        room = limit - prompt_len
+        # More max_tokens than the context has room for is not an error: the turn ends with 'length'.
+        self._max_new = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
+        tid = req.trajectory_id
+        if tid is None:
+            self.trajectory_id = ep._sink_call("", ep.sink.start, list(req.prompt_token_ids), task=req.task,
+                                               group=req.group, metadata=req.metadata)
+            await ep._lock(self.trajectory_id)
+            self._locked = True
+            return self
+        self.trajectory_id = tid
+        await ep._lock(tid)
+        self._locked = True
+        try:
+            if not ep._sink_call(tid, ep.sink.exists, tid):
+                raise TrajectoryNotFound(f"trajectory {tid!r} is unknown; omit the id to start a new one",
+                                         param="trajectory_id")
+            status = ep._sink_call(tid, ep.sink.status, tid)
+            if status not in OPEN_STATUSES:
+                raise TrajectoryClosed(f"trajectory {tid!r} is {status} and takes no more turns; start a new one",
+                                       param="trajectory_id")
+            ep._sink_call(tid, ep.sink.observe, tid, list(req.prompt_token_ids))
+        except BaseException:
+            self._release()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        try:
+            if self._stream is not None:
+                await self._stream.aclose()  # type: ignore[attr-defined]  # records a cut-off turn
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._locked:
+            self._locked = False
+            self._endpoint._unlock(self.trajectory_id)
+
+    def stream(self) -> AsyncIterator[TokenDelta]:
+        """New tokens as the engine makes them; ``result`` is set when the iterator ends."""
+        if self._stream is not None:
+            raise RuntimeError("a turn streams once")
+        self._stream = self._generate()
+        return self._stream
+
+    def _record(self, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+                engine: RolloutEngine, finish_reason: str) -> None:
+        ep, tid = self._endpoint, self.trajectory_id
+        if tokens:
+            ep._sink_call(tid, ep.sink.add_generated, tid, list(tokens), list(logprobs), list(versions),
+                          engine=engine.name, finish_reason=finish_reason)
+
+    async def _generate(self) -> AsyncIterator[TokenDelta]:
+        ep, req, tid = self._endpoint, self.request, self.trajectory_id
+        s = req.sampling
+        base = GenerationRequest(request_id=ep._next_request_id(), prompt_token_ids=req.prompt_token_ids,
+                                 max_new_tokens=self._max_new, temperature=s.temperature, top_p=s.top_p,
+                                 seed=s.seed, stop_token_ids=s.stop_token_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        interruptions = 0
+        interrupted = False  # the sink was told; told again only after new tokens
+        while True:
+            engine = await ep._running_engine()
+            epoch = engine.pauses
+            request = base if not tokens else base.continued(tokens, ep._next_request_id())
+            seg_tokens: list[int] = []
+            seg_logprobs: list[float] = []
+            seg_versions: list[int] = []
+            finish: FinishReason | None = None
+            chunks = engine.generate(request)
+            try:
+                async for chunk in chunks:
+                    seg_tokens += chunk.token_ids
+                    seg_logprobs += chunk.logprobs
+                    seg_versions += chunk.versions
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+                    if chunk.token_ids:
+                        yield TokenDelta(chunk.token_ids, chunk.logprobs, chunk.versions)
+            except (GeneratorExit, asyncio.CancelledError):
+                # The agent went away mid-turn: keep what was generated, as an interrupted segment.
+                await chunks.aclose()  # type: ignore[attr-defined]
+                self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
+                if seg_tokens or not interrupted:
+                    ep._sink_call(tid, ep.sink.interrupt, tid)
+                raise
+            finally:
+                await chunks.aclose()  # type: ignore[attr-defined]
+            if finish is None:
+                raise RuntimeError(f"engine '{engine.name}' ended request {request.request_id} without a finish reason")
+            tokens += seg_tokens
+            logprobs += seg_logprobs
+            versions += seg_versions
+            paused = engine.paused or engine.pauses != epoch or engine is not ep.engine
+            if finish == "abort" and paused and len(tokens) < self._max_new:
+                self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
+                if seg_tokens or not interrupted:
+                    ep._sink_call(tid, ep.sink.interrupt, tid)
+                    interrupted = True
+                interruptions += 1
+                continue
+            if finish == "abort" and paused:
+                finish = "length"  # paused just as the budget ran out: nothing is left to continue
+            self._record(seg_tokens, seg_logprobs, seg_versions, engine, finish)
+            if finish == "abort":  # cancelled on the engine (not paused): the turn ends here
+                ep._sink_call(tid, ep.sink.interrupt, tid)
+            break
+        self.result = TurnResult(tid, req.prompt_token_ids, tuple(tokens), tuple(logprobs), tuple(versions),
+                                 finish, interruptions)

@@ -1,0 +1,37 @@
+"""Where the endpoint records trajectories: the part of the trajectory manager's API it uses.
+
+`sfhpc.data.manager.TrajectoryManager` satisfies this protocol; so does any object with these methods.
+Errors the sink raises for a trajectory id it does not know, or one that is already finished, are
+the `sfhpc.data.errors` classes (``UnknownTrajectory``, ``TrajectoryConflict`` and its subclass
+``TrajectoryFinished``); the endpoint answers them with 404 and 409.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+# Statuses of a trajectory that still takes turns; any other (finished, consumed, stale, aborted) is closed.
+OPEN_STATUSES = frozenset({"running", "interrupted"})
+
+
+@runtime_checkable
+class TrajectorySink(Protocol):
+    def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
+              metadata: dict[str, Any] | None = None, trajectory_id: str | None = None) -> str: ...
+
+    def exists(self, trajectory_id: str) -> bool: ...
+
+    def status(self, trajectory_id: str) -> str: ...
+
+    def context(self, trajectory_id: str) -> list[int]: ...
+
+    def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None: ...
+
+    def add_generated(self, trajectory_id: str, tokens: Sequence[int], logprobs: Sequence[float],
+                      versions: int | Sequence[int], *, engine: str = "",
+                      finish_reason: str | None = None) -> None: ...
+
+    def interrupt(self, trajectory_id: str) -> None: ...
+
+    def finish(self, trajectory_id: str, reward: float | None = None, *, turn_rewards: Any = None) -> None: ...

@@ -1,0 +1,132 @@
+"""The byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, a few ids above them are markers.
+
+The project's own small model uses this vocabulary, so every component (engine, endpoint, trainer)
+agrees on token ids without a tokenizer file. Any text encodes losslessly; there are no merges.
+
+Chat format. A conversation is the BOS marker, then one block per message, then the generation prompt:
+
+    <|bos|> <|system|> ...bytes... <|end|> <|user|> ...bytes... <|end|> <|assistant|> ...bytes... <|end|>
+    <|assistant|>                                   <- generation prompt: the model writes the reply
+
+The model ends its reply with ``<|end|>`` (the chat stop token), so the assistant block that the next
+turn's template re-encodes is exactly the tokens the model wrote: a multi-turn conversation only ever
+appends to the token sequence, and the trajectory tree does not branch.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+BYTE_VOCAB = 256
+PAD = 256
+BOS = 257
+EOS = 258
+END = 259  # end of one chat message
+SYSTEM = 260
+USER = 261
+ASSISTANT = 262
+TOOL = 263
+VOCAB_SIZE = 264
+
+SPECIAL_NAMES: Mapping[int, str] = {
+    PAD: "<|pad|>", BOS: "<|bos|>", EOS: "<|eos|>", END: "<|end|>",
+    SYSTEM: "<|system|>", USER: "<|user|>", ASSISTANT: "<|assistant|>", TOOL: "<|tool|>",
+}
+ROLE_MARKERS: Mapping[str, int] = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT, "tool": TOOL}
+
+
+class ChatFormatError(ValueError):
+    """A message list that the chat format cannot encode (the caller turns it into a user-facing error)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ByteTokenizer:
+    """Text <-> token ids over bytes plus the markers above. Stateless, so one instance serves everyone."""
+
+    vocab_size: int = VOCAB_SIZE
+    bos_id: int = BOS
+    eos_id: int = EOS
+    pad_id: int = PAD
+    end_id: int = END
+
+    @property
+    def chat_stop_ids(self) -> tuple[int, ...]:
+        """Tokens that end an assistant reply."""
+        return (END, EOS)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return ([BOS] if bos else []) + ids + ([EOS] if eos else [])
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        """Text of `ids`; byte runs that are not valid UTF-8 become U+FFFD, markers are dropped or named."""
+        decoder = self.stream_decoder(skip_special=skip_special)
+        return decoder.feed(ids) + decoder.flush()
+
+    def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
+        return StreamDecoder(skip_special=skip_special)
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id >= BYTE_VOCAB
+
+    def token_text(self, token_id: int) -> str:
+        """A display form of one token (OpenAI's ``logprobs.content[].token``): the character for a byte
+        that is one on its own, ``bytes:\\xNN`` for a byte inside a multi-byte character, the marker name."""
+        self.check_id(token_id)
+        if token_id in SPECIAL_NAMES:
+            return SPECIAL_NAMES[token_id]
+        return chr(token_id) if token_id < 0x80 else f"bytes:\\x{token_id:02x}"
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes of one token (OpenAI's ``logprobs.content[].bytes``)."""
+        self.check_id(token_id)
+        return [token_id] if token_id < BYTE_VOCAB else list(SPECIAL_NAMES[token_id].encode())
+
+    def check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation in the format of the module docstring.
+
+        Each message needs a ``role`` (system, user, assistant, tool) and a string ``content``.
+        """
+        ids = [BOS]
+        for index, message in enumerate(messages):
+            role = message.get("role")
+            if role not in ROLE_MARKERS:
+                raise ChatFormatError(f"messages[{index}].role must be one of {sorted(ROLE_MARKERS)}, "
+                                      f"found {role!r}")
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise ChatFormatError(f"messages[{index}].content must be a string")
+            ids.append(ROLE_MARKERS[role])
+            ids.extend(content.encode("utf-8"))
+            ids.append(END)
+        if add_generation_prompt:
+            ids.append(ASSISTANT)
+        return ids
+
+
+class StreamDecoder:
+    """Decodes tokens as they arrive: a character split over two chunks comes out whole, once."""
+
+    def __init__(self, *, skip_special: bool = True) -> None:
+        self._bytes = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip_special = skip_special
+
+    def feed(self, ids: Iterable[int]) -> str:
+        out: list[str] = []
+        for token_id in ids:
+            if token_id < BYTE_VOCAB:
+                out.append(self._bytes.decode(bytes((token_id,))))
+            elif not self._skip_special:
+                out.append(self._bytes.decode(b"", final=True))
+                out.append(SPECIAL_NAMES.get(token_id, f"<|{token_id}|>"))
+        return "".join(out)
+
+    def flush(self) -> str:
+        return self._bytes.decode(b"", final=True)

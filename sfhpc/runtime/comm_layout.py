@@ -1,0 +1,85 @@
+"""Every communicator of a run, built once from the world communicator and the rank table.
+
+Nothing else in sfhpc calls ``Split``. The layout is validated when it is built and printed at start:
+
+* ``world``            every rank of every het component (Slurm: one ``srun --mpi=pmix`` step);
+* ``trainers``         the ranks with the trainer role (data-parallel training, DDP over gloo);
+* ``rollouts``         the ranks with the rollout role (inference engines + agent endpoints);
+* ``weight_broadcast`` the first trainer rank (root, rank 0 in this communicator) and every rollout
+  rank: new weights are broadcast over it;
+* the controller is world rank 0 and talks to every rank point-to-point over ``world``.
+
+A rank outside a group holds ``None`` for that group's communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sfhpc.errors import SfhpcError
+from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.table import format_table
+
+CONTROLLER_RANK = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CommLayout:
+    world: Any
+    trainers: Any | None
+    rollouts: Any | None
+    weight_broadcast: Any | None
+    trainer_ranks: tuple[int, ...]        # world ranks, in communicator order
+    rollout_ranks: tuple[int, ...]
+    broadcast_ranks: tuple[int, ...]      # world ranks; the first is the root
+    controller_rank: int = CONTROLLER_RANK
+
+    @property
+    def weight_root(self) -> int:
+        """World rank that sends new weights (the first trainer)."""
+        return self.broadcast_ranks[0]
+
+    def describe(self) -> str:
+        rows = [("world", str(self.world.Get_size()), "all"),
+                ("controller", "1", str(self.controller_rank)),
+                ("trainers", str(len(self.trainer_ranks)), _ranks(self.trainer_ranks)),
+                ("rollouts", str(len(self.rollout_ranks)), _ranks(self.rollout_ranks)),
+                ("weight_broadcast", str(len(self.broadcast_ranks)),
+                 f"root {self.weight_root} -> {_ranks(self.broadcast_ranks[1:]) or 'none'}")]
+        return "communicators:\n" + format_table(("name", "size", "world ranks"), rows, indent="  ")
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ",".join(str(r) for r in ranks)
+
+
+def build_comm_layout(world: Any, plan: LaunchPlan) -> CommLayout:
+    """Split `world` by the roles of the plan's rank table (collective: every rank calls it)."""
+    from mpi4py import MPI
+
+    slots = plan.ranks()
+    if world.Get_size() != len(slots):
+        raise SfhpcError(f"the MPI world has {world.Get_size()} ranks, the plan {len(slots)}")
+    controllers = [s.rank for s in slots if "controller" in s.roles]
+    trainers = tuple(s.rank for s in slots if "trainer" in s.roles)
+    rollouts = tuple(s.rank for s in slots if "rollout" in s.roles)
+    if controllers != [CONTROLLER_RANK]:
+        raise SfhpcError(f"the controller must be world rank {CONTROLLER_RANK} alone, found ranks {controllers}")
+    if not trainers or not rollouts:
+        raise SfhpcError("a run needs at least one trainer rank and one rollout rank")
+    broadcast = (trainers[0], *(r for r in rollouts if r != trainers[0]))
+    me = world.Get_rank()
+
+    def split(members: tuple[int, ...]) -> Any | None:
+        # key = position in `members`, so communicator ranks follow the order given (root first).
+        color = 0 if me in members else MPI.UNDEFINED
+        comm = world.Split(color, members.index(me) if me in members else 0)
+        return None if comm == MPI.COMM_NULL else comm
+
+    layout = CommLayout(world, split(trainers), split(rollouts), split(broadcast), trainers, rollouts, broadcast)
+    for comm, members in ((layout.trainers, trainers), (layout.rollouts, rollouts),
+                          (layout.weight_broadcast, broadcast)):
+        if comm is not None:
+            assert comm.Get_size() == len(members) and comm.Get_rank() == members.index(me)
+    return layout

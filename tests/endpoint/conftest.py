@@ -1,0 +1,98 @@
+"""Fixtures: a scripted engine, the trajectory manager, a live endpoint on a free loopback port, clients."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import openai
+import pytest
+
+from sfhpc.data.manager import TrajectoryManager
+from sfhpc.data.trajectory import Segment
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
+from sfhpc.engine.base import GenerationRequest
+from sfhpc.engine.scripted import ScriptedEngine
+
+MODEL = "tiny-test"
+# Letters and space only: no stop token, so a request runs to max_tokens (long enough to pause mid-way).
+LETTERS = (*range(ord("a"), ord("z") + 1), ord(" "))
+
+
+def make_engine(seed: int = 1, *, delay: float = 0.0, version: int = 0, name: str = "scripted",
+                vocab: Sequence[int] | None = None, max_model_len: int = 256) -> ScriptedEngine:
+    kwargs = {} if vocab is None else {"vocab": tuple(vocab)}
+    return ScriptedEngine(seed=seed, token_delay=delay, version=version, name=name, max_model_len=max_model_len,
+                          **kwargs)
+
+
+def replay(engine: ScriptedEngine, prompt: Sequence[int], max_new: int, *, temperature: float = 1.0,
+           seed: int | None = None, stop: Sequence[int] = ()) -> tuple[list[int], list[float]]:
+    """What `engine` generates for `prompt`, uninterrupted, run on a private loop (in its own thread, so a
+    test may call it from inside a running loop)."""
+    async def run() -> tuple[list[int], list[float]]:
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        request = GenerationRequest("replay", tuple(prompt), max_new, temperature=temperature, seed=seed,
+                                    stop_token_ids=tuple(stop))
+        async for chunk in engine.generate(request):
+            tokens += chunk.token_ids
+            logprobs += chunk.logprobs
+        return tokens, logprobs
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, run()).result()
+
+
+class RecordingManager(TrajectoryManager):
+    """The real (in-memory) trajectory manager that also notes, per trajectory, the order of the calls the
+    endpoint made, so tests can assert on the protocol as well as on the records."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: dict[str, list[str]] = defaultdict(list)
+
+    def start(self, prompt_tokens: Sequence[int], **kwargs: Any) -> str:
+        tid = super().start(prompt_tokens, **kwargs)
+        self.calls[tid].append("start")
+        return tid
+
+    def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None:
+        super().observe(trajectory_id, prompt_tokens)
+        self.calls[trajectory_id].append("observe")
+
+    def add_generated(self, trajectory_id: str, tokens: Sequence[int], logprobs: Sequence[float],
+                      versions: int | Sequence[int], **kwargs: Any) -> None:
+        super().add_generated(trajectory_id, tokens, logprobs, versions, **kwargs)
+        self.calls[trajectory_id].append(f"add_generated:{kwargs.get('finish_reason')}")
+
+    def interrupt(self, trajectory_id: str) -> None:
+        super().interrupt(trajectory_id)
+        self.calls[trajectory_id].append("interrupt")
+
+    def generated(self, trajectory_id: str) -> list[Segment]:
+        return [s for s in self.trajectory(trajectory_id).segments if s.generated]
+
+
+@pytest.fixture
+def sink() -> RecordingManager:
+    return RecordingManager()
+
+
+@pytest.fixture
+def engine() -> ScriptedEngine:
+    return make_engine(seed=1)
+
+
+@pytest.fixture
+def server(engine: ScriptedEngine, sink: RecordingManager) -> Iterator[EndpointServer]:
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name=MODEL)
+    with EndpointServer(api) as running:
+        yield running
+
+
+@pytest.fixture
+def client(server: EndpointServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
