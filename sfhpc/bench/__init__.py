@@ -1,0 +1,1 @@
+"""Benchmarks: the figures of merit, one command each (python -m sfhpc.bench.NAME)."""

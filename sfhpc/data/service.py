@@ -1,0 +1,216 @@
+"""The trajectory manager, reached by other ranks over MPI.
+
+The manager lives on the controller rank. A `ManagerServer` there answers requests; on every other rank a
+`ManagerClient` offers the manager's methods and forwards each call:
+
+    request  (client -> server, tag REQUEST_TAG): (method name, args, kwargs)
+    reply    (server -> client, tag REPLY_TAG):   ("ok", result) or ("error", error class name, message)
+    goodbye  (client -> server, tag REQUEST_TAG): (GOODBYE, (), {}); no reply
+
+Errors come back as the same `SfhpcError` subclass (UnknownTrajectory stays UnknownTrajectory), so code
+on a rollout rank handles them as if the manager were local. Both sides wait with non-blocking probes and
+a short sleep: a blocking receive in Open MPI spins a whole core, and this machine has two.
+
+Give the service a communicator of its own (the layout's controller link) or at least keep its tags free.
+mpi4py is imported inside functions: a module-level import would run MPI_Init in processes that vLLM's
+CPU engine spawns (see the runtime).
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from sfhpc.data.errors import WIRE_ERRORS, ServiceError
+from sfhpc.data.manager import Batch, Continuation, TrajectoryManager
+from sfhpc.data.trajectory import Trajectory
+from sfhpc.errors import SfhpcError
+
+log = logging.getLogger("sfhpc")
+
+REQUEST_TAG = 0x5F10
+REPLY_TAG = 0x5F11
+GOODBYE = "__goodbye__"
+
+# What a client may call: the manager's public API, nothing else (no attribute access over the wire).
+METHODS = frozenset({
+    "start", "exists", "status", "context", "observe", "add_generated", "interrupt", "interrupt_all",
+    "continuation", "finish", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
+})
+
+_MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-3  # poll back-off: quick answers stay quick, idle waits cost no CPU
+
+
+def _wait_for(probe: Callable[[], bool], timeout: float | None = None) -> bool:
+    """Poll `probe` with an exponential back-off sleep; False if `timeout` seconds pass first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = _MIN_SLEEP
+    while not probe():
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, _MAX_SLEEP)
+    return True
+
+
+class ManagerServer:
+    """Serves a `TrajectoryManager` on this rank to the `clients` ranks of `comm` (default: all others)."""
+
+    def __init__(self, manager: TrajectoryManager, comm: Any, *, clients: Iterable[int] | None = None) -> None:
+        from mpi4py import MPI  # see the module docstring
+
+        self.manager, self.comm, self._mpi = manager, comm, MPI
+        rank = comm.Get_rank()
+        self.open_clients = set(range(comm.Get_size())) - {rank} if clients is None else set(clients)
+        self.served = 0
+
+    def _handle(self, source: int, request: Any) -> None:
+        try:
+            method, args, kwargs = request
+        except (TypeError, ValueError):
+            self.comm.send(("error", "ServiceError", f"malformed request from rank {source}"), dest=source,
+                           tag=REPLY_TAG)
+            return
+        if method == GOODBYE:
+            self.open_clients.discard(source)
+            return
+        try:
+            if method not in METHODS:
+                raise ServiceError(f"the trajectory manager has no method {method!r}")
+            reply: tuple[Any, ...] = ("ok", getattr(self.manager, method)(*args, **kwargs))
+        except SfhpcError as exc:
+            reply = ("error", type(exc).__name__, str(exc))
+        except Exception as exc:  # a bug must not take the controller down with it; the caller sees it
+            log.exception("trajectory manager failed on %s from rank %d", method, source)
+            reply = ("error", "ServiceError", f"{method} failed on the controller: {type(exc).__name__}: {exc}")
+        self.comm.send(reply, dest=source, tag=REPLY_TAG)
+        self.served += 1
+
+    def serve_pending(self, max_requests: int = 64) -> int:
+        """Answer the requests that have already arrived (at most `max_requests`); returns how many.
+
+        For a controller loop that does other work between polls.
+        """
+        status = self._mpi.Status()
+        handled = 0
+        while handled < max_requests and self.comm.Iprobe(source=self._mpi.ANY_SOURCE, tag=REQUEST_TAG,
+                                                          status=status):
+            source = status.Get_source()
+            self._handle(source, self.comm.recv(source=source, tag=REQUEST_TAG))
+            handled += 1
+        return handled
+
+    def serve(self, stop: Callable[[], bool] | threading.Event | None = None) -> None:
+        """Serve until every client has said goodbye or `stop` is set (an Event or a callable)."""
+        should_stop = stop.is_set if isinstance(stop, threading.Event) else stop
+        delay = _MIN_SLEEP
+        while self.open_clients and not (should_stop is not None and should_stop()):
+            if self.serve_pending():
+                delay = _MIN_SLEEP
+            else:
+                time.sleep(delay)
+                delay = min(delay * 2, _MAX_SLEEP)
+
+
+class ManagerClient:
+    """The trajectory manager's API on a rank that is not the controller; calls are forwarded over MPI.
+
+    Thread-safe: calls from several threads are sent one at a time.
+    """
+
+    def __init__(self, comm: Any, server_rank: int = 0, *, timeout: float | None = None) -> None:
+        from mpi4py import MPI  # see the module docstring
+
+        self.comm, self.server_rank, self.timeout, self._mpi = comm, server_rank, timeout, MPI
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            if self._closed:
+                raise ServiceError("this trajectory-manager client was closed")
+            self.comm.send((method, args, kwargs), dest=self.server_rank, tag=REQUEST_TAG)
+            arrived = _wait_for(lambda: self.comm.Iprobe(source=self.server_rank, tag=REPLY_TAG), self.timeout)
+            if not arrived:
+                raise ServiceError(f"the trajectory manager on rank {self.server_rank} did not answer {method} "
+                                   f"within {self.timeout:g} s; is the controller serving?")
+            reply = self.comm.recv(source=self.server_rank, tag=REPLY_TAG)
+        if reply[0] == "ok":
+            return reply[1]
+        _, name, message = reply
+        raise WIRE_ERRORS.get(name, ServiceError)(message)
+
+    def close(self) -> None:
+        """Tell the server this rank is done (it stops serving once every client has)."""
+        with self._lock:
+            if not self._closed:
+                self.comm.send((GOODBYE, (), {}), dest=self.server_rank, tag=REQUEST_TAG)
+                self._closed = True
+
+    def __enter__(self) -> ManagerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # The manager's API, forwarded (see TrajectoryManager for what each does).
+
+    def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
+              metadata: dict | None = None, trajectory_id: str | None = None) -> str:
+        return self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
+                          trajectory_id=trajectory_id)
+
+    def exists(self, trajectory_id: str) -> bool:
+        return self._call("exists", trajectory_id)
+
+    def status(self, trajectory_id: str) -> str:
+        return self._call("status", trajectory_id)
+
+    def context(self, trajectory_id: str) -> list[int]:
+        return self._call("context", trajectory_id)
+
+    def trajectory(self, trajectory_id: str) -> Trajectory:
+        return self._call("trajectory", trajectory_id)
+
+    def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None:
+        self._call("observe", trajectory_id, list(prompt_tokens))
+
+    def add_generated(self, trajectory_id: str, tokens: Sequence[int], logprobs: Sequence[float],
+                      versions: int | Sequence[int], *, engine: str = "", finish_reason: str | None = None,
+                      started_at: float | None = None) -> None:
+        self._call("add_generated", trajectory_id, list(tokens), list(logprobs),
+                   int(versions) if isinstance(versions, numbers.Integral) else list(versions), engine=engine,
+                   finish_reason=finish_reason, started_at=started_at)
+
+    def interrupt(self, trajectory_id: str) -> None:
+        self._call("interrupt", trajectory_id)
+
+    def interrupt_all(self) -> list[str]:
+        return self._call("interrupt_all")
+
+    def continuation(self, trajectory_id: str, max_new_tokens: int) -> Continuation:
+        return self._call("continuation", trajectory_id, max_new_tokens)
+
+    def finish(self, trajectory_id: str, reward: float | None = None, *,
+               turn_rewards: Sequence[float] | None = None) -> None:
+        self._call("finish", trajectory_id, reward, turn_rewards=None if turn_rewards is None else list(turn_rewards))
+
+    def abort(self, trajectory_id: str) -> None:
+        self._call("abort", trajectory_id)
+
+    def take_batch(self, policy_version: int, num_groups: int, group_size: int | None = None,
+                   step: int | None = None) -> Batch | None:
+        return self._call("take_batch", policy_version, num_groups, group_size, step)
+
+    def ids(self, status: str | None = None) -> list[str]:
+        return self._call("ids", status)
+
+    def counts(self) -> dict[str, int]:
+        return self._call("counts")
+
+    def flush(self) -> None:
+        self._call("flush")

@@ -1,0 +1,260 @@
+"""The trajectory record: one task's interaction with the policy, token by token.
+
+A trajectory is a *tree* of segments. The root is the prompt; each later segment continues its parent
+(generated tokens, or a tool/environment observation). Branches share a prefix: a new turn whose prompt
+diverges from what was recorded (a chat history re-tokenized differently, an agent that rolled back)
+forks off where it diverges, and the tree keeps both. A segment may fork *inside* its parent
+(`fork_at` < the parent's length), so no recorded segment is ever split or rewritten: the store stays
+append-only.
+
+The *current branch* is the path from the root to the last segment added; it is the full context the
+policy saw for the next token, and the sequence a trainer trains on.
+
+Every segment carries its token ids and, per token, the sampling logprob and the policy version that
+produced it (-1 and 0.0 for tokens the policy did not generate). Per-token versions matter because a
+partial rollout can be continued under newer weights in the middle of a turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+NO_VERSION = -1  # the version of a token the policy did not generate
+
+
+class Status(enum.StrEnum):
+    """Where a trajectory is in its life. Stored as a small integer: append members, never reorder."""
+
+    RUNNING = "running"  # the agent is still interacting
+    INTERRUPTED = "interrupted"  # generation stopped mid-way; the prefix is kept for a continuation
+    FINISHED = "finished"  # complete and rewarded, waiting for a training step
+    CONSUMED = "consumed"  # a training step used it
+    STALE = "stale"  # its oldest token fell too far behind the policy; never trained on
+    ABORTED = "aborted"  # given up (the task failed, the run dropped it)
+
+    @property
+    def code(self) -> int:
+        return _STATUS_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> Status:
+        return _STATUS_LIST[code]
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the trajectory still takes tokens."""
+        return self in (Status.RUNNING, Status.INTERRUPTED)
+
+
+_STATUS_LIST = tuple(Status)
+_STATUS_CODES = {s: i for i, s in enumerate(_STATUS_LIST)}
+
+
+class SegmentKind(enum.StrEnum):
+    """What a segment holds. Stored as a small integer: append members, never reorder."""
+
+    PROMPT = "prompt"
+    GENERATED = "generated"
+    OBSERVATION = "observation"
+
+    @property
+    def code(self) -> int:
+        return _KIND_CODES[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> SegmentKind:
+        return _KIND_LIST[code]
+
+
+_KIND_LIST = tuple(SegmentKind)
+_KIND_CODES = {k: i for i, k in enumerate(_KIND_LIST)}
+
+
+def _frozen_array(values: Any, dtype: type) -> np.ndarray:
+    array = np.array(values, dtype=dtype).reshape(-1)  # a copy: the caller may reuse its buffer
+    array.flags.writeable = False  # records are values: nobody edits a token after it is recorded
+    return array
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Segment:
+    """A run of tokens that continues the first `fork_at` tokens of segment `parent` (-1: the root)."""
+
+    kind: SegmentKind
+    parent: int
+    fork_at: int
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray | None = None  # float32, 0.0 where the policy did not generate the token (None: all)
+    versions: np.ndarray | None = None  # int32, NO_VERSION where the policy did not generate it (None: all)
+    engine: str = ""  # the engine/rank that generated it
+    t_start: float = 0.0  # wall-clock seconds (time.time())
+    t_end: float = 0.0
+    finish_reason: str = ""  # the engine's reason ("stop", "length", "abort"), empty for other kinds
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "kind", SegmentKind(self.kind))
+        set_(self, "tokens", _frozen_array(self.tokens, np.int32))
+        n = len(self.tokens)
+        set_(self, "logprobs", _frozen_array(np.zeros(n) if self.logprobs is None else self.logprobs, np.float32))
+        set_(self, "versions", _frozen_array(np.full(n, NO_VERSION) if self.versions is None else self.versions,
+                                             np.int32))
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(f"segment has {n} tokens but {len(self.logprobs)} logprobs and "
+                             f"{len(self.versions)} versions")
+        if self.kind is not SegmentKind.GENERATED and n and (self.versions != NO_VERSION).any():
+            raise ValueError(f"a {self.kind} segment holds no generated tokens, so every version must be -1")
+
+    @classmethod
+    def of(cls, kind: SegmentKind, parent: int, fork_at: int, tokens: Sequence[int], *,
+           logprobs: Sequence[float] | None = None, versions: int | Sequence[int] | None = None,
+           engine: str = "", t_start: float = 0.0, t_end: float = 0.0, finish_reason: str = "") -> Segment:
+        """Build a segment, filling per-token columns that do not apply (a single version is broadcast)."""
+        toks = np.asarray(tokens, dtype=np.int32)
+        if isinstance(versions, int | np.integer):
+            versions = np.full(len(toks), int(versions), np.int32)
+        return cls(kind, parent, fork_at, toks, logprobs, versions, engine, t_start, t_end, finish_reason)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def generated(self) -> bool:
+        return self.kind is SegmentKind.GENERATED
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Segment):
+            return NotImplemented
+        return (self.kind, self.parent, self.fork_at, self.engine, self.t_start, self.t_end, self.finish_reason) \
+            == (other.kind, other.parent, other.fork_at, other.engine, other.t_start, other.t_end,
+                other.finish_reason) \
+            and np.array_equal(self.tokens, other.tokens) and np.array_equal(self.versions, other.versions) \
+            and self.logprobs.tobytes() == other.logprobs.tobytes()
+
+    __hash__ = None  # type: ignore[assignment]  # equal by value, but holds arrays
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        # Rebuild through __init__ so an unpickled segment (one sent over MPI) is read-only too.
+        return (Segment, tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+
+
+def check_tree(segments: Sequence[Segment]) -> None:
+    """Raise ValueError unless `segments` form a tree rooted at index 0, each parent before its child."""
+    for i, seg in enumerate(segments):
+        if i == 0:
+            if seg.parent != -1 or seg.fork_at != 0:
+                raise ValueError("segment 0 must be the root (parent -1, fork_at 0)")
+            continue
+        if not 0 <= seg.parent < i:
+            raise ValueError(f"segment {i} has parent {seg.parent}; a parent must come before its child")
+        if not 0 <= seg.fork_at <= len(segments[seg.parent]):
+            raise ValueError(f"segment {i} forks at {seg.fork_at} of a parent with {len(segments[seg.parent])} tokens")
+
+
+def branch_of(segments: Sequence[Segment], head: int | None = None) -> list[tuple[int, int]]:
+    """The path root -> `head` (default: the last segment) as (segment index, tokens used) pairs."""
+    if not segments:
+        return []
+    index = len(segments) - 1 if head is None else head
+    used = len(segments[index])
+    path: list[tuple[int, int]] = []
+    while index >= 0:
+        path.append((index, used))
+        seg = segments[index]
+        index, used = seg.parent, seg.fork_at
+    path.reverse()
+    return path
+
+
+def _along(segments: Sequence[Segment], column: str, dtype: type, head: int | None = None) -> np.ndarray:
+    parts = [getattr(segments[i], column)[:used] for i, used in branch_of(segments, head)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One task's interaction, as a value. The manager builds these; the store reads and writes them."""
+
+    id: str
+    segments: tuple[Segment, ...]
+    task: str = ""
+    group: str | None = None  # GRPO group; None: a group of its own
+    status: Status = Status.RUNNING
+    reward: float | None = None
+    turn_rewards: tuple[float, ...] = ()
+    metadata_json: str = "{}"  # free-form metadata, kept as JSON text so the record stays immutable
+    created: float = 0.0
+    updated: float = 0.0  # when the status last changed
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "segments", tuple(self.segments))
+        object.__setattr__(self, "status", Status(self.status))
+        object.__setattr__(self, "turn_rewards", tuple(float(r) for r in self.turn_rewards))
+        if self.reward is not None and math.isnan(self.reward):
+            object.__setattr__(self, "reward", None)
+        check_tree(self.segments)
+
+    @staticmethod
+    def encode_metadata(metadata: dict[str, Any] | None) -> str:
+        """JSON text for `metadata`; raises ValueError when it is not JSON-able (caught early, not at write)."""
+        try:
+            return json.dumps(metadata or {}, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"metadata must be JSON-able: {exc}") from None
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """A fresh copy of the metadata (the record itself cannot be changed)."""
+        return json.loads(self.metadata_json)
+
+    @property
+    def group_key(self) -> str:
+        """The key GRPO groups by: the group id, or the trajectory's own id when it has none."""
+        return self.group if self.group is not None else self.id
+
+    def branch(self) -> list[tuple[int, int]]:
+        """The current branch as (segment index, tokens used) pairs, root first."""
+        return branch_of(self.segments)
+
+    def context(self) -> np.ndarray:
+        """All tokens along the current branch (int32): the full context of the next token."""
+        return _along(self.segments, "tokens", np.int32)
+
+    def generated_mask(self) -> np.ndarray:
+        """Per token of `context()`: True where the policy generated it (the tokens a trainer scores)."""
+        parts = [np.full(used, self.segments[i].generated) for i, used in self.branch()]
+        return np.concatenate(parts) if parts else np.zeros(0, bool)
+
+    def token_versions(self) -> np.ndarray:
+        """Per token of `context()`: the policy version that generated it, -1 for other tokens."""
+        return _along(self.segments, "versions", np.int32)
+
+    def token_logprobs(self) -> np.ndarray:
+        """Per token of `context()`: the sampling logprob, 0.0 for tokens the policy did not generate."""
+        return _along(self.segments, "logprobs", np.float32)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(used for _, used in self.branch())
+
+    @property
+    def num_generated(self) -> int:
+        return sum(used for i, used in self.branch() if self.segments[i].generated)
+
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the branch's generated tokens (None: nothing generated)."""
+        versions = self.token_versions()
+        versions = versions[versions != NO_VERSION]
+        return int(versions.min()) if len(versions) else None
+
+    def staleness(self, policy_version: int) -> int:
+        """How many versions the oldest generated token lags `policy_version` (0 if nothing generated)."""
+        oldest = self.oldest_version()
+        return 0 if oldest is None else max(0, policy_version - oldest)
