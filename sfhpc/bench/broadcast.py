@@ -1,0 +1,204 @@
+"""Weight-broadcast bandwidth: the publisher against a raw ``MPI_Bcast`` of the same bytes, in one run.
+
+    python -m sfhpc.bench.broadcast [--ranks 3] [--repeats 7] [--bucket-mb 32] [--synthetic-mb 200]
+
+Rank 0 publishes, every other rank receives (as the engines would). Two weight sets: the project's tiny
+Llama in bf16, and a synthetic set of Llama-shaped bf16 tensors of about ``--synthetic-mb``. For each,
+the repetitions alternate "raw" (one ``Bcast`` of a buffer of the same size, the floor the publisher
+cannot beat) and "publish" (manifest + pack + bucketed ``Bcast`` + receivers unpacking views); a time is
+from a common barrier to the last rank done; the median is reported. Absolute figures depend on the
+machine and its load; the ratio is what this measures. After the timings, receivers check one
+published version bit for bit against the weights they regenerate from the same seed.
+
+Without an MPI launcher around it, the command starts itself under ``mpiexec -n RANKS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sfhpc.errors import SfhpcError
+from sfhpc.table import format_table
+
+CHILD_VAR = "SFHPC_BENCH_UNDER_MPI"
+
+
+def _under_mpi() -> bool:
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")) or (
+        int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sfhpc.bench.broadcast", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=3, help="ranks to start when not under MPI (1 source + receivers)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repetitions of each method (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--bucket-mb", type=float, default=32.0)
+    p.add_argument("--synthetic-mb", type=float, default=200.0, help="size of the synthetic set (0: skip it)")
+    p.add_argument("--out", type=Path, default=Path("bench_broadcast.json"), help="JSON result file")
+    return p.parse_args(argv)
+
+
+def tiny_weights() -> list[tuple[str, torch.Tensor]]:
+    """The project's default tiny Llama (sfhpc.model.tiny's configuration), seed 0, in bf16."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sfhpc.config.recipe import ModelSpec
+    from sfhpc.model.tiny import llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**llama_config(ModelSpec())))
+    return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+
+
+def synthetic_weights(megabytes: float, hidden: int = 1024, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Llama-shaped bf16 tensors (hidden 1024, SwiGLU 2816, vocab 8192) of about `megabytes`."""
+    inter, vocab = 2816, 8192
+    gen = torch.Generator().manual_seed(seed)
+    layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
+    layers = max(1, round((megabytes * 1e6 - 2 * 2 * vocab * hidden) / layer_bytes))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    named = [("model.embed_tokens.weight", rand(vocab, hidden))]
+    for i in range(layers):
+        pre = f"model.layers.{i}."
+        named += [(pre + f"self_attn.{p}_proj.weight", rand(hidden, hidden)) for p in "qkvo"]
+        named += [(pre + "mlp.gate_proj.weight", rand(inter, hidden)),
+                  (pre + "mlp.up_proj.weight", rand(inter, hidden)),
+                  (pre + "mlp.down_proj.weight", rand(hidden, inter)),
+                  (pre + "input_layernorm.weight", rand(hidden)),
+                  (pre + "post_attention_layernorm.weight", rand(hidden))]
+    named += [("model.norm.weight", rand(hidden)), ("lm_head.weight", rand(vocab, hidden))]
+    return named
+
+
+def _timed(comm: Any, fn: Any) -> float:
+    from mpi4py import MPI
+
+    comm.Barrier()
+    t0 = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - t0
+    return float(comm.allreduce(elapsed, op=MPI.MAX))  # the broadcast is done when the last rank has it
+
+
+def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict[str, Any]:
+    import numpy as np
+
+    from sfhpc.weights import MPITransport, WeightPublisher, WeightReceiver
+    from sfhpc.weights.manifest import plan_buckets
+
+    transport = MPITransport(comm, root=0)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    source = transport.is_source
+    named = make() if source else None  # the receivers only learn the layout from the manifest
+    # Every rank needs the total size for the raw buffer; the source knows it from the plan.
+    total = comm.bcast(plan_buckets(named, 0, bucket_bytes).total_bytes if source else None, root=0)
+    raw = np.zeros(total, dtype=np.uint8)
+    if source:
+        raw[:] = 7
+    publisher = WeightPublisher(transport, bucket_bytes) if source else None
+    receiver = None if source else WeightReceiver(transport)
+
+    def do_raw() -> None:
+        comm.Bcast(raw, root=0)
+
+    def do_publish(version: int) -> None:
+        if publisher is not None:
+            publisher.publish(named, version)
+        else:
+            receiver.receive().drain()  # every bucket received and unpacked into (name, tensor) views
+
+    raw_times, pub_times = [], []
+    for rep in range(args.warmup + args.repeats):
+        # Alternate which goes first, so neither always runs on a warmer (or busier) machine.
+        order = ("raw", "pub") if rep % 2 == 0 else ("pub", "raw")
+        for which in order:
+            t = _timed(comm, do_raw) if which == "raw" else _timed(comm, lambda r=rep: do_publish(r))
+            if rep >= args.warmup:
+                (raw_times if which == "raw" else pub_times).append(t)
+
+    # Correctness, outside the timings: receivers compare one version with the weights regenerated here.
+    ok = True
+    if publisher is not None:
+        publisher.publish(named, 10_000)
+    else:
+        expected = dict(make())
+        incoming = receiver.receive()
+        names = []
+        for bucket in incoming:  # a bucket's views are valid until the next one arrives: check each now
+            names += [n for n, _ in bucket]
+            ok = ok and all(torch.equal(t.view(torch.int16), expected[n].view(torch.int16)) for n, t in bucket)
+        ok = ok and incoming.version == 10_000 and names == list(expected)
+    verified = all(comm.allgather(ok))
+    raw_s, pub_s = statistics.median(raw_times), statistics.median(pub_times)
+    return {"set": name, "tensors": len(named) if source else None, "bytes": total,
+            "raw_median_s": raw_s, "publish_median_s": pub_s,
+            "raw_GBps": total / raw_s / 1e9, "publish_GBps": total / pub_s / 1e9, "ratio": raw_s / pub_s,
+            "raw_times_s": raw_times, "publish_times_s": pub_times, "verified": verified}
+
+
+def run_ranks(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    if comm.Get_size() < 2:
+        raise SfhpcError("the broadcast bench needs at least 2 ranks (one source, one receiver): use --ranks 3")
+    torch.set_num_threads(1)
+    sets = [("tiny-llama", tiny_weights)]
+    if args.synthetic_mb > 0:
+        sets.append((f"synthetic-{args.synthetic_mb:g}MB", lambda: synthetic_weights(args.synthetic_mb)))
+    results = [bench_set(comm, name, make, args) for name, make in sets]
+    if comm.Get_rank() != 0:
+        return 0
+    report = {"bench": "weight-broadcast", "ranks": comm.Get_size(), "receivers": comm.Get_size() - 1,
+              "repeats": args.repeats, "bucket_bytes": int(args.bucket_mb * (1 << 20)), "host": socket.gethostname(),
+              "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch_threads": 1, "results": results}
+    rows = [[r["set"], f"{r['bytes'] / 1e6:.1f}", f"{r['raw_GBps'] * 1e3:.0f}", f"{r['publish_GBps'] * 1e3:.0f}",
+             f"{r['ratio'] * 100:.0f}%", "yes" if r["verified"] else "NO"] for r in results]
+    print(f"weight broadcast, 1 source -> {comm.Get_size() - 1} receivers, buckets {args.bucket_mb:g} MB, "
+          f"median of {args.repeats}")
+    print(format_table(["set", "MB", "raw Bcast MB/s", "publish MB/s", "publish/raw", "bit-identical"], rows))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0 if all(r["verified"] for r in results) else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if _under_mpi() or os.environ.get(CHILD_VAR):
+        return run_ranks(args)
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin)")
+    env = dict(os.environ, **{CHILD_VAR: "1"})
+    if os.geteuid() == 0:  # Open MPI refuses root unless told twice
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks), sys.executable,
+               "-m", "sfhpc.bench.broadcast", *argv]
+    return subprocess.call(command, env=env)
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SfhpcError as exc:
+        print(f"sfhpc: error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,62 @@
+"""A short supervised warm start that teaches a freshly built model the *format* of a task's replies.
+
+A random model writes random bytes and never earns a reward, so policy gradient has nothing to climb.
+The task provides conversations whose assistant turns have the right form but not the right content
+(`Task.warm_start_examples`); a few steps of cross-entropy on those turns only bring the success rate to
+chance level, and RL has to do the rest.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from sfhpc.engine.tokenizer import ASSISTANT, END, ByteTokenizer
+from sfhpc.tasks.base import Task
+
+
+def encode_with_targets(conversation: list[dict[str, str]], tokenizer: ByteTokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation and, per token, whether it is part of an assistant reply (a target)."""
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
+    targets, in_reply = [], False
+    for token in ids:
+        targets.append(in_reply)
+        if token == ASSISTANT:
+            in_reply = True
+        elif token == END:
+            in_reply = False
+    return ids, targets
+
+
+def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int = 32, learning_rate: float = 1e-3,
+               seed: int = 0, save_dtype: str = "bfloat16") -> float:
+    """Train the model in `model_dir` on the task's format examples and save it in place; returns the last loss."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    tokenizer = ByteTokenizer()
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    loss_value = float("nan")
+    for _ in range(steps):
+        encoded = [encode_with_targets(c, tokenizer) for c in task.warm_start_examples(rng, batch_size)]
+        if not encoded:
+            return loss_value
+        width = max(len(ids) for ids, _ in encoded)
+        ids = torch.full((len(encoded), width), tokenizer.pad_id)
+        mask = torch.zeros((len(encoded), width), dtype=torch.bool)
+        for row, (tokens, targets) in enumerate(encoded):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            mask[row, : len(targets)] = torch.tensor(targets)
+        logits = model(ids).logits[:, :-1]
+        # Position t predicts token t+1; a token is a target when it belongs to an assistant reply.
+        loss = torch.nn.functional.cross_entropy(logits[mask[:, 1:]], ids[:, 1:][mask[:, 1:]])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        loss_value = float(loss.detach())
+    model.to(getattr(torch, save_dtype)).save_pretrained(model_dir)
+    return loss_value

@@ -1,0 +1,1 @@
+"""Rollout: agents that play task episodes against the policy through the agent endpoint."""

@@ -1,0 +1,98 @@
+"""An agent: plays one episode of a task by chatting with the policy through the agent endpoint.
+
+The agent is an ordinary chat client. It does not see tokens, versions or pauses: the endpoint records
+every token in the trajectory manager, and a weight update only makes a call take longer. Two ways to
+reach the endpoint, with the same semantics:
+
+* `LocalChat`: in process (Python agents on the rollout rank, no HTTP);
+* `OpenAIChat`: the official ``openai`` client over HTTP, as an agent in any language would.
+
+The trajectory id of an episode comes back with the first reply and travels with every later call; the
+GRPO group (one problem's samples) travels as ``X-Group``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any
+
+from sfhpc.endpoint.client import AsyncLocalClient
+from sfhpc.tasks.base import Problem, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+    text: str
+    trajectory_id: str
+    finish_reason: str
+
+
+class ChatBackend(abc.ABC):
+    """One chat call to the policy for a given trajectory (None: start a new one)."""
+
+    @abc.abstractmethod
+    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None) -> Reply: ...
+
+
+class LocalChat(ChatBackend):
+    def __init__(self, client: AsyncLocalClient, model: str) -> None:
+        self.client, self.model = client, model
+
+    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None) -> Reply:
+        body = await self.client.chat(trajectory_id=trajectory_id, task=task, group=group, model=self.model,
+                                      messages=messages, max_tokens=max_tokens, seed=seed)
+        choice = body["choices"][0]
+        return Reply(choice["message"]["content"], body["trajectory_id"], choice["finish_reason"])
+
+
+class OpenAIChat(ChatBackend):
+    """Through ``openai.AsyncOpenAI`` pointed at the endpoint's URL."""
+
+    def __init__(self, base_url: str, model: str, api_key: str = "unused") -> None:
+        import openai
+
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        self.model = model
+
+    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None) -> Reply:
+        headers = {"X-Task": task, "X-Group": group}
+        if trajectory_id is not None:
+            headers["X-Trajectory-Id"] = trajectory_id
+        reply: Any = await self.client.chat.completions.create(
+            model=self.model, messages=messages, max_tokens=max_tokens, seed=seed,  # type: ignore[arg-type]
+            extra_headers=headers)
+        choice = reply.choices[0]
+        return Reply(choice.message.content or "", reply.model_extra["trajectory_id"], choice.finish_reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpisodeOutcome:
+    trajectory_id: str
+    reward: float
+    turns: int
+    turn_rewards: tuple[float, ...]
+
+
+async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, group: str,
+                       seed: int | None = None) -> EpisodeOutcome:
+    """Run one episode to its end; the caller records the reward (`finish`) with the returned outcome."""
+    episode = task.episode(problem)
+    messages = episode.opening()
+    trajectory_id: str | None = None
+    turn_rewards: list[float] = []
+    for turn in range(1, task.max_turns + 1):
+        reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
+                                   max_tokens=task.max_reply_tokens, seed=None if seed is None else seed + turn)
+        trajectory_id = reply.trajectory_id
+        result = episode.step(reply.text)
+        turn_rewards.append(result.turn_reward)
+        if result.done:
+            return EpisodeOutcome(trajectory_id, result.reward, turn, tuple(turn_rewards))
+        messages = [*messages, {"role": "assistant", "content": reply.text},
+                    {"role": "user", "content": result.observation or ""}]
+    assert trajectory_id is not None
+    return EpisodeOutcome(trajectory_id, 0.0, task.max_turns, tuple(turn_rewards))

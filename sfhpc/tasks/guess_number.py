@@ -1,0 +1,63 @@
+"""``guess-number``: a multi-turn agentic task with a long-tailed number of turns.
+
+The environment holds a secret digit. Each turn the agent replies with a guess; the environment
+answers ``higher``, ``lower`` or ends the episode when the guess is right. An episode lasts until the
+secret is found or `max_turns` replies were made, so the number of turns depends on the policy: a
+random guesser needs many, one that follows the hints needs few. Reward: 1 for finding the secret,
+minus `turn_cost` for every reply after the first; 0 when it is never found.
+"""
+
+from __future__ import annotations
+
+import random
+
+from sfhpc.tasks.base import Episode, Problem, StepResult, Task, register
+
+
+class _GuessEpisode(Episode):
+    def __init__(self, secret: int, max_turns: int, turn_cost: float) -> None:
+        self.secret, self.max_turns, self.turn_cost = secret, max_turns, turn_cost
+        self.turns = 0
+
+    def opening(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": "guess 0-9"}]
+
+    def step(self, reply: str) -> StepResult:
+        self.turns += 1
+        text = reply.strip()
+        guess = int(text) if text.isdigit() else None
+        if guess == self.secret:
+            return StepResult(done=True, reward=max(0.0, 1.0 - self.turn_cost * (self.turns - 1)), turn_reward=1.0)
+        if self.turns >= self.max_turns:
+            return StepResult(done=True, reward=0.0)
+        hint = "?" if guess is None else ("higher" if guess < self.secret else "lower")
+        return StepResult(done=False, observation=hint)
+
+
+@register("guess-number")
+class GuessNumberTask(Task):
+    name = "guess-number"
+    max_reply_tokens = 3
+
+    def __init__(self, max_turns: int = 8, turn_cost: float = 0.1) -> None:
+        if max_turns < 1:
+            raise TypeError("max_turns must be at least 1")
+        self.max_turns, self.turn_cost = max_turns, turn_cost
+
+    def sample(self, rng: random.Random) -> Problem:
+        secret = rng.randrange(10)
+        return Problem(key=str(secret), data=secret)
+
+    def episode(self, problem: Problem) -> Episode:
+        return _GuessEpisode(problem.data, self.max_turns, self.turn_cost)
+
+    def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
+        # Format only: random single-digit guesses, whatever the hints say.
+        examples = []
+        for _ in range(count):
+            conversation = [{"role": "user", "content": "guess 0-9"}]
+            for _ in range(rng.randrange(1, 4)):
+                conversation.append({"role": "assistant", "content": str(rng.randrange(10))})
+                conversation.append({"role": "user", "content": rng.choice(["higher", "lower"])})
+            examples.append(conversation[:-1])
+        return examples

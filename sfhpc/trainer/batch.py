@@ -1,0 +1,127 @@
+"""The training batch: padded token sequences with what the loss needs per token and per sequence.
+
+One row is one trajectory's current branch, as the trajectory manager records it: token ids, which of
+them the policy generated (only those are scored), the engine's sampling logprob and the policy version
+of each token, the trajectory's reward and its GRPO group. Rows are right-padded, so every real token
+keeps its position (the model's position ids are 0..n-1 whatever the padding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from sfhpc.data.trajectory import Trajectory
+from sfhpc.engine import tokenizer as tok
+from sfhpc.trainer.errors import BatchError
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRow:
+    """One row before padding (a helper for tests and agents that hold plain lists)."""
+
+    tokens: Sequence[int]
+    generated: Sequence[bool]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
+    reward: float
+    group: Hashable = None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainBatch:
+    """Right-padded ``[batch, seq]`` tensors plus per-row rewards and groups.
+
+    ``advantages`` is optional: PPO-clip takes it as given; when it is None, GRPO normalises ``rewards``
+    within ``groups`` and PPO-clip subtracts the batch mean.
+    """
+
+    tokens: torch.Tensor  # int64 [B, T], PAD after each row's length
+    lengths: torch.Tensor  # int64 [B]
+    generated: torch.Tensor  # bool [B, T]: the loss mask
+    behaviour_logprobs: torch.Tensor  # float32 [B, T]: the engine's sampling logprob, 0 where not generated
+    versions: torch.Tensor  # int64 [B, T]: the policy version of each generated token, -1 elsewhere
+    rewards: torch.Tensor  # float32 [B]
+    groups: tuple[Hashable, ...]  # [B]: GRPO group of each row
+    advantages: torch.Tensor | None = None  # float32 [B] or [B, T]
+
+    def __post_init__(self) -> None:
+        b, t = self.tokens.shape
+        for name in ("generated", "behaviour_logprobs", "versions"):
+            if tuple(getattr(self, name).shape) != (b, t):
+                raise BatchError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
+                                 f"expected {(b, t)} like tokens")
+        if self.rewards.shape != (b,) or self.lengths.shape != (b,) or len(self.groups) != b:
+            raise BatchError(f"TrainBatch needs one reward, length and group per row ({b} rows)")
+        if b and bool(self.generated[:, 0].any()):
+            raise BatchError("the first token of a row cannot be generated: every row starts with a prompt token")
+        positions = torch.arange(t).unsqueeze(0)
+        if bool((self.generated & (positions >= self.lengths.unsqueeze(1))).any()):
+            raise BatchError("a generated token lies in a row's padding: check lengths against the generated mask")
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """int64 [B, T]: 1 on real tokens, 0 on padding."""
+        return (torch.arange(self.tokens.shape[1]).unsqueeze(0) < self.lengths.unsqueeze(1)).long()
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.generated.sum())
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[TrainRow], *, pad_id: int = tok.PAD,
+                  advantages: Sequence[float] | None = None) -> TrainBatch:
+        """Pad plain rows into a batch."""
+        rows = list(rows)
+        if not rows:
+            raise BatchError("a training batch needs at least one sequence")
+        width = max(len(r.tokens) for r in rows)
+        b = len(rows)
+        tokens = torch.full((b, width), pad_id, dtype=torch.int64)
+        generated = torch.zeros((b, width), dtype=torch.bool)
+        logprobs = torch.zeros((b, width), dtype=torch.float32)
+        versions = torch.full((b, width), -1, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            if not len(r.generated) == len(r.logprobs) == len(r.versions) == n:
+                raise BatchError(f"row {i}: {n} tokens but {len(r.generated)} mask entries, {len(r.logprobs)} "
+                                 f"logprobs and {len(r.versions)} versions")
+            tokens[i, :n] = torch.as_tensor(np.asarray(r.tokens, dtype=np.int64))
+            generated[i, :n] = torch.as_tensor(np.asarray(r.generated, dtype=bool))
+            logprobs[i, :n] = torch.as_tensor(np.asarray(r.logprobs, dtype=np.float32))
+            versions[i, :n] = torch.as_tensor(np.asarray(r.versions, dtype=np.int64))
+        return cls(tokens=tokens, lengths=torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
+                   generated=generated, behaviour_logprobs=logprobs, versions=versions,
+                   rewards=torch.tensor([float(r.reward) for r in rows], dtype=torch.float32),
+                   groups=tuple(r.group if r.group is not None else i for i, r in enumerate(rows)),
+                   advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32))
+
+    @classmethod
+    def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = tok.PAD) -> TrainBatch:
+        """A batch of finished trajectories: each row is the current branch, grouped by ``group_key``."""
+        rows = []
+        for traj in trajectories:
+            if traj.reward is None:
+                raise BatchError(f"trajectory {traj.id} has no reward: only finished, rewarded trajectories train")
+            rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
+                                  logprobs=traj.token_logprobs(), versions=traj.token_versions(),
+                                  reward=traj.reward, group=traj.group_key))
+        return cls.from_rows(rows, pad_id=pad_id)
+
+    def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
+        return dataclasses.replace(self, advantages=advantages)
+
+    def rows(self, index: Sequence[int]) -> TrainBatch:
+        """The sub-batch of the given row indices (advantages follow their rows)."""
+        idx = torch.as_tensor(list(index), dtype=torch.int64)
+        return TrainBatch(tokens=self.tokens[idx], lengths=self.lengths[idx], generated=self.generated[idx],
+                          behaviour_logprobs=self.behaviour_logprobs[idx], versions=self.versions[idx],
+                          rewards=self.rewards[idx], groups=tuple(self.groups[i] for i in idx.tolist()),
+                          advantages=None if self.advantages is None else self.advantages[idx])

@@ -1,0 +1,73 @@
+"""Atomic checkpoint files: a reader sees the previous checkpoint or the new one, never half of one.
+
+The state is written to a temporary file in the same folder, flushed to disk, then renamed over the
+target with `os.replace` (atomic on POSIX within one file system), and the folder entry is synced so the
+rename itself survives a crash. A preempted job killed mid-write leaves only a stray ``.tmp`` file.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sfhpc.trainer.errors import CheckpointError
+
+FORMAT = "sfhpc-trainer-checkpoint"
+FORMAT_VERSION = 1
+
+
+def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
+    """Write `state` with torch.save to `path` atomically; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"format": FORMAT, "format_version": FORMAT_VERSION, **state}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    return path
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by `save_atomic`; raises CheckpointError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        # weights_only=False: the file holds optimizer state and RNG states, written by this project.
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same to the user
+        raise CheckpointError(f"{path}: cannot read checkpoint ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an sfhpc trainer checkpoint")
+    if state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')} is not the supported "
+                              f"{FORMAT_VERSION}")
+    return state
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random generator a training step may draw from."""
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

@@ -1,0 +1,184 @@
+"""Policy-gradient losses: GRPO and PPO-clip, corrected for tokens sampled by older policy versions.
+
+Notation, per generated token t of a batch (every tensor is ``[batch, seq]``; only tokens where the
+loss mask is true count):
+
+    logp_t    log pi_theta(a_t | s_t)    the trainer's forward on the current weights (carries the gradient)
+    beh_t     log mu(a_t | s_t)          recorded by the engine when it sampled the token
+    A_t       the advantage              one value per sequence, broadcast to its tokens
+
+Importance ratio. The engine may have sampled a token under an older policy version (asynchronous
+pipeline, or a partial rollout continued after a weight swap), so the surrogate is taken with respect to
+the *behaviour* policy that really produced the token, not the trainer's current one:
+
+    r_t = exp(logp_t - beh_t)
+
+For a token of the current version ``r_t`` is ~1 (only numerics differ: a bf16 engine against float32
+master weights); for a stale token it has drifted, and that drift is the importance correction.
+
+Clipped surrogate (PPO, Schulman et al. 2017), with a lower and an upper clip range:
+
+    s_t = min(r_t * A_t, clip(r_t, 1 - eps_low, 1 + eps_high) * A_t)
+
+Truncated importance weight. A very stale token can have a huge ratio: the behaviour policy gave it a
+small probability that the current policy no longer does. With ``A_t > 0`` the clip already bounds it,
+but with ``A_t < 0`` PPO's ``min`` keeps the unclipped ``r_t * A_t``, which is unbounded, and a handful of
+such tokens would dominate the gradient of the whole batch. So the ratio is truncated at ``C``
+(``ratio_cap``) *before* the surrogate, keeping a gradient of the capped size:
+
+    r~_t = r_t * sg(min(1, C / r_t))      value min(r_t, C), gradient min(r_t, C) * grad(logp_t)
+
+(``sg`` stops the gradient). Unlike dual-clip PPO (Ye et al. 2020), which zeroes such a token's gradient,
+the truncation keeps pushing the token's probability down, at most with weight ``C``: the same
+truncation as V-trace (Espeholt et al. 2018). ``C = 3`` by default, the value dual-clip PPO recommends;
+fresh tokens never come near it, so it only acts on stale ones.
+
+KL penalty to a reference policy (optional): the non-negative estimator ``k3`` (Schulman 2020),
+
+    kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+
+Loss (token mean over every masked token of the batch, so long and short answers weigh per token):
+
+    L = -(1/N) sum_t s~_t + beta * (1/N) sum_t kl_t
+
+GRPO (Shao et al. 2024) differs from PPO-clip only in its advantages: a group is the set of answers to
+one prompt, and each answer's advantage is its reward normalised within the group (no critic):
+
+    A_i = (R_i - mean_group(R)) / (std_group(R) + eps)
+
+with the population standard deviation; a group whose rewards are all equal (or a group of one) gets
+advantage 0 and so no gradient. PPO-clip here takes the advantages it is given, or ``R_i - mean(R)``
+over the batch (`baseline_advantages`): a baseline without a critic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Hashable, Sequence
+
+import torch
+
+DEFAULT_RATIO_CAP = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+    """The loss to minimise and detached per-batch statistics (sums and counts, so ranks can add them)."""
+
+    loss: torch.Tensor  # scalar, carries the gradient
+    tokens: int  # masked tokens that entered the loss
+    ratio_sum: float  # sum over masked tokens of the (untruncated) ratio r_t
+    clipped: int  # masked tokens whose surrogate took the clipped branch (no gradient from them)
+    truncated: int  # masked tokens whose ratio exceeded the cap C
+    kl_sum: float  # sum over masked tokens of kl_t (0 without a reference)
+    surrogate_sum: float  # sum over masked tokens of s~_t
+
+
+def group_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: ``(R_i - mean_g) / (std_g + eps)`` within each group ``g`` (population std).
+
+    `rewards` is ``[batch]``; `groups[i]` is the group of answer ``i`` (any hashable, e.g. the trajectory's
+    group id). Returns ``[batch]`` float32.
+    """
+    if rewards.dim() != 1 or len(groups) != rewards.shape[0]:
+        raise ValueError(f"need one group per reward: {len(groups)} groups for rewards of shape "
+                         f"{tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float32)
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    out = torch.zeros_like(rewards)
+    for index in members.values():
+        idx = torch.tensor(index)
+        r = rewards[idx]
+        out[idx] = (r - r.mean()) / (r.std(correction=0) + eps)
+    return out
+
+
+def baseline_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """PPO-clip advantages without a critic: ``R_i - mean(R)`` over the batch."""
+    rewards = rewards.to(torch.float32)
+    return rewards - rewards.mean()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Per-position log-probability of each token given the tokens before it, ``[batch, seq]``.
+
+    Position 0 has no context and gets 0 (it is a prompt token, masked out anyway). `logits` is the
+    model's ``[batch, seq, vocab]`` output; logits at position ``t - 1`` predict token ``t``.
+    """
+    logits = logits[:, :-1].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    return torch.nn.functional.pad(picked, (1, 0))
+
+
+def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float | None = None,
+                ratio_cap: float = DEFAULT_RATIO_CAP, ref_logprobs: torch.Tensor | None = None,
+                kl_coef: float = 0.0, normaliser: float | None = None) -> LossOutput:
+    """The clipped, truncated surrogate of the module docstring, averaged over masked tokens.
+
+    `advantages` is ``[batch]`` (one per sequence) or ``[batch, seq]`` (per token). `clip_high` defaults
+    to `clip_low`. `normaliser` replaces the local token count in the mean: data-parallel ranks pass the
+    global count, so that their averaged gradients equal the gradient of the global token mean.
+    """
+    if clip_high is None:
+        clip_high = clip_low
+    if not 0 <= clip_low < 1 or clip_high < 0:
+        raise ValueError(f"clip ranges must satisfy 0 <= clip_low < 1 and clip_high >= 0, "
+                         f"found {clip_low}, {clip_high}")
+    if ratio_cap <= 1 + clip_high:
+        raise ValueError(f"ratio_cap must exceed 1 + clip_high = {1 + clip_high}, found {ratio_cap}")
+    if new_logprobs.shape != behaviour_logprobs.shape or new_logprobs.shape != mask.shape:
+        raise ValueError(f"logprobs and mask must have one shape: {tuple(new_logprobs.shape)}, "
+                         f"{tuple(behaviour_logprobs.shape)}, {tuple(mask.shape)}")
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    advantages = advantages.to(new_logprobs.dtype).expand_as(new_logprobs)
+    mask = mask.to(torch.bool)
+    weight = mask.to(new_logprobs.dtype)
+
+    # Masked-out positions (prompt, padding) may hold anything, e.g. -inf behaviour logprobs: zero the
+    # log-ratio there so no inf/nan reaches the sums or the gradient.
+    log_ratio = torch.where(mask, new_logprobs - behaviour_logprobs.to(new_logprobs.dtype), 0.0)
+    ratio = torch.exp(log_ratio)
+    over_cap = ratio.detach() > ratio_cap
+    truncated = ratio * torch.where(over_cap, ratio_cap / ratio.detach(), 1.0)
+    unclipped = truncated * advantages
+    clipped = truncated.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    surrogate = torch.minimum(unclipped, clipped)
+    took_clip = (clipped < unclipped) & mask
+
+    count = int(mask.sum())
+    denom = float(normaliser) if normaliser is not None else float(max(count, 1))
+    loss = -(surrogate * weight).sum() / denom
+    kl_sum = 0.0
+    if ref_logprobs is not None and kl_coef != 0.0:
+        diff = torch.where(mask, ref_logprobs.to(new_logprobs.dtype) - new_logprobs, 0.0)
+        kl = torch.exp(diff) - diff - 1.0
+        loss = loss + kl_coef * (kl * weight).sum() / denom
+        kl_sum = float((kl.detach() * weight).sum())
+    return LossOutput(
+        loss=loss, tokens=count, ratio_sum=float((ratio.detach() * weight).sum()), clipped=int(took_clip.sum()),
+        truncated=int((over_cap & mask).sum()), kl_sum=kl_sum,
+        surrogate_sum=float((surrogate.detach() * weight).sum()))
+
+
+def grpo_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, rewards: torch.Tensor,
+              groups: Sequence[Hashable], mask: torch.Tensor, *, eps: float = 1e-6, **kwargs: object) -> LossOutput:
+    """GRPO: group-normalised advantages (`group_advantages`) in the clipped surrogate (`policy_loss`)."""
+    return policy_loss(new_logprobs, behaviour_logprobs, group_advantages(rewards, groups, eps), mask,
+                       **kwargs)  # type: ignore[arg-type]
+
+
+def ppo_clip_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
+                  advantages: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
+                  **kwargs: object) -> LossOutput:
+    """PPO-clip with the given advantages, or with `baseline_advantages` of `rewards` when none are given."""
+    if advantages is None:
+        if rewards is None:
+            raise ValueError("ppo_clip_loss needs advantages or rewards")
+        advantages = baseline_advantages(rewards)
+    return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, **kwargs)  # type: ignore[arg-type]

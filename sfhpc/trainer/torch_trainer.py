@@ -1,0 +1,240 @@
+"""The torch training backend: a Hugging Face ``LlamaForCausalLM`` trained with GRPO or PPO-clip.
+
+Master weights are float32 even when the engines run bf16: the small updates of RL would be rounded away
+in bf16, so the trainer keeps full precision and the weight stream casts on the way out
+(`TorchTrainer.named_weights`). Several trainer ranks run data parallel with torch DDP over gloo; every
+rank receives the same global batch, computes the advantages on all of it (GRPO needs whole groups) and
+trains on its share of the rows. The loss is the token mean over the *global* batch, so the result does
+not depend on how rows fall on ranks.
+
+Versions. ``policy_version`` names the weights: 0 for those in the model folder, +1 per `train_step`.
+The engines tag every token with the version that sampled it; the step's staleness metric is how many
+versions those tokens lag the weights being trained.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from sfhpc.config.recipe import AlgorithmSpec
+from sfhpc.trainer import checkpoint as ckpt
+from sfhpc.trainer.batch import TrainBatch
+from sfhpc.trainer.distributed import DistSpec
+from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
+from sfhpc.trainer.losses import DEFAULT_RATIO_CAP, baseline_advantages, group_advantages, policy_loss, token_logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+    """Optimisation settings. `from_algorithm` takes the recipe's algorithm section."""
+
+    algorithm: Literal["grpo", "ppo"] = "grpo"
+    learning_rate: float = 1e-4
+    clip_ratio: float = 0.2  # eps_low (and eps_high unless clip_ratio_high is given)
+    clip_ratio_high: float | None = None
+    ratio_cap: float = DEFAULT_RATIO_CAP  # truncation C of the importance ratio (see losses.py)
+    kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights as the reference
+    max_grad_norm: float = 1.0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    temperature: float = 1.0  # the engine's sampling temperature, if its logprobs are of the tempered policy
+    advantage_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ("grpo", "ppo"):
+            raise TrainerError(f"algorithm must be 'grpo' or 'ppo', found {self.algorithm!r}")
+        if self.learning_rate <= 0 or self.max_grad_norm <= 0 or self.temperature <= 0:
+            raise TrainerError("learning_rate, max_grad_norm and temperature must be positive")
+
+    @classmethod
+    def from_algorithm(cls, spec: AlgorithmSpec, **overrides: Any) -> TrainerConfig:
+        return cls(algorithm=spec.name, learning_rate=spec.learning_rate, clip_ratio=spec.clip_ratio,
+                   kl_coef=spec.kl_coef, **overrides)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMetrics:
+    """What one training step did, summed over every trainer rank (identical on all of them)."""
+
+    step: int  # steps done, this one included
+    policy_version: int  # the version of the weights this step produced
+    loss: float
+    mean_ratio: float  # mean over generated tokens of exp(new - behaviour), before truncation
+    clip_fraction: float  # share of generated tokens whose surrogate was clipped
+    truncated_fraction: float  # share whose ratio exceeded the cap
+    mean_staleness: float  # mean over generated tokens of (trained version - sampling version)
+    max_staleness: int
+    kl: float  # mean k3 estimate to the reference (0 without one)
+    grad_norm: float  # before clipping
+    reward_mean: float
+    tokens: int  # generated tokens in the loss
+    sequences: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return dataclasses.asdict(self)
+
+
+class TorchTrainer:
+    """Loads the policy from a Hugging Face folder and trains it one batch at a time."""
+
+    def __init__(self, model_dir: str | Path, config: TrainerConfig = TrainerConfig(), *,
+                 dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0) -> None:
+        from transformers import LlamaForCausalLM
+
+        self.config = config
+        self.dist = dist or DistSpec.single()
+        self.model_dir = Path(model_dir)
+        if not (self.model_dir / "config.json").is_file():
+            raise TrainerError(f"{self.model_dir}: no config.json; build the model first (sfhpc.model.tiny) "
+                               "or point model.path at a Hugging Face folder")
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model.config.use_cache = False
+        self.model = model.train()
+        self.reference = None
+        if config.kl_coef != 0.0:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+        self.dist.init_process_group()
+        self._forward_model: torch.nn.Module = self.model
+        if self.dist.distributed:
+            # DDP broadcasts rank 0's parameters at construction, so all ranks start identical.
+            self._forward_model = torch.nn.parallel.DistributedDataParallel(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
+                                           betas=config.adam_betas, eps=config.adam_eps,
+                                           weight_decay=config.weight_decay)
+        self.step = 0
+        self.policy_version = initial_version
+
+    # -- training -----------------------------------------------------------------------------------
+    def advantages(self, batch: TrainBatch) -> torch.Tensor:
+        """The batch's own advantages, or the algorithm's: group-normalised (GRPO) or mean baseline (PPO)."""
+        if batch.advantages is not None:
+            return batch.advantages
+        if self.config.algorithm == "grpo":
+            return group_advantages(batch.rewards, batch.groups, self.config.advantage_eps)
+        return baseline_advantages(batch.rewards)
+
+    def logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
+        """Per-token log-probabilities of the batch under the current weights (or `model`), ``[B, T]``."""
+        net = model if model is not None else self._forward_model
+        logits = net(input_ids=batch.tokens, attention_mask=batch.attention_mask, use_cache=False).logits
+        return token_logprobs(logits, batch.tokens, self.config.temperature)
+
+    def train_step(self, batch: TrainBatch, *, sharded: bool = False) -> StepMetrics:
+        """One optimisation step on `batch`: forward, loss, backward, grad clipping, AdamW.
+
+        Every rank passes the same global batch, unless `sharded`: then each rank passes its own rows
+        with advantages already computed over the global batch (``batch.advantages``).
+        """
+        start = time.perf_counter()
+        cfg, rank, world = self.config, self.dist.rank, self.dist.world_size
+        if sharded and batch.advantages is None and cfg.algorithm == "grpo" and world > 1:
+            raise BatchError("a sharded GRPO batch must carry advantages computed over the global batch")
+        local = batch.with_advantages(self.advantages(batch))
+        if world > 1 and not sharded:
+            if batch.size < world:
+                raise BatchError(f"a batch of {batch.size} rows cannot feed {world} trainer ranks")
+            local = local.rows(range(rank, batch.size, world))
+
+        self.model.train()
+        new_logprobs = self.logprobs(local)
+        ref_logprobs = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logprobs = self.logprobs(local, self.reference)
+        global_tokens = self._sum([float(local.num_generated)])[0]
+        out = policy_loss(new_logprobs, local.behaviour_logprobs, local.advantages, local.generated,
+                          clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high, ratio_cap=cfg.ratio_cap,
+                          ref_logprobs=ref_logprobs, kl_coef=cfg.kl_coef,
+                          normaliser=max(global_tokens, 1.0) / world)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()  # DDP averages gradients over ranks here
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        self.optimizer.step()
+
+        staleness = (self.policy_version - local.versions).clamp(min=0) * local.generated
+        max_stale = int(staleness.max()) if local.num_generated else 0
+        sums = self._sum([float(out.loss.detach()), out.ratio_sum, float(out.clipped), float(out.truncated),
+                          out.kl_sum, float(staleness.sum()), float(local.rewards.sum()), float(local.size)])
+        max_stale = int(self._max(float(max_stale)))
+        loss, ratio_sum, clipped, truncated, kl_sum, stale_sum, reward_sum, rows = sums
+        self.step += 1
+        self.policy_version += 1
+        n = max(global_tokens, 1.0)
+        return StepMetrics(step=self.step, policy_version=self.policy_version, loss=loss / world,
+                           mean_ratio=ratio_sum / n, clip_fraction=clipped / n, truncated_fraction=truncated / n,
+                           mean_staleness=stale_sum / n, max_staleness=max_stale, kl=kl_sum / n,
+                           grad_norm=grad_norm, reward_mean=reward_sum / max(rows, 1.0), tokens=int(global_tokens),
+                           sequences=int(rows), seconds=time.perf_counter() - start)
+
+    def _sum(self, values: list[float]) -> list[float]:
+        if not self.dist.distributed:
+            return values
+        import torch.distributed as tdist
+
+        t = torch.tensor(values, dtype=torch.float64)
+        tdist.all_reduce(t)
+        return t.tolist()
+
+    def _max(self, value: float) -> float:
+        if not self.dist.distributed:
+            return value
+        import torch.distributed as tdist
+
+        t = torch.tensor([value], dtype=torch.float64)
+        tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+        return float(t)
+
+    # -- weights out -------------------------------------------------------------------------------
+    def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(hf_name, tensor)`` for every parameter, in the engine's naming (vLLM stacks q/k/v itself).
+
+        With `dtype` (e.g. ``torch.bfloat16`` for a bf16 engine) each tensor is a cast copy; without it the
+        tensors are detached views of the live master weights: copy them before the next step.
+        """
+        for name, param in self.model.named_parameters():
+            t = param.detach()
+            yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write model, optimizer, step, policy version and RNG state atomically (rank 0; all ranks call)."""
+        path = Path(path)
+        if self.dist.rank == 0:
+            ckpt.save_atomic({
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "step": self.step,
+                "policy_version": self.policy_version,
+                "rng": ckpt.rng_state(),
+                "config": dataclasses.asdict(self.config),
+                "model_config": self.model.config.to_dict(),
+                "world_size": self.dist.world_size,
+            }, path)
+        if self.dist.distributed:
+            import torch.distributed as tdist
+
+            tdist.barrier()  # nobody moves on (or reads it back) before the file is in place
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        """Restore the state `save_checkpoint` wrote; the next step is the one that would have followed."""
+        state = ckpt.load(path)
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+            raise CheckpointError(f"{path}: does not fit the model in {self.model_dir} ({first})") from None
+        self.step = int(state["step"])
+        self.policy_version = int(state["policy_version"])
+        ckpt.set_rng_state(state["rng"])

@@ -1,0 +1,169 @@
+"""GRPO / PPO-clip losses against numbers worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sfhpc.trainer.losses import (
+    baseline_advantages,
+    group_advantages,
+    grpo_loss,
+    policy_loss,
+    ppo_clip_loss,
+    token_logprobs,
+)
+
+
+def lp(*values: float) -> torch.Tensor:
+    """Per-token logprobs as a leaf that records its gradient."""
+    return torch.tensor([list(values)], dtype=torch.float64, requires_grad=True)
+
+
+def test_clipping_on_both_sides() -> None:
+    # ratios 1.5, 0.5, 0.5, 1.5 with advantages +1, -1, +1, -1 and eps 0.2:
+    #   r=1.5, A=+1: min(1.5, 1.2)  = 1.2   clipped (upper side), no gradient
+    #   r=0.5, A=-1: min(-0.5, -0.8) = -0.8  clipped (lower side), no gradient
+    #   r=0.5, A=+1: min(0.5, 0.8)  = 0.5   unclipped, d/dlogp = r*A = 0.5
+    #   r=1.5, A=-1: min(-1.5, -1.2) = -1.5  unclipped, d/dlogp = -1.5
+    # loss = -(1.2 - 0.8 + 0.5 - 1.5) / 4 = 0.15
+    new = lp(math.log(1.5), math.log(0.5), math.log(0.5), math.log(1.5))
+    out = policy_loss(new, torch.zeros(1, 4, dtype=torch.float64), torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
+                      torch.ones(1, 4, dtype=torch.bool), clip_low=0.2)
+    assert out.loss.item() == pytest.approx(0.15)
+    assert (out.tokens, out.clipped, out.truncated) == (4, 2, 0)
+    assert out.ratio_sum == pytest.approx(4.0)
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([0.0, 0.0, -0.5 / 4, 1.5 / 4])
+
+
+def test_asymmetric_clip_range() -> None:
+    # eps_low 0.2, eps_high 0.28 (DAPO's "clip higher"): r=1.25 with A=+1 is inside [0.8, 1.28]
+    new = lp(math.log(1.25))
+    out = policy_loss(new, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([1.0]), torch.ones(1, 1, dtype=bool),
+                      clip_low=0.2, clip_high=0.28)
+    assert out.loss.item() == pytest.approx(-1.25)
+    assert out.clipped == 0
+
+
+def test_mask_excludes_prompt_and_padding() -> None:
+    # Two scored tokens (ratio 1, A = 2) and masked ones holding garbage: -inf behaviour logprobs, a huge
+    # ratio. The loss is the mean over the two scored tokens only, and masked tokens get no gradient.
+    new = lp(0.0, -1.0, -1.0, 5.0)
+    behaviour = torch.tensor([[float("-inf"), -1.0, -1.0, -30.0]], dtype=torch.float64)
+    mask = torch.tensor([[False, True, True, False]])
+    out = policy_loss(new, behaviour, torch.tensor([2.0]), mask)
+    assert out.loss.item() == pytest.approx(-2.0)
+    assert out.tokens == 2
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([0.0, -1.0, -1.0, 0.0])
+    assert torch.isfinite(new.grad).all()
+
+
+def test_group_normalisation() -> None:
+    # group a: rewards 1 0 0 1 -> mean 0.5, population std 0.5 -> +1 -1 -1 +1
+    # group b: 0 0 3 -> mean 1, std sqrt((1 + 1 + 4) / 3) = sqrt 2 -> -1/sqrt2, -1/sqrt2, 2/sqrt2
+    # group c: equal rewards -> 0; group d: a single answer -> 0
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 3.0, 5.0, 5.0, 7.0])
+    groups = ["a", "a", "a", "a", "b", "b", "b", "c", "c", "d"]
+    adv = group_advantages(rewards, groups, eps=0.0 + 1e-12)
+    s = math.sqrt(2.0)
+    assert adv.tolist() == pytest.approx([1, -1, -1, 1, -1 / s, -1 / s, 2 / s, 0, 0, 0], abs=1e-6)
+
+
+def test_grpo_loss_uses_group_advantages() -> None:
+    # two answers of one prompt, rewards 1 and 0 -> advantages +1, -1; one token each at ratio 1
+    new = torch.tensor([[-1.0], [-2.0]], dtype=torch.float64, requires_grad=True)
+    out = grpo_loss(new, new.detach().clone(), torch.tensor([1.0, 0.0]), ["p", "p"], torch.ones(2, 1, dtype=bool))
+    assert out.loss.item() == pytest.approx(0.0)  # -(1 * 1 + 1 * -1) / 2
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([-0.5, 0.5], rel=1e-5)  # good answer up, bad down
+
+
+def test_ppo_clip_with_a_batch_mean_baseline() -> None:
+    assert baseline_advantages(torch.tensor([1.0, 2.0, 6.0])).tolist() == pytest.approx([-2.0, -1.0, 3.0])
+    new = torch.tensor([[0.0], [0.0]], dtype=torch.float64, requires_grad=True)
+    out = ppo_clip_loss(new, torch.zeros(2, 1, dtype=torch.float64), torch.ones(2, 1, dtype=bool),
+                        rewards=torch.tensor([3.0, 1.0]))
+    assert out.loss.item() == pytest.approx(0.0)  # advantages +1, -1
+    given = ppo_clip_loss(lp(0.0), torch.zeros(1, 1, dtype=torch.float64), torch.ones(1, 1, dtype=bool),
+                          advantages=torch.tensor([[0.5]]))
+    assert given.loss.item() == pytest.approx(-0.5)
+    with pytest.raises(ValueError, match="advantages or rewards"):
+        ppo_clip_loss(lp(0.0), torch.zeros(1, 1), torch.ones(1, 1, dtype=bool))
+
+
+def test_a_stale_tokens_ratio_corrects_the_update() -> None:
+    # A token sampled two versions ago with logprob -1.2 that the current policy gives -1.0:
+    # r = e^0.2 = 1.2214. With A = -1: min(-1.2214, -1.2) = -1.2214 -> loss 1.2214, gradient weight r.
+    new = lp(-1.0)
+    out = policy_loss(new, torch.tensor([[-1.2]], dtype=torch.float64), torch.tensor([-1.0]),
+                      torch.ones(1, 1, dtype=bool))
+    r = math.exp(0.2)
+    assert out.loss.item() == pytest.approx(r)
+    out.loss.backward()
+    assert new.grad.item() == pytest.approx(r)
+
+
+def test_a_very_stale_token_is_truncated_at_the_cap() -> None:
+    # behaviour -3, current -1: r = e^2 = 7.389 > C = 3. With A = -1 the untruncated surrogate would be
+    # -7.389 with gradient weight 7.389; truncated, it is C * A = -3 and the gradient weight is C.
+    new = lp(-1.0)
+    out = policy_loss(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([-1.0]),
+                      torch.ones(1, 1, dtype=bool), ratio_cap=3.0)
+    assert out.loss.item() == pytest.approx(3.0)
+    assert (out.truncated, out.clipped) == (1, 0)
+    assert out.ratio_sum == pytest.approx(math.exp(2.0))  # the metric reports the real ratio
+    out.loss.backward()
+    assert new.grad.item() == pytest.approx(3.0)
+    # With A = +1 the upper clip already applies: surrogate (1 + eps) * A, no gradient.
+    new = lp(-1.0)
+    out = policy_loss(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([1.0]),
+                      torch.ones(1, 1, dtype=bool), ratio_cap=3.0)
+    assert out.loss.item() == pytest.approx(-1.2)
+    out.loss.backward()
+    assert new.grad.item() == 0.0
+
+
+def test_kl_penalty_to_a_reference() -> None:
+    # ref - new = 0.5: k3 = e^0.5 - 0.5 - 1 = 0.148721; with beta 0.1 over one token the loss adds 0.0148721
+    new = lp(-1.0)
+    base = policy_loss(new, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([0.0]),
+                       torch.ones(1, 1, dtype=bool))
+    out = policy_loss(new, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([0.0]),
+                      torch.ones(1, 1, dtype=bool), ref_logprobs=torch.tensor([[-0.5]], dtype=torch.float64),
+                      kl_coef=0.1)
+    k3 = math.exp(0.5) - 0.5 - 1.0
+    assert out.kl_sum == pytest.approx(k3)
+    assert out.loss.item() - base.loss.item() == pytest.approx(0.1 * k3)
+
+
+def test_normaliser_replaces_the_local_token_count() -> None:
+    new = lp(0.0, 0.0)
+    out = policy_loss(new, torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1.0]), torch.ones(1, 2, dtype=bool),
+                      normaliser=8.0)
+    assert out.loss.item() == pytest.approx(-2.0 / 8.0)
+
+
+def test_token_logprobs_align_logits_with_the_next_token() -> None:
+    # vocab 3: the logits at position t predict token t + 1; position 0 has no context and gets 0
+    logits = torch.tensor([[[0.0, 0.0, 1.7346], [5.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])
+    tokens = torch.tensor([[1, 2, 0]])
+    got = token_logprobs(logits, tokens)
+    z0 = torch.log_softmax(logits[0, 0], -1)
+    z1 = torch.log_softmax(logits[0, 1], -1)
+    assert got.flatten().tolist() == pytest.approx([0.0, z0[2].item(), z1[0].item()])
+    tempered = token_logprobs(logits, tokens, temperature=2.0)
+    assert tempered[0, 1].item() == pytest.approx(torch.log_softmax(logits[0, 0] / 2, -1)[2].item())
+
+
+def test_bad_settings_are_rejected() -> None:
+    one = torch.zeros(1, 1)
+    with pytest.raises(ValueError, match="ratio_cap"):
+        policy_loss(one, one, torch.zeros(1), torch.ones(1, 1, dtype=bool), ratio_cap=1.1)
+    with pytest.raises(ValueError, match="one shape"):
+        policy_loss(torch.zeros(1, 2), one, torch.zeros(1), torch.ones(1, 1, dtype=bool))
+    with pytest.raises(ValueError, match="one group per reward"):
+        group_advantages(torch.zeros(3), ["a"])

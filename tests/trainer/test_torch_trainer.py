@@ -1,0 +1,150 @@
+"""The torch backend: one step's metrics, the weight stream's names, batches from trajectory records and
+checkpoints that resume exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from sfhpc.config.recipe import AlgorithmSpec
+from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
+from sfhpc.trainer import checkpoint as ckpt
+from sfhpc.trainer.batch import TrainBatch, TrainRow
+from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
+from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+from tests.trainer.conftest import toy_batch
+
+CONFIG = TrainerConfig(learning_rate=1e-3)
+
+
+def weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in trainer.named_weights()}
+
+
+def test_train_step_reports_tokens_ratio_and_staleness(tiny_model_dir: Path) -> None:
+    trainer = TorchTrainer(tiny_model_dir, CONFIG, initial_version=5)
+    batch = toy_batch(version=3)  # sampled two versions before the weights being trained
+    before = weights(trainer)
+    with torch.no_grad():
+        ratio = torch.exp(trainer.logprobs(batch) - batch.behaviour_logprobs)[batch.generated].mean().item()
+    m = trainer.train_step(batch)
+    assert (m.step, m.policy_version, trainer.policy_version) == (1, 6, 6)
+    assert m.tokens == batch.num_generated and m.sequences == 8
+    assert m.mean_staleness == 2.0 and m.max_staleness == 2
+    assert m.mean_ratio == pytest.approx(ratio, rel=1e-5)  # exp(new - behaviour) before the update
+    assert 0.0 <= m.clip_fraction <= 1.0 and m.reward_mean == pytest.approx(float(batch.rewards.mean()))
+    assert any(not torch.equal(before[n], t) for n, t in trainer.named_weights())
+    assert json.dumps(m.as_dict())
+
+
+def test_named_weights_use_the_hf_names_of_the_saved_model(tiny_model_dir: Path) -> None:
+    from safetensors import safe_open
+
+    trainer = TorchTrainer(tiny_model_dir, CONFIG)
+    named = dict(trainer.named_weights(torch.bfloat16))
+    with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
+        saved = set(f.keys())
+    assert set(named) == saved
+    assert "model.layers.0.self_attn.q_proj.weight" in named and "lm_head.weight" in named
+    assert {t.dtype for t in named.values()} == {torch.bfloat16}
+    assert {t.dtype for _, t in trainer.named_weights()} == {torch.float32}  # master weights stay float32
+
+
+def test_checkpoint_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    batches = [toy_batch(seed=s) for s in range(4)]
+    a = TorchTrainer(tiny_model_dir, CONFIG)
+    a.train_step(batches[0])
+    a.train_step(batches[1])
+    path = a.save_checkpoint(tmp_path / "ckpt" / "trainer.pt")
+    a.train_step(batches[2])
+    b = TorchTrainer(tiny_model_dir, CONFIG)
+    b.load_checkpoint(path)
+    assert (b.step, b.policy_version) == (2, 2)
+    b.train_step(batches[2])
+    wa, wb = weights(a), weights(b)
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)
+    assert (a.step, a.policy_version) == (b.step, b.policy_version) == (3, 3)
+    # optimizer moments too: one more step stays identical
+    ma, mb = a.train_step(batches[3]), b.train_step(batches[3])
+    assert ma.loss == mb.loss
+    assert all(torch.equal(t, weights(b)[n]) for n, t in weights(a).items())
+    assert list((tmp_path / "ckpt").iterdir()) == [path]  # no temporary file left behind
+
+
+def test_checkpoint_write_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ckpt.save_atomic({"step": 1}, tmp_path / "c.pt")
+
+    def crash(obj: object, f: object) -> None:
+        f.write(b"half a checkpoint")  # type: ignore[attr-defined]
+        raise KeyboardInterrupt  # killed mid-write
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_atomic({"step": 2}, path)
+    monkeypatch.undo()
+    assert ckpt.load(path)["step"] == 1
+    assert [p.name for p in tmp_path.iterdir()] == ["c.pt"]
+
+
+def test_checkpoint_errors_name_the_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = TorchTrainer(tiny_model_dir, CONFIG)
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        trainer.load_checkpoint(tmp_path / "missing.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(CheckpointError, match="junk.pt: cannot read"):
+        trainer.load_checkpoint(tmp_path / "junk.pt")
+    other = ckpt.save_atomic({"model": {"w": torch.zeros(1)}, "optimizer": {}, "step": 0, "policy_version": 0,
+                              "rng": ckpt.rng_state()}, tmp_path / "other.pt")
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        trainer.load_checkpoint(other)
+    with pytest.raises(TrainerError, match="no config.json"):
+        TorchTrainer(tmp_path, CONFIG)
+
+
+def test_batch_from_trajectory_records() -> None:
+    segments = (Segment.of(SegmentKind.PROMPT, -1, 0, [257, 261, 104, 105, 259, 262]),
+                Segment.of(SegmentKind.GENERATED, 0, 6, [79, 75], logprobs=[-0.5, -0.25], versions=[3, 4]),
+                Segment.of(SegmentKind.OBSERVATION, 1, 2, [263, 33]),
+                Segment.of(SegmentKind.GENERATED, 2, 2, [259], logprobs=[-0.125], versions=4))
+    done = Trajectory("t1", segments, group="g", status=Status.FINISHED, reward=1.0)
+    short = Trajectory("t2", segments[:2], group="g", status=Status.FINISHED, reward=0.0)
+    batch = TrainBatch.from_trajectories([done, short])
+    assert batch.tokens.shape == (2, 11) and batch.lengths.tolist() == [11, 8]
+    assert batch.generated[0].tolist() == [False] * 6 + [True, True, False, False, True]
+    assert batch.versions[0, 6:].tolist() == [3, 4, -1, -1, 4]
+    assert batch.behaviour_logprobs[0, 10].item() == -0.125
+    assert batch.tokens[1, 8:].tolist() == [256, 256, 256]  # padding
+    assert batch.attention_mask[1].tolist() == [1] * 8 + [0] * 3
+    assert batch.groups == ("g", "g") and batch.rewards.tolist() == [1.0, 0.0]
+    with pytest.raises(BatchError, match="no reward"):
+        TrainBatch.from_trajectories([Trajectory("t3", segments[:1])])
+
+
+def test_bad_batches_are_rejected() -> None:
+    row = TrainRow(tokens=[1, 2, 3], generated=[False, True, True], logprobs=[0, -1, -1], versions=[-1, 0, 0],
+                   reward=1.0)
+    with pytest.raises(BatchError, match="2 logprobs"):
+        TrainBatch.from_rows([TrainRow([1, 2, 3], [False, True, True], [0, -1], [-1, 0, 0], 1.0)])
+    with pytest.raises(BatchError, match="first token"):
+        TrainBatch.from_rows([TrainRow([1, 2], [True, True], [0, -1], [0, 0], 1.0)])
+    with pytest.raises(BatchError, match="at least one"):
+        TrainBatch.from_rows([])
+    assert TrainBatch.from_rows([row, row]).groups == (0, 1)  # no group: each row is a group of its own
+
+
+def test_config_from_the_recipe_algorithm() -> None:
+    cfg = TrainerConfig.from_algorithm(AlgorithmSpec(name="ppo", learning_rate=3e-5, clip_ratio=0.1, kl_coef=0.01))
+    assert (cfg.algorithm, cfg.learning_rate, cfg.clip_ratio, cfg.kl_coef) == ("ppo", 3e-5, 0.1, 0.01)
+    with pytest.raises(TrainerError, match="positive"):
+        TrainerConfig(learning_rate=0.0)
+
+
+def test_kl_reference_and_ppo_advantages(tiny_model_dir: Path) -> None:
+    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(algorithm="ppo", learning_rate=1e-2, kl_coef=0.1))
+    first = trainer.train_step(toy_batch())
+    second = trainer.train_step(toy_batch())
+    assert first.kl == pytest.approx(0.0, abs=1e-9)  # the reference is the initial policy
+    assert second.kl > 0.0  # after one update the policy has moved away from it

@@ -1,0 +1,35 @@
+"""The weight publisher over MPI: three ranks, bit-identical tensors, versions that arrive."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.mpi
+
+
+def test_three_ranks_receive_bit_identical_versions(tmp_path: Path) -> None:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "3", sys.executable, "-m",
+                           "tests.weights.broadcast_ranks", str(tmp_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    sent = json.loads((tmp_path / "rank0.json").read_text())
+    assert [v["version"] for v in sent] == [1, 2]
+    assert all(v["buckets"] >= 3 for v in sent)  # small buckets: the set really travels in several
+    for rank in (1, 2):
+        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [v["version"] for v in got] == [1, 2], f"rank {rank}"
+        for s, g in zip(sent, got):
+            assert g["digests"] == s["digests"], f"rank {rank} version {s['version']}"
+            assert g["shapes"] == s["shapes"] and g["dtypes"] == s["dtypes"]
+            assert len(g["bucket_names"]) == s["buckets"]
+            assert ["model.layers.0.mlp.down_proj.weight"] in g["bucket_names"]  # the oversized tensor, alone
+        assert got[0]["digests"] != got[1]["digests"]  # two different versions, not one received twice
