@@ -83,6 +83,8 @@ class ModelSpec:
     heads: int = 4
     max_seq_len: int = 256
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    warm_start_steps: int = 0          # supervised steps on the task's reply format before RL (built model only)
+    warm_start_learning_rate: float = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,24 @@ class AlgorithmSpec:
     learning_rate: float = 1e-4
     clip_ratio: float = 0.2
     kl_coef: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingSpec:
+    """The training backend: ``torch`` (CPU default; DDP over gloo across trainer ranks) or ``megatron``
+    (megatron-core, for GPUs; trainer ranks = tensor x pipeline x data parallel)."""
+
+    backend: Literal["torch", "megatron"] = "torch"
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    checkpoint_every: int = 0          # steps between trainer checkpoints (0: only at the end)
+
+    def validate(self, where: Where) -> None:
+        for key in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
+        if self.backend == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+            raise where.child("backend").error("tensor/pipeline parallelism needs backend 'megatron'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +125,8 @@ class PipelineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Budgets:
+    """How much work one run does: `steps` training steps of `prompts_per_step` GRPO groups each."""
+
     steps: int = 20
     prompts_per_step: int = 16
     max_new_tokens: int = 32
@@ -138,6 +160,7 @@ class Recipe:
     roles: tuple[Role, ...]
     model: ModelSpec = ModelSpec()
     algorithm: AlgorithmSpec = AlgorithmSpec()
+    training: TrainingSpec = TrainingSpec()
     pipeline: PipelineSpec = PipelineSpec()
     budgets: Budgets = Budgets()
     task: TaskSpec = TaskSpec()
@@ -182,6 +205,12 @@ class Recipe:
             raise where.child("pipeline").child("mode").error(
                 f"'{self.pipeline.mode}' overlaps rollout with training, so rollout needs ranks of its own; "
                 "use mode 'sync' for a colocated recipe or give rollout its own tags and nodes")
+        trainer = self.role("trainer")
+        assert trainer is not None
+        parallel = self.training.tensor_parallel * self.training.pipeline_parallel
+        if trainer.num_tasks % parallel:
+            raise where.child("training").error(
+                f"{trainer.num_tasks} trainer ranks cannot be split into tensor x pipeline = {parallel} groups")
         if self.pipeline.max_staleness < 0:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
 

@@ -3,8 +3,13 @@
 The manager lives on the controller rank. A `ManagerServer` there answers requests; on every other rank a
 `ManagerClient` offers the manager's methods and forwards each call:
 
-    request  (client -> server, tag REQUEST_TAG): (method name, args, kwargs)
+    request  (client -> server, tag REQUEST_TAG): (method name, args, kwargs, wants_reply)
     reply    (server -> client, tag REPLY_TAG):   ("ok", result) or ("error", error class name, message)
+
+Recording calls that return nothing (`add_generated`, `interrupt`, `finish`) are one-way: the client
+does not wait for an answer, so an agent's turn costs one round trip (`start` or `observe`) instead of
+three or four. MPI keeps the messages of one client in order, so a later call still sees their effect;
+an error in a one-way call is logged on the controller and counted in `ManagerServer.failed_one_way`.
     goodbye  (client -> server, tag REQUEST_TAG): (GOODBYE, (), {}); no reply
 
 Errors come back as the same `SfhpcError` subclass (UnknownTrajectory stays UnknownTrajectory), so code
@@ -35,6 +40,7 @@ log = logging.getLogger("sfhpc")
 REQUEST_TAG = 0x5F10
 REPLY_TAG = 0x5F11
 GOODBYE = "__goodbye__"
+ONE_WAY = frozenset({"add_generated", "interrupt", "finish"})
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
@@ -67,10 +73,11 @@ class ManagerServer:
         rank = comm.Get_rank()
         self.open_clients = set(range(comm.Get_size())) - {rank} if clients is None else set(clients)
         self.served = 0
+        self.failed_one_way = 0
 
     def _handle(self, source: int, request: Any) -> None:
         try:
-            method, args, kwargs = request
+            method, args, kwargs, wants_reply = request
         except (TypeError, ValueError):
             self.comm.send(("error", "ServiceError", f"malformed request from rank {source}"), dest=source,
                            tag=REPLY_TAG)
@@ -87,8 +94,12 @@ class ManagerServer:
         except Exception as exc:  # a bug must not take the controller down with it; the caller sees it
             log.exception("trajectory manager failed on %s from rank %d", method, source)
             reply = ("error", "ServiceError", f"{method} failed on the controller: {type(exc).__name__}: {exc}")
-        self.comm.send(reply, dest=source, tag=REPLY_TAG)
         self.served += 1
+        if wants_reply:
+            self.comm.send(reply, dest=source, tag=REPLY_TAG)
+        elif reply[0] == "error":
+            self.failed_one_way += 1
+            log.error("one-way %s from rank %d failed: %s", method, source, reply[2])
 
     def serve_pending(self, max_requests: int = 64) -> int:
         """Answer the requests that have already arrived (at most `max_requests`); returns how many.
@@ -133,7 +144,10 @@ class ManagerClient:
         with self._lock:
             if self._closed:
                 raise ServiceError("this trajectory-manager client was closed")
-            self.comm.send((method, args, kwargs), dest=self.server_rank, tag=REQUEST_TAG)
+            wants_reply = method not in ONE_WAY
+            self.comm.send((method, args, kwargs, wants_reply), dest=self.server_rank, tag=REQUEST_TAG)
+            if not wants_reply:
+                return None
             arrived = _wait_for(lambda: self.comm.Iprobe(source=self.server_rank, tag=REPLY_TAG), self.timeout)
             if not arrived:
                 raise ServiceError(f"the trajectory manager on rank {self.server_rank} did not answer {method} "
@@ -148,7 +162,7 @@ class ManagerClient:
         """Tell the server this rank is done (it stops serving once every client has)."""
         with self._lock:
             if not self._closed:
-                self.comm.send((GOODBYE, (), {}), dest=self.server_rank, tag=REQUEST_TAG)
+                self.comm.send((GOODBYE, (), {}, False), dest=self.server_rank, tag=REQUEST_TAG)
                 self._closed = True
 
     def __enter__(self) -> ManagerClient:

@@ -17,6 +17,7 @@ pause ends every request.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
@@ -118,7 +119,14 @@ class VllmEngine(RolloutEngine):
         await self._llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
-        self._llm.shutdown()
+        """Stop the engine's processes. The AsyncLLM object is dropped here, not at interpreter exit: its
+        finaliser calls shutdown again and fails once module globals are torn down."""
+        if self._llm is None:
+            return
+        llm, self._llm = self._llm, None
+        llm.shutdown()
+        del llm
+        gc.collect()
 
 
 def _finish_reason(reason: str | None) -> str:

@@ -7,7 +7,9 @@ Nothing else in sfhpc calls ``Split``. The layout is validated when it is built 
 * ``rollouts``         the ranks with the rollout role (inference engines + agent endpoints);
 * ``weight_broadcast`` the first trainer rank (root, rank 0 in this communicator) and every rollout
   rank: new weights are broadcast over it;
-* the controller is world rank 0 and talks to every rank point-to-point over ``world``.
+* ``manager_link``     a duplicate of ``world`` that carries only the trajectory manager's requests
+  (the controller serves them in a thread of its own, so they must not mix with control messages);
+* the controller is world rank 0 and sends its commands point-to-point over ``world``.
 
 A rank outside a group holds ``None`` for that group's communicator.
 """
@@ -27,6 +29,7 @@ CONTROLLER_RANK = 0
 @dataclasses.dataclass(frozen=True)
 class CommLayout:
     world: Any
+    manager_link: Any
     trainers: Any | None
     rollouts: Any | None
     weight_broadcast: Any | None
@@ -42,6 +45,7 @@ class CommLayout:
 
     def describe(self) -> str:
         rows = [("world", str(self.world.Get_size()), "all"),
+                ("manager_link", str(self.world.Get_size()), "all (trajectory manager requests)"),
                 ("controller", "1", str(self.controller_rank)),
                 ("trainers", str(len(self.trainer_ranks)), _ranks(self.trainer_ranks)),
                 ("rollouts", str(len(self.rollout_ranks)), _ranks(self.rollout_ranks)),
@@ -77,7 +81,8 @@ def build_comm_layout(world: Any, plan: LaunchPlan) -> CommLayout:
         comm = world.Split(color, members.index(me) if me in members else 0)
         return None if comm == MPI.COMM_NULL else comm
 
-    layout = CommLayout(world, split(trainers), split(rollouts), split(broadcast), trainers, rollouts, broadcast)
+    layout = CommLayout(world, world.Dup(), split(trainers), split(rollouts), split(broadcast), trainers, rollouts,
+                        broadcast)
     for comm, members in ((layout.trainers, trainers), (layout.rollouts, rollouts),
                           (layout.weight_broadcast, broadcast)):
         if comm is not None:

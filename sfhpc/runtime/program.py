@@ -46,10 +46,11 @@ class RankProgram:
                  identity.env.node, ",".join(identity.roles), ",".join(identity.tags))
         if identity.rank == 0:
             print(self.plan.describe(), flush=True)
-        task = self.recipe.task.name
-        if task == "launch-report":
+        if self.recipe.task.name == "launch-report":
             return launch_report(identity, comm, self.run_dir)
-        raise SfhpcError(f"{self.recipe.source}: task.name: unknown task '{task}' (known: launch-report)")
+        from sfhpc.rl.program import run_rl
+
+        return run_rl(identity, comm, self.plan, self.recipe, self.run_dir)
 
 
 def _log_to_file(path: Path, identity: RankIdentity) -> None:

@@ -27,7 +27,7 @@ def controller(comm, out: Path) -> dict:
     with open_store(out / "run.h5") as reader:
         summary = reader.summary()
         marks = [(m.step, m.trajectory_id) for m in reader.marks()]
-    return {"served": server.served, "by_status": summary.by_status, "marks": marks,
+    return {"served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status, "marks": marks,
             "generated_tokens": summary.generated_tokens, "cpu_seconds": time.process_time() - began,
             "wall_seconds": time.monotonic() - wall}
 
@@ -50,8 +50,10 @@ def agent(comm, rank: int) -> dict:
         result["versions"] = record.token_versions().tolist()
         for name, call, error in (
                 ("unknown", lambda: client.status("nobody"), UnknownTrajectory),
-                ("finished", lambda: client.add_generated(ids[0], [1], [0.0], 2), TrajectoryFinished),
-                ("invalid", lambda: client.add_generated(ids[0], [1, 2], [0.0], 2), InvalidRequest)):
+                ("finished", lambda: client.observe(ids[0], [rank, 0, 0, 9]), TrajectoryFinished),
+                ("invalid", lambda: client.take_batch(policy_version=2, num_groups=0), InvalidRequest),
+                # One-way calls return at once; their error is logged and counted on the controller.
+                ("one-way", lambda: client.add_generated(ids[0], [1], [0.0], 2), TrajectoryFinished)):
             try:
                 call()
                 result[name] = "no error"

@@ -32,9 +32,11 @@ def test_manager_over_mpi_with_three_ranks(tmp_path):
         assert seen["unknown"] == ["UnknownTrajectory", "no trajectory with id 'nobody'"]
         assert seen["finished"][0] == "TrajectoryFinished" and f"r{rank}-0" in seen["finished"][1]
         assert seen["invalid"][0] == "InvalidRequest"
+        assert seen["one-way"] == "no error"
     assert agents[0]["batch"] == [0, ["r1-0", "r1-1", "r2-0", "r2-1"]]
     assert agents[0]["again"] is None  # nothing is handed out twice
     assert controller["by_status"]["consumed"] == 4
+    assert controller["failed_one_way"] == 2  # each agent's add_generated on a finished trajectory
     assert sorted(map(tuple, controller["marks"])) == [(0, f"r{r}-{j}") for r in (1, 2) for j in (0, 1)]
     assert controller["generated_tokens"] == 4 * 10
     # Rank 2 idles a second before it says goodbye: the server polls with sleeps and does not burn a core.

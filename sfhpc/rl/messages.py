@@ -1,0 +1,105 @@
+"""What the controller and the workers say to each other over the world communicator.
+
+The controller sends commands; workers answer only where the controller waits for an answer. Every
+message is a small frozen dataclass sent with mpi4py's pickle-based ``send`` under `CONTROL_TAG`; the
+trajectory data itself travels through the trajectory manager's own communicator, weights through the
+weight-broadcast communicator.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from sfhpc.tasks.base import Problem
+
+CONTROL_TAG = 0x5F20
+REPLY_TAG = 0x5F21
+
+
+@dataclasses.dataclass(frozen=True)
+class Episode:
+    """One episode for a rollout rank to play: a problem, its GRPO group and a sampling seed."""
+
+    problem: Problem
+    group: str
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Play:
+    """Controller -> rollout rank: play these episodes (they finish in the trajectory manager)."""
+
+    episodes: tuple[Episode, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Train:
+    """Controller -> every trainer rank: one optimisation step on this batch (trainer 0 answers `Trained`)."""
+
+    step: int
+    batch: Any  # sfhpc.trainer.batch.TrainBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    step: int
+    version: int
+    metrics: dict[str, float | int]
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncWeights:
+    """Controller -> trainers and rollout ranks: bring the engines to `version` (each rank answers `Synced`).
+
+    Disaggregated: the first trainer broadcasts, rollout ranks pause, receive, load and resume.
+    Colocated: every rank loads its own trainer's weights into its own engine.
+    """
+
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Synced:
+    rank: int
+    version: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """Controller -> trainer ranks: write a checkpoint at `path` (trainer 0 answers `Synced`-like ack)."""
+
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
+
+
+def send(comm: Any, message: object, dest: int, tag: int = CONTROL_TAG) -> None:
+    comm.send(message, dest=dest, tag=tag)
+
+
+def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeout: float | None = None) -> Any:
+    """Receive one message, polling with a short sleep (a blocking receive in Open MPI spins a core)."""
+    from mpi4py import MPI
+
+    source = MPI.ANY_SOURCE if source is None else source
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 50e-6
+    while not comm.iprobe(source=source, tag=tag):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"no message with tag {tag:#x} within {timeout} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 2e-3)
+    return comm.recv(source=source, tag=tag)
+
+
+def poll(comm: Any, source: int, tag: int = CONTROL_TAG) -> Any | None:
+    """One message if one is waiting, else None (never blocks)."""
+    if comm.iprobe(source=source, tag=tag):
+        return comm.recv(source=source, tag=tag)
+    return None

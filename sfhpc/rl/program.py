@@ -1,0 +1,89 @@
+"""One rank of an RL run: prepare the model, build the communicators, then play this rank's roles."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from sfhpc.config.recipe import Recipe
+from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.runtime.comm_layout import build_comm_layout
+from sfhpc.runtime.identity import RankIdentity
+from sfhpc.tasks.base import Task, get_task
+
+log = logging.getLogger("sfhpc")
+
+
+def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
+    """The policy's folder: the recipe's ``model.path``, or the project's tiny model that rank 0 builds
+    (and warm-starts on the task's reply format) in the run folder. Collective: every rank gets the path."""
+    path = None
+    if world.Get_rank() == 0:
+        if recipe.model.path is not None:
+            path = Path(recipe.model.path)
+        else:
+            path = run_dir / "model"
+            if not (path / "config.json").exists():  # a restarted run keeps the model it built
+                from sfhpc.model.tiny import build_tiny_model
+                from sfhpc.model.warm_start import warm_start
+
+                build_tiny_model(recipe.model, path, seed=recipe.seed)
+                if recipe.model.warm_start_steps:
+                    loss = warm_start(path, task, steps=recipe.model.warm_start_steps,
+                                      learning_rate=recipe.model.warm_start_learning_rate, seed=recipe.seed)
+                    print(f"warm start: {recipe.model.warm_start_steps} steps on the reply format, "
+                          f"loss {loss:.3f}", flush=True)
+    return Path(world.bcast(str(path) if path else None, root=0))
+
+
+def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe, run_dir: Path) -> dict[str, Any]:
+    from sfhpc.rl.controller import Controller, describe, run_loop
+    from sfhpc.rl.rollout_worker import RolloutWorker, serve_rollout
+    from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer, serve_trainer
+
+    task = get_task(recipe.task, recipe.source)
+    model_dir = prepare_model(recipe, task, run_dir, world)
+    layout = build_comm_layout(world, plan)
+    if identity.has_role("controller"):
+        print(layout.describe(), flush=True)
+        controller = Controller(recipe, plan, layout, task, run_dir)
+        summary = run_loop(controller)
+        print(describe(summary, controller.progress, controller.progress.plot()), flush=True)
+        return {"rank": identity.rank, "steps": summary.steps, "first_reward": summary.first_reward,
+                "last_reward": summary.last_reward, "store": str(summary.store)}
+
+    trainer_worker = None
+    if identity.has_role("trainer"):
+        trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir))
+    if identity.has_role("rollout"):
+        def engine() -> Any:
+            from sfhpc.engine.vllm_engine import VllmEngine
+
+            return VllmEngine.start(f"vllm-r{identity.rank}", model_dir, max_model_len=recipe.model.max_seq_len,
+                                    dtype=recipe.model.dtype, seed=recipe.seed + identity.rank)
+
+        worker = RolloutWorker(recipe, task, layout, engine,
+                               trainer=trainer_worker.trainer if trainer_worker else None)
+        try:
+            serve_rollout(worker, on_train=_colocated_training(trainer_worker))
+        finally:
+            worker.close()
+    elif trainer_worker is not None:
+        serve_trainer(trainer_worker)
+    return {"rank": identity.rank, "roles": list(identity.roles)}
+
+
+def _colocated_training(worker: Any) -> Any:
+    """On a rank that trains and serves rollouts, the rollout loop forwards training commands here."""
+    if worker is None:
+        return None
+    from sfhpc.rl import messages as msg
+
+    def handle(command: Any) -> None:
+        if isinstance(command, msg.Train):
+            worker.train(command)
+        elif isinstance(command, msg.Checkpoint):
+            worker.checkpoint(command)
+
+    return handle

@@ -1,0 +1,68 @@
+"""Progress of a run: one line per step on the terminal, a JSON line per step on disk, the reward curve.
+
+Long runs show steps, reward and throughput as they go; at the end the reward curve is printed (so a
+terminal shows it) and drawn to ``reward.png`` next to the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+SPARK = " .:-=+*#%@"
+
+
+class Progress:
+    def __init__(self, run_dir: Path, total_steps: int) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.total = total_steps
+        self.started = time.monotonic()
+        self.rows: list[dict[str, Any]] = []
+
+    def step(self, row: dict[str, Any]) -> None:
+        row = {**row, "elapsed_s": round(time.monotonic() - self.started, 3)}
+        self.rows.append(row)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"step {row['step']:>4}/{self.total}  reward {row['reward_mean']:.3f}  "
+              f"staleness {row.get('mean_staleness', 0):.2f}  gen {row['generated_tokens_per_s']:>7.0f} tok/s  "
+              f"train {row['trained_tokens_per_s']:>7.0f} tok/s  sync {row['sync_s'] * 1000:.0f} ms  "
+              f"[{row['elapsed_s']:.0f} s]", flush=True)
+
+    def curve(self, window: int = 5) -> str:
+        """The reward per step as one line of text (moving average over `window` steps), with first/last."""
+        rewards = [r["reward_mean"] for r in self.rows]
+        if not rewards:
+            return "no steps were run"
+        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                  for i in range(len(rewards))]
+        spark = "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, v) * len(SPARK)))] for v in smooth)
+        tenth = max(1, len(rewards) // 10)
+        first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
+        return (f"reward curve (0 to 1, moving average of {window}): |{spark}|\n"
+                f"mean reward: first {tenth} step(s) {first:.3f} -> last {tenth} step(s) {last:.3f}")
+
+    def plot(self) -> Path | None:
+        """Draw reward.png (reward and staleness per step); None when matplotlib is missing."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return None
+        steps = [r["step"] for r in self.rows]
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        ax.plot(steps, [r["reward_mean"] for r in self.rows], label="mean reward")
+        ax.set_xlabel("training step")
+        ax.set_ylabel("mean reward")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left")
+        fig.tight_layout()
+        out = self.path.parent / "reward.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        return out

@@ -1,0 +1,162 @@
+"""A rollout rank: a vLLM engine, the agent endpoint in front of it, and the agents that play episodes.
+
+Threads. The endpoint's event loop runs in its own thread (engine, HTTP server, agents, and the calls
+to the trajectory manager, which travel over the manager's communicator). The main thread owns the
+control channel: it waits for the controller's commands and, for a weight update, pauses the engine,
+receives the broadcast and loads it. An agent never notices a weight update: its call just takes longer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+from sfhpc.config.recipe import Recipe
+from sfhpc.data.service import ManagerClient
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
+from sfhpc.endpoint.client import AsyncLocalClient
+from sfhpc.engine.base import RolloutEngine
+from sfhpc.rl import messages as msg
+from sfhpc.rl.messages import Episode
+from sfhpc.rollout.agent import ChatBackend, LocalChat, OpenAIChat, play_episode
+from sfhpc.runtime.comm_layout import CommLayout
+from sfhpc.tasks.base import Task
+
+log = logging.getLogger("sfhpc")
+
+
+class RolloutWorker:
+    def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
+                 trainer: Any | None = None) -> None:
+        self.recipe, self.task, self.layout = recipe, task, layout
+        self.rank = layout.world.Get_rank()
+        self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
+        # The engine starts on the endpoint's loop: vLLM's AsyncLLM binds to the loop that first uses it.
+        placeholder = _Idle()
+        self.endpoint = AgentEndpoint(placeholder, self.manager)
+        self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name)).start()
+
+        async def start_engine() -> RolloutEngine:
+            engine = engine_factory()
+            await self.endpoint.replace_engine(engine)
+            return engine
+
+        self.engine: RolloutEngine = self.server.call(start_engine(), timeout=600)
+        self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name) if task.max_turns > 1
+                                     else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
+        self.trainer = trainer  # colocated: this rank also trains, and loads its own weights
+        self.receiver = None
+        if trainer is None and layout.weight_broadcast is not None:
+            from sfhpc.weights.publisher import WeightReceiver
+            from sfhpc.weights.transport import MPITransport
+
+            self.receiver = WeightReceiver(MPITransport(layout.weight_broadcast, root=0))
+        self.playing: list[Future[Any]] = []
+
+    # -- commands ----------------------------------------------------------------------------------
+    def play(self, episodes: tuple[Episode, ...]) -> None:
+        for episode in episodes:
+            self.playing.append(asyncio.run_coroutine_threadsafe(self._play(episode), self.server.loop))
+
+    async def _play(self, episode: Episode) -> None:
+        outcome = await play_episode(self.backend, self.task, episode.problem, group=episode.group,
+                                     seed=episode.seed)
+        self.manager.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
+
+    def sync_weights(self, version: int) -> float:
+        """Pause, load `version`, resume; returns the seconds the engine was paused."""
+        start = time.perf_counter()
+        self.server.call(self.engine.pause())
+        if self.trainer is not None:  # colocated: our own trainer holds the new weights
+            weights = list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
+        else:
+            assert self.receiver is not None
+            incoming = self.receiver.receive()
+            assert incoming is not None and incoming.version == version, "weight stream out of order"
+            # Buckets reuse one buffer: copy each tensor before the next bucket overwrites it.
+            weights = [(name, tensor.clone()) for bucket in incoming for name, tensor in bucket]
+        self.server.call(self.engine.load_weights(weights, version=version))
+        self.server.call(self.engine.resume())
+        return time.perf_counter() - start
+
+    def errors(self) -> list[BaseException]:
+        """Exceptions of finished episodes (an agent that crashed must not go unnoticed)."""
+        done = [f for f in self.playing if f.done()]
+        self.playing = [f for f in self.playing if not f.done()]
+        return [e for e in (f.exception() for f in done) if e is not None]
+
+    def close(self) -> None:
+        for future in self.playing:
+            future.cancel()
+        shutdown = getattr(self.engine, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        self.server.stop()
+        self.manager.close()
+
+
+def _engine_dtype(recipe: Recipe) -> Any:
+    import torch
+
+    return getattr(torch, recipe.model.dtype)
+
+
+class _Idle(RolloutEngine):
+    """Stands in until the real engine has started on the endpoint's loop; it never generates."""
+
+    def __init__(self) -> None:
+        super().__init__("starting")
+
+    @property
+    def max_model_len(self) -> int:
+        return 1
+
+    async def generate(self, request: Any) -> Any:  # pragma: no cover - replaced before any agent runs
+        raise RuntimeError("the engine has not started yet")
+        yield
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def _pause_generation(self) -> None:
+        return None
+
+    async def _resume_generation(self) -> None:
+        return None
+
+    async def _load_weights(self, weights: Any) -> None:
+        return None
+
+
+def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
+    """The rollout rank's command loop (the main thread), until the controller says Stop."""
+    world, controller = worker.layout.world, worker.layout.controller_rank
+    while True:
+        errors = worker.errors()
+        if errors:
+            raise errors[0]
+        command = msg.poll(world, controller)
+        if command is None:
+            time.sleep(0.002)
+            continue
+        if isinstance(command, msg.Play):
+            worker.play(command.episodes)
+        elif isinstance(command, msg.Train) and on_train is not None:
+            on_train(command)
+        elif isinstance(command, msg.SyncWeights):
+            seconds = worker.sync_weights(command.version)
+            msg.send(world, msg.Synced(worker.rank, command.version, seconds), controller, msg.REPLY_TAG)
+        elif isinstance(command, msg.Checkpoint) and on_train is not None:
+            on_train(command)
+        elif isinstance(command, msg.Stop):
+            return
+        else:
+            raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")
+
+
+def model_dir_of(run_dir: Path) -> Path:
+    return run_dir / "model"

@@ -1,0 +1,77 @@
+"""A trainer rank: trains on the batches the controller sends and publishes the new weights.
+
+Trainer ranks run data parallel (DDP over gloo on the trainers communicator): every rank receives the
+same batch and the same commands. The first trainer answers for all of them and is the root of the
+weight broadcast to the rollout ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from sfhpc.config.recipe import Recipe
+from sfhpc.rl import messages as msg
+from sfhpc.runtime.comm_layout import CommLayout
+
+
+def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path) -> Any:
+    from sfhpc.trainer.distributed import DistSpec
+    from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+
+    return TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm),
+                        dist=DistSpec.from_mpi(layout.trainers), seed=recipe.seed)
+
+
+class TrainerWorker:
+    def __init__(self, recipe: Recipe, layout: CommLayout, trainer: Any) -> None:
+        self.recipe, self.layout, self.trainer = recipe, layout, trainer
+        self.rank = layout.world.Get_rank()
+        self.is_first = layout.trainers.Get_rank() == 0
+        self.publisher = None
+        if layout.weight_broadcast is not None and self.rank == layout.weight_root:
+            from sfhpc.weights.publisher import WeightPublisher
+            from sfhpc.weights.transport import MPITransport
+
+            self.publisher = WeightPublisher(MPITransport(layout.weight_broadcast, root=0))
+
+    def train(self, command: msg.Train) -> None:
+        metrics = self.trainer.train_step(command.batch)
+        if self.is_first:
+            reply = msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict())
+            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
+
+    def publish(self, command: msg.SyncWeights) -> None:
+        start = time.perf_counter()
+        if self.publisher is not None:
+            import torch
+
+            self.publisher.publish(self.trainer.named_weights(dtype=getattr(torch, self.recipe.model.dtype)),
+                                   command.version)
+        if self.is_first:
+            reply = msg.Synced(self.rank, command.version, time.perf_counter() - start)
+            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
+
+    def checkpoint(self, command: msg.Checkpoint) -> None:
+        self.trainer.save_checkpoint(Path(command.path))
+        if self.is_first:
+            msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),
+                     self.layout.controller_rank, msg.REPLY_TAG)
+
+
+def serve_trainer(worker: TrainerWorker) -> None:
+    """The trainer rank's command loop, until the controller says Stop."""
+    world, controller = worker.layout.world, worker.layout.controller_rank
+    while True:
+        command = msg.receive(world, controller)
+        if isinstance(command, msg.Train):
+            worker.train(command)
+        elif isinstance(command, msg.SyncWeights):
+            worker.publish(command)
+        elif isinstance(command, msg.Checkpoint):
+            worker.checkpoint(command)
+        elif isinstance(command, msg.Stop):
+            return
+        else:
+            raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")
