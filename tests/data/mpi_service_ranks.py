@@ -27,7 +27,8 @@ def controller(comm, out: Path) -> dict:
     with open_store(out / "run.h5") as reader:
         summary = reader.summary()
         marks = [(m.step, m.trajectory_id) for m in reader.marks()]
-    return {"served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status, "marks": marks,
+    return {"served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status,
+            "marks": marks,
             "generated_tokens": summary.generated_tokens, "cpu_seconds": time.process_time() - began,
             "wall_seconds": time.monotonic() - wall}
 
