@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,10 @@ class RankProgram:
                  identity.env.node, ",".join(identity.roles), ",".join(identity.tags))
         if identity.rank == 0:
             print(self.plan.describe(), flush=True)
+        # Every run starts with the launch report: who runs where, proven by one Allgather over the world.
+        report = launch_report(identity, comm, self.run_dir)
         if self.recipe.task.name == "launch-report":
-            return launch_report(identity, comm, self.run_dir)
+            return report
         from sfhpc.rl.program import run_rl
 
         return run_rl(identity, comm, self.plan, self.recipe, self.run_dir)
@@ -80,4 +83,12 @@ def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
         program()
     except SfhpcError as exc:
         return report_user_error(exc, is_rank_zero)
+    except Exception:
+        # A crashed rank must not leave the others blocked in MPI forever (mpiexec would wait): print the
+        # traceback, then end every rank of the job.
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
     return 0

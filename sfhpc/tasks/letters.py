@@ -29,12 +29,19 @@ class _NextLetterEpisode(Episode):
 
 @register("next-letter")
 class NextLetterTask(Task):
+    """Options: ``letters``, the letters questions are drawn from (default a-y; fewer letters learn faster)."""
+
     name = "next-letter"
     max_turns = 1
     max_reply_tokens = 3
 
+    def __init__(self, letters: str = LETTERS) -> None:
+        if not letters or any(c not in LETTERS for c in letters):
+            raise TypeError(f"letters must be a non-empty string of letters from {LETTERS!r}")
+        self.letters = letters
+
     def sample(self, rng: random.Random) -> Problem:
-        letter = rng.choice(LETTERS)
+        letter = rng.choice(self.letters)
         return Problem(key=letter, data=letter)
 
     def episode(self, problem: Problem) -> Episode:
@@ -42,5 +49,5 @@ class NextLetterTask(Task):
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
         # Format only: the reply is *some* letter, not the right one.
-        return [[{"role": "user", "content": f"after {rng.choice(LETTERS)}"},
+        return [[{"role": "user", "content": f"after {rng.choice(self.letters)}"},
                  {"role": "assistant", "content": rng.choice(string.ascii_lowercase)}] for _ in range(count)]
