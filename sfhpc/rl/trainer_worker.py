@@ -17,11 +17,17 @@ from sfhpc.runtime.comm_layout import CommLayout
 
 
 def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path) -> Any:
+    """The recipe's training backend over the trainers communicator (collective on the trainer ranks)."""
     from sfhpc.trainer.distributed import DistSpec
+
+    dist = DistSpec.from_mpi(layout.trainers)
+    if recipe.training.backend == "megatron":
+        from sfhpc.trainer.megatron_backend import MegatronTrainer
+
+        return MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
     from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
 
-    return TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm),
-                        dist=DistSpec.from_mpi(layout.trainers), seed=recipe.seed)
+    return TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm), dist=dist, seed=recipe.seed)
 
 
 class TrainerWorker:

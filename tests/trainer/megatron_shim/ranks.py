@@ -1,0 +1,62 @@
+"""Rank program of the megatron mpiexec test (CPU, through the shim):
+
+    mpiexec -n 2 python -m tests.trainer.megatron_shim.ranks MODEL_DIR OUT_DIR TPxPP [TPxPP ...]
+
+For each layout in turn, every rank trains the same global batches with megatron-core laid out as
+tensor x pipeline x data parallel (data = ranks / (TP x PP)), saves a checkpoint, and writes its step
+metrics and the full weight stream it publishes in HF names to ``OUT_DIR/<layout>/rank<r>.json``. Rank 0
+also trains the torch backend on the same batches (``OUT_DIR/torch.json``) for comparison. One process
+runs every layout, because starting megatron-core costs more than a step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    import torch
+    from mpi4py import MPI
+
+    from tests.trainer.megatron_shim import activate
+
+    activate()
+    from megatron.core import parallel_state
+
+    from sfhpc.config.recipe import TrainingSpec
+    from sfhpc.trainer import megatron_backend
+    from sfhpc.trainer.distributed import DistSpec
+    from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+    from tests.trainer.conftest import toy_batch
+
+    torch.set_num_threads(1)
+    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    comm = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())  # a sub-communicator, as the runtime gives
+    spec = DistSpec.from_mpi(comm, host="127.0.0.1")
+    config = TrainerConfig(learning_rate=1e-3)
+    batches = [toy_batch(rows=8, seed=s) for s in range(2)]
+    for layout in sys.argv[3:]:
+        tp, pp = (int(x) for x in layout.split("x"))
+        trainer = megatron_backend.MegatronTrainer(
+            model_dir, config, training=TrainingSpec(backend="megatron", tensor_parallel=tp, pipeline_parallel=pp),
+            dist=spec)
+        metrics = [trainer.train_step(b).as_dict() for b in batches]
+        (out / layout).mkdir(exist_ok=True)
+        trainer.save_checkpoint(out / layout / "megatron.pt")
+        result = {"sizes": [trainer.sizes.tensor, trainer.sizes.pipeline, trainer.sizes.data], "metrics": metrics,
+                  "weights": {n: t.flatten().tolist() for n, t in trainer.named_weights()}}
+        (out / layout / f"rank{spec.rank}.json").write_text(json.dumps(result))
+        del trainer
+        parallel_state.destroy_model_parallel()  # the next layout builds its own groups
+    if spec.rank == 0:
+        single = TorchTrainer(model_dir, config)
+        result = {"metrics": [single.train_step(b).as_dict() for b in batches],
+                  "weights": {n: t.flatten().tolist() for n, t in single.named_weights()}}
+        (out / "torch.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
