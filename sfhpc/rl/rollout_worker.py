@@ -68,20 +68,32 @@ class RolloutWorker:
         self.manager.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
 
     def sync_weights(self, version: int) -> float:
-        """Pause, load `version`, resume; returns the seconds the engine was paused."""
-        start = time.perf_counter()
-        self.server.call(self.engine.pause())
-        if self.trainer is not None:  # colocated: our own trainer holds the new weights
-            weights = list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
-        else:
+        """Bring the engine to `version`; returns the seconds the engine was paused.
+
+        Disaggregated: the weights arrive over the broadcast group; `apply_version` pauses, loads them
+        bucket by bucket and resumes. Colocated: this rank's own trainer holds them.
+        """
+        from sfhpc.engine.weight_sync import apply_version, next_version
+
+        async def from_broadcast() -> float:
             assert self.receiver is not None
-            incoming = self.receiver.receive()
-            assert incoming is not None and incoming.version == version, "weight stream out of order"
-            # Buckets reuse one buffer: copy each tensor before the next bucket overwrites it.
-            weights = [(name, tensor.clone()) for bucket in incoming for name, tensor in bucket]
-        self.server.call(self.engine.load_weights(weights, version=version))
-        self.server.call(self.engine.resume())
-        return time.perf_counter() - start
+            incoming = await next_version(self.receiver)
+            if incoming is None or incoming.version != version:
+                raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
+                                   f"{None if incoming is None else incoming.version}")
+            start = time.perf_counter()
+            await apply_version(self.engine, incoming)
+            return time.perf_counter() - start
+
+        async def from_own_trainer() -> float:
+            start = time.perf_counter()
+            await self.engine.pause()
+            await self.engine.load_weights(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)),
+                                           version=version)
+            await self.engine.resume()
+            return time.perf_counter() - start
+
+        return self.server.call(from_own_trainer() if self.trainer is not None else from_broadcast())
 
     def errors(self) -> list[BaseException]:
         """Exceptions of finished episodes (an agent that crashed must not go unnoticed)."""

@@ -53,8 +53,9 @@ class TrainerWorker:
         if self.publisher is not None:
             import torch
 
-            self.publisher.publish(self.trainer.named_weights(dtype=getattr(torch, self.recipe.model.dtype)),
-                                   command.version)
+            # float32 master weights are cast to the engines' dtype on the way into the send buffers.
+            self.publisher.publish(self.trainer.named_weights(), command.version,
+                                   dtype=getattr(torch, self.recipe.model.dtype))
         if self.is_first:
             reply = msg.Synced(self.rank, command.version, time.perf_counter() - start)
             msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)

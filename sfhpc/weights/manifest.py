@@ -1,20 +1,37 @@
-"""The layout of one weight version on the wire: which tensor sits in which bucket, at which byte offset.
+"""The layout of a weight set on the wire: which tensor sits in which bucket, and the messages that carry it.
 
-A version is sent as a manifest (names, shapes, dtypes, bucket and byte offset of every tensor), once,
-then as raw bytes bucket by bucket. Tensors are packed whole, in the order given, into buckets of at
-most ``bucket_bytes``; a tensor larger than that gets a bucket of its own, so a receiver can always
-hand complete tensors to the engine. Bytes are dtype-agnostic, which is how bf16 travels over MPI
-(MPI has no bf16 type).
+Tensors are packed whole, in the order given, into buckets of at most ``bucket_bytes``; a receiver hands
+complete buckets to its engine. Consecutive tensors of one *group* (by default: one module, such as a
+layer's ``self_attn`` or ``mlp``) share a bucket, because engines fuse them (vLLM stacks q/k/v and
+gate/up into one parameter) and a load that brings half of a fused parameter corrupts the other half. A
+group larger than a bucket gets a bucket of its own.
+
+Each bucket travels as a few *messages*, byte ranges of the bucket:
+
+* a **direct** tensor (large, contiguous, already in the wire dtype on the source) is one message sent
+  from where it lies, so the source never copies it;
+* the other tensors form **staged** runs: the source casts or copies them into a persistent staging
+  buffer and sends a run as one message once it holds ``chunk_bytes``, so packing the next run overlaps
+  the transfer of the previous one.
+
+Receivers only see byte ranges and land every message in place in one bucket buffer. Bytes are
+dtype-agnostic, which is how bf16 travels over MPI (MPI has no bf16 type). The `layout` hash covers
+everything but the version: while it holds, a version travels as a tiny header plus the bytes, and the
+manifest is sent only when the layout changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import functools
+import hashlib
+from collections.abc import Callable, Sequence
 
 import torch
 
 ALIGN = 64  # byte alignment of each tensor in a bucket: any dtype view of the slice is then aligned
+DEFAULT_CHUNK_BYTES = 4 << 20  # a staged run is sent once it holds this much
+MAX_MESSAGE = 1 << 30  # bytes per message: Open MPI 4 counts are C ints, so stay well below 2 GiB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +45,27 @@ class TensorMeta:
 
 
 @dataclasses.dataclass(frozen=True)
+class Message:
+    """One broadcast: ``nbytes`` bytes at ``offset`` of bucket ``bucket``."""
+
+    bucket: int
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclasses.dataclass(frozen=True)
 class WeightManifest:
-    """Everything a receiver needs before the bytes: the version and where each tensor lies."""
+    """Everything a receiver needs before the bytes: the version, where each tensor lies, the messages."""
 
     version: int
     tensors: tuple[TensorMeta, ...]
     bucket_sizes: tuple[int, ...]  # bytes of each bucket, padding included
+    messages: tuple[Message, ...] = ()  # in wire order, bucket by bucket
+    layout: int = 0  # hash of all of the above but the version
 
     @property
     def total_bytes(self) -> int:
@@ -44,7 +76,28 @@ class WeightManifest:
         return len(self.bucket_sizes)
 
     def bucket(self, index: int) -> tuple[TensorMeta, ...]:
-        return tuple(t for t in self.tensors if t.bucket == index)
+        return self._by_bucket[0][index]
+
+    def bucket_messages(self, index: int) -> tuple[Message, ...]:
+        return self._by_bucket[1][index]
+
+    @functools.cached_property
+    def _by_bucket(self) -> tuple[list[tuple[TensorMeta, ...]], list[tuple[Message, ...]]]:
+        tensors: list[list[TensorMeta]] = [[] for _ in self.bucket_sizes]
+        messages: list[list[Message]] = [[] for _ in self.bucket_sizes]
+        for t in self.tensors:
+            tensors[t.bucket].append(t)
+        for m in self.messages:
+            messages[m.bucket].append(m)
+        return [tuple(b) for b in tensors], [tuple(b) for b in messages]
+
+    def __getstate__(self) -> dict[str, object]:
+        # The per-bucket index is rebuilt on arrival; it need not travel.
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,30 +111,94 @@ def dtype_of(name: str) -> torch.dtype:
     return dtype
 
 
+def module_group(name: str) -> str:
+    """The default bucket group of a parameter: its module's parent (``model.layers.0.self_attn`` for
+    ``model.layers.0.self_attn.q_proj.weight``), which holds every projection an engine may fuse."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) >= 3 else name
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], version: int, bucket_bytes: int) -> WeightManifest:
-    """Assign each tensor a bucket and offset, in order, filling a bucket up to `bucket_bytes`."""
+def layout_hash(tensors: Sequence[TensorMeta], bucket_sizes: Sequence[int], messages: Sequence[Message]) -> int:
+    digest = hashlib.blake2b(repr((tuple(tensors), tuple(bucket_sizes), tuple(messages))).encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "little") >> 1  # 63 bits: fits a signed int64 header word
+
+
+def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], version: int, bucket_bytes: int, *,
+                 dtype: torch.dtype | None = None, direct: Sequence[bool] | None = None,
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 group: Callable[[str], str] | None = module_group) -> WeightManifest:
+    """Lay `named` out in buckets of at most `bucket_bytes` and cut the buckets into messages.
+
+    `dtype` is the wire dtype (None: each tensor's own); `direct[i]` marks tensors sent from their own
+    memory (default: none); `group` maps a name to its bucket group (None: every tensor alone).
+    """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, found {bucket_bytes}")
-    metas: list[TensorMeta] = []
-    sizes: list[int] = []
+    if not ALIGN <= chunk_bytes <= MAX_MESSAGE:
+        raise ValueError(f"chunk_bytes must be between {ALIGN} and {MAX_MESSAGE}, found {chunk_bytes}")
+    names = [name for name, _ in named]
+    if len(set(names)) != len(names):
+        twice = next(n for i, n in enumerate(names) if n in names[:i])
+        raise ValueError(f"tensor {twice!r} appears twice in one weight version")
+    wire = [dtype or t.dtype for _, t in named]
+    sizes = [t.numel() * w.itemsize for (_, t), w in zip(named, wire)]
+
+    # Groups: maximal runs of consecutive tensors with the same group key.
+    runs: list[list[int]] = []
+    previous: str | None = None
+    for i, name in enumerate(names):
+        key = group(name) if group is not None else None
+        if not runs or key is None or key != previous:
+            runs.append([])
+        runs[-1].append(i)
+        previous = key
+
+    offsets = [0] * len(names)
+    buckets = [0] * len(names)
+    bucket_sizes: list[int] = []
     fill = 0
-    seen: set[str] = set()
-    for name, tensor in named:
-        if name in seen:
-            raise ValueError(f"tensor {name!r} appears twice in one weight version")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        if not sizes or (fill and fill + nbytes > bucket_bytes):
-            sizes.append(0)
+    for run in runs:
+        need = 0
+        for i in run:
+            need = _aligned(need + sizes[i])
+        if not bucket_sizes or (fill and fill + need > bucket_bytes):
+            bucket_sizes.append(0)
             fill = 0
-        metas.append(TensorMeta(name, tuple(tensor.shape), dtype_name(tensor.dtype), len(sizes) - 1, fill, nbytes))
-        fill = _aligned(fill + nbytes)
-        sizes[-1] = fill
-    return WeightManifest(version=version, tensors=tuple(metas), bucket_sizes=tuple(sizes))
+        for i in run:
+            offsets[i], buckets[i] = fill, len(bucket_sizes) - 1
+            fill = _aligned(fill + sizes[i])
+        bucket_sizes[-1] = fill
+
+    messages: list[Message] = []
+
+    def emit(bucket: int, start: int, end: int, piece: int) -> None:
+        messages.extend(Message(bucket, a, min(a + piece, end) - a) for a in range(start, end, piece))
+
+    run_bucket, run_start, run_end = -1, 0, 0
+    for i in range(len(names)):
+        if not sizes[i]:
+            continue  # no bytes to send (nor an address to send them from)
+        if run_end > run_start and (buckets[i] != run_bucket or (direct is not None and direct[i])
+                                    or run_end - run_start >= chunk_bytes):
+            emit(run_bucket, run_start, run_end, chunk_bytes)
+            run_start = run_end = 0
+        if direct is not None and direct[i]:
+            emit(buckets[i], offsets[i], offsets[i] + sizes[i], MAX_MESSAGE)
+            continue
+        if run_end == run_start:
+            run_bucket, run_start = buckets[i], offsets[i]
+        run_end = offsets[i] + sizes[i]
+    if run_end > run_start:
+        emit(run_bucket, run_start, run_end, chunk_bytes)
+
+    metas = tuple(TensorMeta(n, tuple(t.shape), dtype_name(w), b, o, s)
+                  for (n, t), w, b, o, s in zip(named, wire, buckets, offsets, sizes))
+    return WeightManifest(version=version, tensors=metas, bucket_sizes=tuple(bucket_sizes),
+                          messages=tuple(messages), layout=layout_hash(metas, bucket_sizes, messages))
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -89,16 +206,19 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+def typed_view(buffer: torch.Tensor, meta: TensorMeta, base: int = 0) -> torch.Tensor:
+    """The tensor `meta` describes, as a view into the uint8 `buffer` whose byte 0 is bucket byte `base`."""
+    start = meta.offset - base
+    return buffer[start:start + meta.nbytes].view(dtype_of(meta.dtype)).view(meta.shape)
+
+
 def pack(metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy `tensors` (one per meta, same order) into the uint8 buffer `out` at their offsets."""
+    """Copy `tensors` (one per meta, same order) into the uint8 buffer `out` at their offsets, casting to
+    each meta's dtype on the way."""
     for meta, tensor in zip(metas, tensors):
-        out[meta.offset:meta.offset + meta.nbytes].copy_(as_bytes(tensor))
+        typed_view(out, meta).copy_(tensor)
 
 
 def unpack(buffer: torch.Tensor, metas: Sequence[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for each meta, as views into the uint8 `buffer` (no copy)."""
-    out = []
-    for meta in metas:
-        raw = buffer[meta.offset:meta.offset + meta.nbytes]
-        out.append((meta.name, raw.view(dtype_of(meta.dtype)).view(meta.shape)))
-    return out
+    return [(meta.name, typed_view(buffer, meta)) for meta in metas]

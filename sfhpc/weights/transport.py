@@ -1,17 +1,21 @@
 """How weight bytes get from the trainer to the engines: one class per transport behind one interface.
 
 A transport is a broadcast group with one source (trainer rank 0) and any number of receivers (the
-engine ranks). It moves two things: the small manifest of a version (once), then the buckets, sent from
-the source's own tensors and received into one flat uint8 buffer per bucket. The publisher and receiver
-in `sfhpc.weights.publisher` only talk to this interface.
+engine ranks). It moves three things, in the same order on every member: a fixed-size header per
+version, the manifest when the layout changes, and messages (flat uint8 byte ranges) that the source
+sends from its memory and every receiver lands in its own. The publisher and receiver in
+`sfhpc.weights.publisher` only talk to this interface.
 
-`MPITransport` is the one implemented: host memory and ``MPI_Bcast`` over a communicator that holds
-exactly the trainer's source rank and the engine ranks (the runtime's weight-broadcast group).
+`MPITransport` is the one implemented: host memory and non-blocking ``MPI_Ibcast`` over a communicator
+that holds exactly the trainer's source rank and the engine ranks (the runtime's weight-broadcast group).
+Headers and messages are non-blocking on every member because MPI never matches a blocking collective
+with a non-blocking one, and a rollout rank must be able to wait for a version without blocking its
+event loop.
 
-The seam for GPUs: an ``NcclTransport`` would keep the manifest on MPI (it is small and the group
-already exists) but `allocate` buffers in device memory, pack each bucket on the device (`manifest.pack`)
-and broadcast it with ``torch.distributed.broadcast`` on a NCCL group of the same ranks (or hand it to
-vLLM's weight-transfer engine), so the bytes never touch the host. Nothing above this module changes.
+The seam for GPUs: an ``NcclTransport`` would keep the header and manifest on MPI (small, and the group
+already exists) but `allocate` buffers in device memory, and `post` each message with
+``torch.distributed.broadcast(async_op=True)`` on a NCCL group of the same ranks (or hand it to vLLM's
+weight-transfer engine), so the bytes never touch the host. Nothing above this module changes.
 """
 
 from __future__ import annotations
@@ -22,14 +26,24 @@ from typing import Any
 
 import torch
 
-from sfhpc.weights.manifest import TensorMeta, WeightManifest, as_bytes
+from sfhpc.weights.manifest import MAX_MESSAGE, WeightManifest
 
-MAX_MESSAGE = 1 << 30  # bytes per MPI call: Open MPI 4 counts are C ints, so stay well below 2 GiB
+
+class Transfer(abc.ABC):
+    """Messages on their way; every member must `wait` for them (or see `test` say True)."""
+
+    @abc.abstractmethod
+    def test(self) -> bool:
+        """Let the transfer progress; True once it is complete on this member."""
+
+    @abc.abstractmethod
+    def wait(self) -> None:
+        """Block until the transfer is complete on this member."""
 
 
 class WeightTransport(abc.ABC):
-    """A one-to-many broadcast of manifests and buckets. Every member calls every method in the same order
-    (they are collective)."""
+    """A one-to-many broadcast of manifests and messages. Every member calls every method in the same
+    order (they are collective)."""
 
     @property
     @abc.abstractmethod
@@ -43,28 +57,49 @@ class WeightTransport(abc.ABC):
 
     @abc.abstractmethod
     def share_manifest(self, manifest: WeightManifest | None) -> WeightManifest | None:
-        """The source passes its manifest (None: no more versions); every member gets it back."""
+        """The source passes its manifest; every member gets it back (blocking, and rare: once per layout)."""
 
     @abc.abstractmethod
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A flat uint8 buffer this transport can receive a bucket into."""
+        """A flat uint8 buffer this transport sends from and receives into at full speed."""
+
+    def wait_all(self, transfers: Sequence[Transfer]) -> None:
+        """Block until every transfer is complete (a transport may do it in one call)."""
+        for transfer in transfers:
+            transfer.wait()
 
     @abc.abstractmethod
-    def broadcast_bucket(self, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor] | None,
-                         buffer: torch.Tensor | None) -> None:
-        """Move one bucket. The source passes the bucket's `tensors` (one per meta; it may send them from
-        where they lie); every receiver passes a `buffer` of the bucket's size and finds each tensor's
-        bytes at its meta's offset."""
+    def wire(self, tensor: torch.Tensor, start: int = 0, nbytes: int | None = None) -> Any:
+        """This transport's handle to bytes ``[start, start + nbytes)`` of a contiguous host `tensor` (any
+        dtype; default: all of it), for `post`. Made once and reused where the memory is persistent; the
+        handle does not keep the tensor alive."""
+
+    @abc.abstractmethod
+    def post(self, messages: Sequence[Any]) -> Transfer:
+        """Start broadcasting each message (a `wire` handle), in order: the source sends from it and every
+        receiver fills its own (same lengths on every member). The memory must stay alive and, on the
+        source, unchanged until the transfer is complete."""
+
+
+class _Requests(Transfer):
+    def __init__(self, requests: list[Any]) -> None:
+        self._requests = requests
+
+    def test(self) -> bool:
+        from mpi4py import MPI
+
+        return bool(MPI.Request.Testall(self._requests))
+
+    def wait(self) -> None:
+        from mpi4py import MPI
+
+        MPI.Request.Waitall(self._requests)
 
 
 class MPITransport(WeightTransport):
-    """``MPI_Bcast`` from `root` of an mpi4py communicator, one call per bucket, with no packing copy.
-
-    The source describes the bucket's tensors, where they lie in its memory, with an MPI derived datatype
-    (``hindexed`` over absolute addresses) and receivers with one over their buffer's offsets: Open MPI
-    then reads each tensor while it sends instead of the source first copying them into one buffer. On
-    a loaded 2-core machine that copy alone took longer than the broadcast.
-    """
+    """``MPI_Ibcast`` from `root` of an mpi4py communicator, one call per message, straight from and into
+    the tensors' memory (Open MPI moves large contiguous messages between ranks of a node with a single
+    copy, which a derived datatype over scattered tensors would lose)."""
 
     def __init__(self, comm: Any, root: int = 0) -> None:
         if not 0 <= root < comm.Get_size():
@@ -85,44 +120,32 @@ class MPITransport(WeightTransport):
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         # numpy's allocator asks for transparent huge pages on large arrays; fewer pages to map made
-        # MPI's single-copy receive measurably faster than into torch-allocated memory.
+        # MPI's single-copy transfers measurably faster than from or into torch-allocated memory.
         import numpy as np
 
-        return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        buffer = np.empty(nbytes, dtype=np.uint8)
+        buffer.fill(0)  # fault the pages in now, once, rather than during the first transfer
+        return torch.from_numpy(buffer)
 
-    def broadcast_bucket(self, metas: Sequence[TensorMeta], tensors: Sequence[torch.Tensor] | None,
-                         buffer: torch.Tensor | None) -> None:
+    def wire(self, tensor: torch.Tensor, start: int = 0, nbytes: int | None = None) -> Any:
         from mpi4py import MPI
 
-        keep = [i for i, m in enumerate(metas) if m.nbytes]  # empty tensors have no bytes (nor an address)
-        if not keep:
-            return
-        if self.is_source:
-            if tensors is None:
-                raise ValueError("the source broadcasts tensors")
-            parts = [as_bytes(tensors[i]) for i in keep]  # contiguous views (a copy only if not contiguous)
-            if len(parts) == 1:
-                self._bcast_contiguous(parts[0])
-                return
-            lengths, displacements, base = [p.numel() for p in parts], [p.data_ptr() for p in parts], MPI.BOTTOM
-        else:
-            if buffer is None or buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
-                raise ValueError("MPITransport receives into a flat, contiguous uint8 host tensor")
-            if len(keep) == 1:
-                m = metas[keep[0]]
-                self._bcast_contiguous(buffer[m.offset:m.offset + m.nbytes])
-                return
-            lengths, displacements = [metas[i].nbytes for i in keep], [metas[i].offset for i in keep]
-            base = buffer.numpy()
-        if sum(lengths) > MAX_MESSAGE:
-            raise ValueError(f"a bucket of several tensors holds at most {MAX_MESSAGE} bytes over MPI")
-        datatype = MPI.BYTE.Create_hindexed(lengths, displacements).Commit()
-        try:
-            self.comm.Bcast([base, 1, datatype], root=self.root)
-        finally:
-            datatype.Free()
+        size = tensor.numel() * tensor.element_size()
+        nbytes = size - start if nbytes is None else nbytes
+        if tensor.device.type != "cpu" or not tensor.is_contiguous() or not 0 <= start <= start + nbytes <= size:
+            raise ValueError("MPITransport sends byte ranges of contiguous host tensors")
+        if nbytes > MAX_MESSAGE:
+            raise ValueError(f"a message holds at most {MAX_MESSAGE} bytes over MPI, found {nbytes}")
+        # A raw address: no numpy view nor torch op per message (they cost more than the message itself on
+        # small sets), and MPI reads (source) or writes (receivers) the tensor's own memory.
+        return MPI.buffer.fromaddress(tensor.data_ptr() + start, nbytes)
 
-    def _bcast_contiguous(self, data: torch.Tensor) -> None:
-        array = data.numpy()  # shares memory: MPI reads/writes the tensor itself
-        for start in range(0, len(array), MAX_MESSAGE):
-            self.comm.Bcast(array[start:start + MAX_MESSAGE], root=self.root)
+    def wait_all(self, transfers: Sequence[Transfer]) -> None:
+        from mpi4py import MPI
+
+        # One MPI_Waitall: every call into MPI may yield the core when oversubscribed, which costs more
+        # than a small message.
+        MPI.Request.Waitall([r for t in transfers for r in t._requests])  # type: ignore[attr-defined]
+
+    def post(self, messages: Sequence[Any]) -> Transfer:
+        return _Requests([self.comm.Ibcast(message, root=self.root) for message in messages])

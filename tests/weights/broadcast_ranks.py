@@ -1,6 +1,7 @@
 """Rank program of the broadcast test: `mpiexec -n 3 python -m tests.weights.broadcast_ranks OUT_DIR`.
 
-Rank 0 publishes two versions of a mixed set of tensors in small buckets and then finishes; ranks 1 and
+Rank 0 publishes three versions of a mixed set of tensors in small buckets (the third cast to bf16 on the
+way, a new layout) and then finishes; tensors of 1 KiB and more go from their own memory. Ranks 1 and
 2 receive (rank 1 reusing one buffer, rank 2 with a fresh buffer per bucket) and record, per version,
 the version number, the names per bucket and a SHA-256 of every tensor's bytes.
 """
@@ -47,11 +48,15 @@ def main() -> int:
     transport = MPITransport(comm, root=0)
     record: list[dict[str, object]] = []
     if transport.is_source:
-        publisher = WeightPublisher(transport, bucket_bytes=BUCKET_BYTES)
-        for version in (1, 2):
+        publisher = WeightPublisher(transport, bucket_bytes=BUCKET_BYTES, direct_bytes=1024, chunk_bytes=1024)
+        for version in (1, 2, 3):
+            dtype = torch.bfloat16 if version == 3 else None
             named = weights(version)
-            stats = publisher.publish(iter(named), version)
+            stats = publisher.publish(iter(named), version, dtype=dtype)
+            if dtype is not None:
+                named = [(n, t.to(dtype)) for n, t in named]
             record.append({"version": version, "buckets": stats.buckets, "bytes": stats.bytes,
+                           "manifest_sent": stats.manifest_sent, "messages": stats.messages,
                            "digests": {n: digest(t) for n, t in named},
                            "shapes": {n: list(t.shape) for n, t in named},
                            "dtypes": {n: str(t.dtype) for n, t in named}})

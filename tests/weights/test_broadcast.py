@@ -1,4 +1,5 @@
-"""The weight publisher over MPI: three ranks, bit-identical tensors, versions that arrive."""
+"""The weight publisher over MPI: three ranks, bit-identical tensors (sent in place, packed, or cast on the
+way), versions that arrive, a manifest only when the layout changes."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ def test_three_ranks_receive_bit_identical_versions(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     sent = json.loads((tmp_path / "rank0.json").read_text())
-    assert [v["version"] for v in sent] == [1, 2]
+    assert [v["version"] for v in sent] == [1, 2, 3]
     assert all(v["buckets"] >= 3 for v in sent)  # small buckets: the set really travels in several
+    assert [v["manifest_sent"] for v in sent] == [True, False, True]  # only when the layout changes
     for rank in (1, 2):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert [v["version"] for v in got] == [1, 2], f"rank {rank}"
+        assert [v["version"] for v in got] == [1, 2, 3], f"rank {rank}"
         for s, g in zip(sent, got):
             assert g["digests"] == s["digests"], f"rank {rank} version {s['version']}"
             assert g["shapes"] == s["shapes"] and g["dtypes"] == s["dtypes"]

@@ -39,3 +39,38 @@ def test_pack_then_unpack_is_bit_exact_for_every_dtype() -> None:
     for (_, want), (_, got) in zip(named, out):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got, want)
+
+
+def test_a_module_travels_in_one_bucket_so_fused_parameters_load_whole() -> None:
+    named = [(f"model.layers.0.self_attn.{p}_proj.weight", torch.zeros(64, dtype=torch.bfloat16)) for p in "qkv"]
+    named.insert(0, ("model.embed_tokens.weight", torch.zeros(160, dtype=torch.bfloat16)))
+    m = plan_buckets(named, 0, bucket_bytes=512)
+    # embed (320 B) + the 3 projections (3 x 128 B) exceed 512: the projections move on together.
+    assert [t.bucket for t in m.tensors] == [0, 1, 1, 1]
+    assert [t.bucket for t in plan_buckets(named, 0, 512, group=None).tensors] == [0, 0, 1, 1]
+
+
+def test_messages_cover_every_byte_once_direct_tensors_alone_runs_chunked() -> None:
+    named = [("small.a", torch.zeros(10)), ("big", torch.zeros(1000)), ("small.b", torch.zeros(300)),
+             ("small.c", torch.zeros(300)), ("empty", torch.zeros(0))]
+    direct = [False, True, False, False, False]
+    m = plan_buckets(named, 3, 1 << 20, direct=direct, chunk_bytes=1024)
+    spans = [(msg.offset, msg.end) for msg in m.messages]
+    big = m.tensors[1]
+    assert (big.offset, big.offset + big.nbytes) in spans  # a direct tensor is a message of its own
+    assert all(msg.nbytes <= 1024 for msg in m.messages if (msg.offset, msg.end) != (big.offset, big.offset + 4000))
+    for t in m.tensors:  # every byte of every tensor is inside exactly one message
+        covered = sum(max(0, min(e, t.offset + t.nbytes) - max(s, t.offset)) for s, e in spans)
+        assert covered == t.nbytes
+    # The layout hash ignores the version and follows the layout.
+    assert plan_buckets(named, 4, 1 << 20, direct=direct, chunk_bytes=1024).layout == m.layout
+    assert plan_buckets(named, 3, 1 << 20, chunk_bytes=1024).layout != m.layout
+
+
+def test_pack_casts_into_the_wire_dtype() -> None:
+    named = [("w", torch.randn(4, 4)), ("b", torch.randn(4))]
+    m = plan_buckets(named, 0, 1 << 20, dtype=torch.bfloat16)
+    buffer = torch.zeros(m.bucket_sizes[0], dtype=torch.uint8)
+    pack(m.bucket(0), [t for _, t in named], buffer)
+    for (_, want), (_, got) in zip(named, unpack(buffer, m.bucket(0))):
+        assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))

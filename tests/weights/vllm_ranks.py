@@ -1,0 +1,112 @@
+"""Rank program of the engine weight-sync test: `mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT`.
+
+Rank 0 is a trainer (`TorchTrainer` on the model folder) that perturbs its float32 master weights and
+publishes them as version 1 (cast to bf16 on the way, in small buckets), then publishes the original
+weights as version 2 and finishes. Rank 1 runs a real vLLM engine on the same folder, records a greedy
+generation before, after version 1 and after version 2 (tokens and the version each token is tagged
+with), and the buckets and versions it received.
+
+No mpi4py (nor anything that imports it) at module level: vLLM's engine process re-imports this
+module, and MPI_Init there fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BUCKET_BYTES = 1 << 20  # the tiny model (6.5 MB) then arrives in several buckets
+
+
+def polled_barrier(comm: Any) -> None:
+    """A barrier that sleeps instead of spinning a core the other rank's engine needs."""
+    request = comm.Ibarrier()
+    while not request.Test():
+        time.sleep(0.02)
+
+
+def trainer_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
+    import torch
+
+    from sfhpc.trainer.torch_trainer import TorchTrainer
+    from sfhpc.weights import MPITransport, WeightPublisher
+
+    trainer = TorchTrainer(model_dir)
+    original = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    publisher = WeightPublisher(MPITransport(comm), bucket_bytes=BUCKET_BYTES)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    polled_barrier(comm)  # the engine is up and has its "before" output
+    first = publisher.publish(trainer.named_weights(), version=1, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in trainer.model.named_parameters():
+            p.copy_(original[name])
+    polled_barrier(comm)  # the engine has generated with version 1
+    second = publisher.publish(trainer.named_weights(), version=2, dtype=torch.bfloat16)
+    publisher.finish()
+    return {"buckets": [first.buckets, second.buckets], "manifest_sent": [first.manifest_sent, second.manifest_sent]}
+
+
+async def engine_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
+    from sfhpc.engine.base import GenerationRequest
+    from sfhpc.engine.tokenizer import BOS
+    from sfhpc.engine.vllm_engine import VllmEngine
+    from sfhpc.engine.weight_sync import apply_version, next_version
+    from sfhpc.weights import MPITransport, WeightReceiver
+
+    engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
+    receiver = WeightReceiver(MPITransport(comm))
+    calls = 0
+
+    async def greedy() -> dict[str, list[int]]:
+        nonlocal calls
+        calls += 1
+        tokens: list[int] = []
+        versions: list[int] = []
+        async for chunk in engine.generate(GenerationRequest(f"greedy-{calls}", (BOS, *b"weights"), 16,
+                                                             temperature=0.0)):
+            tokens += chunk.token_ids
+            versions += chunk.versions
+        return {"tokens": tokens, "versions": versions}
+
+    async def sync() -> None:
+        request = comm.Ibarrier()
+        while not request.Test():
+            await asyncio.sleep(0.02)
+
+    record: dict[str, Any] = {"before": await greedy(), "loaded": [], "engine_versions": []}
+    try:
+        for name in ("after_v1", "after_v2"):
+            await sync()
+            incoming = await next_version(receiver)
+            assert incoming is not None
+            record["loaded"].append({"version": incoming.version, "buckets": incoming.num_buckets,
+                                     "largest_bucket": max(incoming.manifest.bucket_sizes)})
+            record["engine_versions"].append(await apply_version(engine, incoming))
+            record[name] = await greedy()
+            record[name]["engine_version"] = engine.version
+        record["finished"] = await next_version(receiver) is None
+    finally:
+        engine.shutdown()
+    return record
+
+
+def main() -> int:
+    from mpi4py import MPI
+
+    model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+    world = MPI.COMM_WORLD
+    comm = world.Split(0, world.Get_rank())  # the weight-broadcast group: trainer root, engine rank
+    record = trainer_rank(comm, model_dir) if comm.Get_rank() == 0 else asyncio.run(engine_rank(comm, model_dir))
+    (out / f"rank{comm.Get_rank()}.json").write_text(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
