@@ -51,7 +51,8 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         summary = run_loop(controller)
         print(describe(summary, controller.progress, controller.progress.plot()), flush=True)
         return {"rank": identity.rank, "steps": summary.steps, "first_reward": summary.first_reward,
-                "last_reward": summary.last_reward, "store": str(summary.store)}
+                "last_reward": summary.last_reward, "store": str(summary.store),
+                "store_share": summary.store_seconds / max(summary.seconds, 1e-9)}
 
     trainer_worker = None
     if identity.has_role("trainer"):

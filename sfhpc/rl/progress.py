@@ -38,10 +38,12 @@ class Progress:
             return "no steps were run"
         smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
                   for i in range(len(rewards))]
-        spark = "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, v) * len(SPARK)))] for v in smooth)
+        width = min(len(smooth), 60)  # one character per bin of steps: fits a terminal line
+        bins = [smooth[i * len(smooth) // width:(i + 1) * len(smooth) // width] for i in range(width)]
+        spark = "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, sum(b) / len(b)) * len(SPARK)))] for b in bins)
         tenth = max(1, len(rewards) // 10)
         first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
-        return (f"reward curve (0 to 1, moving average of {window}): |{spark}|\n"
+        return (f"reward curve (0 to 1, {len(rewards)} steps, moving average of {window}): |{spark}|\n"
                 f"mean reward: first {tenth} step(s) {first:.3f} -> last {tenth} step(s) {last:.3f}")
 
     def plot(self) -> Path | None:
