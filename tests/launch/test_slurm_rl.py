@@ -45,7 +45,8 @@ def test_rl_recipe_runs_across_partitions(slurm_cluster: str, tmp_path: Path) ->
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2, 3]
     with open_store(run_dir / "trajectories.h5") as store:
-        assert len(store.trajectories(status="consumed")) == 3 * 4 * 4
-        engines = {s.engine for t in store.trajectories(status="consumed") for s in t.segments if s.generated}
+        consumed = list(store.trajectories(status="consumed"))
+        assert len(consumed) == 3 * 4 * 4
+        engines = {s.engine for t in consumed for s in t.segments if s.generated}
         assert engines == {"vllm-r2"}  # every generated token came from the engine on the rollout node
     assert wait_for_sacct(job_id, het_completed(job_id, 2)) == het_completed(job_id, 2)

@@ -73,7 +73,7 @@ def test_colocated_sync_run_records_every_token_with_its_version(tmp_path: Path)
     assert [r["version"] for r in rows] == [1, 2, 3]
     assert all(r["max_staleness"] == 0 for r in rows)  # sync: generate with v, train v, publish v+1
     with open_store(run_dir / "trajectories.h5") as store:
-        consumed = store.trajectories(status="consumed")
+        consumed = list(store.trajectories(status="consumed"))
         assert len(consumed) == 3 * 4 * 4
         versions = {int(v) for t in consumed for v in t.token_versions() if v >= 0}
         assert versions == {0, 1, 2}  # step k trained on tokens of version k-1
