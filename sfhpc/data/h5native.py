@@ -8,7 +8,11 @@
   fails (the writer may be halfway through writing that block); HDF5's default of 100 attempts with a
   doubling sleep turns a damaged file into a wait of hours instead of an error.
 * A writer reopening a file whose previous writer was killed must clear HDF5's "open for writing" mark,
-  as `h5clear -s` does: it sets the library's file-access property ``clear_status_flags``.
+  as `h5clear -s` does: it sets the library's file-access property ``clear_status_flags``. It must also
+  move the file's end-of-allocation mark past everything on disk, as `h5clear --increment` does
+  (`H5Fincrement_filesize`): the killed writer may have allocated and written chunks past the mark its
+  superblock recorded, and new allocations from the stale mark would land on them (HDF5 then fails
+  with "addr overflow", or worse, overwrites data).
 
 Both HDF5 calls are public C API (`H5Pset_metadata_read_attempts`, `H5Pset`); they are made through
 ctypes on the very libhdf5 h5py uses (found in this process's memory map), so the property ids match.
@@ -46,6 +50,8 @@ def _library() -> ctypes.CDLL | None:
             library.H5Pset.restype = ctypes.c_int
             library.H5Pset_metadata_read_attempts.argtypes = [ctypes.c_int64, ctypes.c_uint]
             library.H5Pset_metadata_read_attempts.restype = ctypes.c_int
+            library.H5Fincrement_filesize.argtypes = [ctypes.c_int64, ctypes.c_uint64]
+            library.H5Fincrement_filesize.restype = ctypes.c_int
             return library
     return None
 
@@ -72,4 +78,9 @@ def open_clearing_crash_mark(path: Path) -> h5py.File:
     clear = ctypes.c_bool(True)
     if library.H5Pset(fapl.id, b"clear_status_flags", ctypes.byref(clear)) < 0:
         raise OSError("this HDF5 library cannot clear a writer mark (no clear_status_flags property)")
-    return h5py.File(h5f.open(os.fsencode(path), h5f.ACC_RDWR, fapl=fapl))
+    file_id = h5f.open(os.fsencode(path), h5f.ACC_RDWR, fapl=fapl)
+    # End of allocation := max(recorded mark, end of file): nothing the dead writer wrote is reused.
+    if library.H5Fincrement_filesize(file_id.id, 0) < 0:
+        file_id.close()
+        raise OSError("HDF5 could not move the end-of-allocation mark past the crashed writer's data")
+    return h5py.File(file_id)

@@ -113,14 +113,19 @@ def test_submitit_job_state_and_results_are_real(slurm_cluster: str, tmp_path: P
     assert job.state == "COMPLETED"
 
 
-def test_sbatch_template_gives_the_same_result(slurm_cluster: str, tmp_path: Path) -> None:
-    recipe_path = recipe_in(tmp_path, "report.yaml")
+def sbatch_template(template: str, recipe_path: Path, tmp_path: Path) -> tuple[int, str, str]:
+    """`sbatch --wait slurm_templates/TEMPLATE RECIPE` as a user types it: (exit code, job id, batch log)."""
     env = dict(os.environ, SFHPC_PYTHON=sys.executable)
     out = subprocess.run(["sbatch", "--parsable", "--wait", "-o", str(tmp_path / "slurm-%j.out"),
-                          str(ROOT / "slurm_templates" / "dev-disaggregated.sbatch"), str(recipe_path)],
+                          str(ROOT / "slurm_templates" / template), str(recipe_path)],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     job_id = out.stdout.strip().split(";")[0]
-    assert out.returncode == 0, (tmp_path / f"slurm-{job_id}.out").read_text()
+    return out.returncode, job_id, (tmp_path / f"slurm-{job_id}.out").read_text()
+
+
+def test_sbatch_template_gives_the_same_result(slurm_cluster: str, tmp_path: Path) -> None:
+    code, job_id, log = sbatch_template("dev-disaggregated.sbatch", recipe_in(tmp_path, "report.yaml"), tmp_path)
+    assert code == 0, log
     report = json.loads((tmp_path / "runs" / f"report-job{job_id}" / "launch_report.json").read_text())
     check_report(report, node_features(slurm_cluster), [("train", 2), ("rollout", 2)])
     assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer"], ["rollout"], ["rollout"]]
@@ -128,13 +133,9 @@ def test_sbatch_template_gives_the_same_result(slurm_cluster: str, tmp_path: Pat
 
 
 def test_colocated_recipe_gives_one_component(slurm_cluster: str, tmp_path: Path) -> None:
-    recipe_path = recipe_in(tmp_path, "report-colocated.yaml")
-    env = dict(os.environ, SFHPC_PYTHON=sys.executable)
-    out = subprocess.run(["sbatch", "--parsable", "--wait", "-o", str(tmp_path / "slurm-%j.out"),
-                          str(ROOT / "slurm_templates" / "dev-colocated.sbatch"), str(recipe_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    job_id = out.stdout.strip()
-    assert out.returncode == 0, (tmp_path / f"slurm-{job_id}.out").read_text()
+    code, job_id, log = sbatch_template("dev-colocated.sbatch", recipe_in(tmp_path, "report-colocated.yaml"),
+                                        tmp_path)
+    assert code == 0, log
     report = json.loads((tmp_path / "runs" / f"report-colocated-job{job_id}" / "launch_report.json").read_text())
     check_report(report, node_features(slurm_cluster), [("train", 3)])
     assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer", "rollout"], ["trainer", "rollout"]]
@@ -143,13 +144,8 @@ def test_colocated_recipe_gives_one_component(slurm_cluster: str, tmp_path: Path
 
 
 def test_template_refuses_a_recipe_of_another_shape(slurm_cluster: str, tmp_path: Path) -> None:
-    recipe_path = recipe_in(tmp_path, "report.yaml")
-    env = dict(os.environ, SFHPC_PYTHON=sys.executable)
-    out = subprocess.run(["sbatch", "--parsable", "--wait", "-o", str(tmp_path / "slurm-%j.out"),
-                          str(ROOT / "slurm_templates" / "dev-colocated.sbatch"), str(recipe_path)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert out.returncode != 0
-    log = (tmp_path / f"slurm-{out.stdout.strip()}.out").read_text()
+    code, _, log = sbatch_template("dev-colocated.sbatch", recipe_in(tmp_path, "report.yaml"), tmp_path)
+    assert code != 0
     assert "0: sfhpc: error: this job has 1 component(s) with tasks [3]" in log
     assert "sfhpc render RECIPE --template" in log and "Traceback" not in log
 
