@@ -82,3 +82,32 @@ def test_colocated_sync_run_records_every_token_with_its_version(tmp_path: Path)
         assert sorted({m.step for m in marks}) == [1, 2, 3]
     report = json.loads((run_dir / "launch_report.json").read_text())
     assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer", "rollout"]]
+
+
+MULTI_TURN = """\
+name: guess
+model: {warm_start_steps: 10}
+pipeline: {mode: async, max_staleness: 1}
+budgets: {steps: 2, prompts_per_step: 2}
+algorithm: {group_size: 4}
+task: {name: guess-number, options: {max_turns: 5}}
+roles:
+  controller: {place_with: trainer}
+  trainer:    {tags: [train], nodes: 1}
+  rollout:    {tags: [rollout], nodes: 1}
+"""
+
+
+def test_multi_turn_agents_talk_to_the_endpoint_over_http(tmp_path: Path) -> None:
+    run_dir, rows = run(tmp_path, MULTI_TURN)
+    assert [r["version"] for r in rows] == [1, 2]
+    with open_store(run_dir / "trajectories.h5") as store:
+        consumed = list(store.trajectories(status="consumed"))
+    assert len(consumed) == 2 * 2 * 4
+    turns = [len(t.turn_rewards) for t in consumed]  # the agent reports one reward per policy reply
+    assert max(turns) > 1  # episodes went on for several turns (hints came back as observations)
+    for trajectory, n in zip(consumed, turns):
+        observations = [s for s in trajectory.segments if s.kind == "observation"]
+        assert len(observations) == n - 1  # one environment answer between consecutive replies
+        # at least one generated segment per reply (two when a weight update interrupted the reply)
+        assert sum(1 for s in trajectory.segments if s.generated) >= n
