@@ -106,7 +106,10 @@ class RolloutWorker:
             future.cancel()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
-            shutdown()
+            async def stop_engine() -> None:
+                shutdown()  # on the engine's own loop: vLLM cancels its output task there
+
+            self.server.call(stop_engine(), timeout=120)
         self.server.stop()
         self.manager.close()
 
