@@ -60,7 +60,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
                    help="packed runs are sent in messages of this size")
     p.add_argument("--synthetic-mb", type=float, default=200.0, help="size of the synthetic set (0: skip it)")
-    p.add_argument("--out", type=Path, default=Path("bench_broadcast.json"), help="JSON result file")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/broadcast.json"), help="JSON result file")
     return p.parse_args(argv)
 
 
