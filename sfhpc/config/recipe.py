@@ -104,7 +104,7 @@ class TrainingSpec:
     backend: Literal["torch", "megatron"] = "torch"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    checkpoint_every: int = 0          # steps between trainer checkpoints (0: only at the end)
+    checkpoint_every: int = 0          # steps between trainer checkpoints (0: only at the end of the run)
 
     def validate(self, where: Where) -> None:
         for key in ("tensor_parallel", "pipeline_parallel"):
@@ -131,6 +131,13 @@ class Budgets:
     prompts_per_step: int = 16
     max_new_tokens: int = 32
     wall_minutes: float | None = None
+
+    def validate(self, where: Where) -> None:
+        for key in ("steps", "prompts_per_step", "max_new_tokens"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
+        if self.wall_minutes is not None and self.wall_minutes <= 0:
+            raise where.child("wall_minutes").error("must be more than 0 (or left out: no limit)")
 
 
 @dataclasses.dataclass(frozen=True)

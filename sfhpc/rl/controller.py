@@ -135,6 +135,19 @@ class Controller:
                                                           "max_staleness") if k in metrics},
         })
 
+    def checkpoint(self, step: int, *, final: bool = False) -> Path | None:
+        """Trainer state to ``checkpoints/step-NNNNNN.pt`` every ``training.checkpoint_every`` steps and at
+        the end (the trainers write it atomically; trainer 0 answers when it is on disk)."""
+        every = self.recipe.training.checkpoint_every
+        if not final and not (every and step % every == 0):
+            return None
+        path = self.run_dir / "checkpoints" / f"step-{step:06d}.pt"
+        trainers = self.scheduler.trainer_ranks
+        for rank in trainers:
+            msg.send(self.layout.world, msg.Checkpoint(str(path)), rank)
+        msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG)
+        return path
+
     def out_of_time(self) -> bool:
         wall = self.recipe.budgets.wall_minutes
         return wall is not None and time.monotonic() - self.started > wall * 60
@@ -161,8 +174,10 @@ def run_loop(ctl: Controller) -> RunSummary:
         trained = ctl.train(step, batch)          # one optimisation step on the trainer ranks
         sync_s = ctl.sync_weights(trained.version)  # engines pause, load the new weights, resume
         ctl.report(step, batch, trained, sync_s, time.monotonic() - started)
+        ctl.checkpoint(step)                      # every training.checkpoint_every steps
         if ctl.out_of_time():
             break
+    ctl.checkpoint(step, final=True)
     return ctl.finish()
 
 

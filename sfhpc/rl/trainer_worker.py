@@ -61,6 +61,7 @@ class TrainerWorker:
             msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
 
     def checkpoint(self, command: msg.Checkpoint) -> None:
+        Path(command.path).parent.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(Path(command.path))
         if self.is_first:
             msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),

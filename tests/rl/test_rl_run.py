@@ -34,6 +34,7 @@ roles:
 COLOCATED = """\
 name: colocated
 model: {warm_start_steps: 5}
+training: {checkpoint_every: 2}
 pipeline: {mode: sync}
 budgets: {steps: 3, prompts_per_step: 4}
 algorithm: {group_size: 4}
@@ -82,6 +83,13 @@ def test_colocated_sync_run_records_every_token_with_its_version(tmp_path: Path)
         assert sorted({m.step for m in marks}) == [1, 2, 3]
     report = json.loads((run_dir / "launch_report.json").read_text())
     assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer", "rollout"]]
+    # Trainer checkpoints every 2 steps and at the end, each with the policy version it holds.
+    import torch
+
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step-000002.pt", "step-000003.pt"]
+    state = torch.load(run_dir / "checkpoints" / "step-000003.pt", weights_only=False)
+    assert state["policy_version"] == 3 and state["step"] == 3
 
 
 MULTI_TURN = """\
