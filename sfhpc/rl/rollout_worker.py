@@ -64,7 +64,7 @@ class RolloutWorker:
 
     async def _play(self, episode: Episode) -> None:
         outcome = await play_episode(self.backend, self.task, episode.problem, group=episode.group,
-                                     seed=episode.seed)
+                                     seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens)
         self.manager.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
 
     def sync_weights(self, version: int) -> float:

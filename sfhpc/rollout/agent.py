@@ -78,15 +78,18 @@ class EpisodeOutcome:
 
 
 async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, group: str,
-                       seed: int | None = None) -> EpisodeOutcome:
-    """Run one episode to its end; the caller records the reward (`finish`) with the returned outcome."""
+                       seed: int | None = None, max_tokens: int | None = None) -> EpisodeOutcome:
+    """Run one episode to its end; the caller records the reward (`finish`) with the returned outcome.
+
+    Each reply may hold the task's `max_reply_tokens`, capped by `max_tokens` (the recipe's budget)."""
+    reply_tokens = task.max_reply_tokens if max_tokens is None else min(task.max_reply_tokens, max_tokens)
     episode = task.episode(problem)
     messages = episode.opening()
     trajectory_id: str | None = None
     turn_rewards: list[float] = []
     for turn in range(1, task.max_turns + 1):
         reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
-                                   max_tokens=task.max_reply_tokens, seed=None if seed is None else seed + turn)
+                                   max_tokens=reply_tokens, seed=None if seed is None else seed + turn)
         trajectory_id = reply.trajectory_id
         result = episode.step(reply.text)
         turn_rewards.append(result.turn_reward)
