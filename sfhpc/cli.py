@@ -65,8 +65,10 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_launch(args: argparse.Namespace) -> int:
     from sfhpc.launch.rundir import new_run_dir
     from sfhpc.launch.slurm_launch import executor_for, submit
+    from sfhpc.rl.program import check_runnable
 
     recipe, cluster, plan = _load(args)
+    check_runnable(recipe)
     executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
     run_dir = new_run_dir(recipe.output_dir, recipe.name)
     submission = submit(recipe, cluster, plan, run_dir)
@@ -103,8 +105,10 @@ def _wait(job_id: str, run_dir: Path, timeout: float) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from sfhpc.launch.local import local_cluster_map, run_local
     from sfhpc.launch.rundir import new_run_dir
+    from sfhpc.rl.program import check_runnable
 
     recipe = load_recipe(args.recipe)
+    check_runnable(recipe)
     cluster = load_cluster_map(args.cluster) if args.cluster else local_cluster_map(recipe)
     plan = resolve(recipe, cluster)
     run_dir = new_run_dir(recipe.output_dir, recipe.name)

@@ -69,9 +69,10 @@ class Controller:
 
     # -- the steps of the loop ---------------------------------------------------------------------
     def keep_rollouts_busy(self) -> None:
-        """Hand out episodes: one step's worth (sync), or up to the staleness bound (async/seamless)."""
+        """Hand out episodes: one step's worth (sync), or up to the staleness bound (async)."""
         per_step = self.recipe.budgets.prompts_per_step
-        limit = per_step if self.recipe.pipeline.mode == "sync" else per_step * (self.recipe.pipeline.max_staleness + 1)
+        ahead = 1 if self.recipe.pipeline.mode == "sync" else self.recipe.pipeline.max_staleness + 1
+        limit = per_step * ahead
         new_groups = max(0, limit - self.groups_out)
         episodes = []
         for _ in range(new_groups):

@@ -7,12 +7,24 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.config.recipe import Recipe
+from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.runtime.comm_layout import build_comm_layout
 from sfhpc.runtime.identity import RankIdentity
 from sfhpc.tasks.base import Task, get_task
 
 log = logging.getLogger("sfhpc")
+
+
+def check_runnable(recipe: Recipe) -> None:
+    """Refuse, before any job starts, what this version cannot run."""
+    if recipe.pipeline.mode == "seamless":
+        # Lending idle trainer ranks to rollout is designed (the scheduler has the LENT state) but not built:
+        # refuse rather than quietly run another mode.
+        raise SfhpcError(f"{recipe.source}: pipeline.mode: 'seamless' is not available yet; use 'async' "
+                         "(overlapped, bounded staleness) or 'sync'")
+    if recipe.task.name != "launch-report":
+        get_task(recipe.task, recipe.source)  # unknown task or bad options: ConfigError now, not in the job
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
@@ -42,6 +54,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     from sfhpc.rl.rollout_worker import RolloutWorker, serve_rollout
     from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer, serve_trainer
 
+    check_runnable(recipe)
     task = get_task(recipe.task, recipe.source)
     model_dir = prepare_model(recipe, task, run_dir, world)
     layout = build_comm_layout(world, plan)
