@@ -188,10 +188,14 @@ class EndpointServer:
         """Run `coro` on the server's loop and return its result (from any other thread)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def stop(self) -> None:
+    def close_site(self) -> None:
+        """Stop accepting HTTP requests and finish the open ones; the event loop keeps running."""
         if self._runner is not None:
             self.call(self._runner.cleanup(), timeout=30)
             self._runner = None
+
+    def stop(self) -> None:
+        self.close_site()
         if self._thread.is_alive():
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)

@@ -33,6 +33,7 @@ from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
 STORE_NAME = "trajectories.h5"
+STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +157,9 @@ class Controller:
     def finish(self) -> RunSummary:
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
+        # Keep serving the trajectory manager until every rollout rank has said goodbye: episodes still in
+        # flight when Stop arrives make calls that must be answered, or those ranks could never shut down.
+        self._serving.join(timeout=STOP_GRACE_S)
         self._stop_serving.set()
         self._serving.join()
         self.manager.close()

@@ -102,8 +102,12 @@ class RolloutWorker:
         return [e for e in (f.exception() for f in done) if e is not None]
 
     def close(self) -> None:
+        """Wind down in dependency order: agents, HTTP site (its open requests still need the engine),
+        engine (on its own loop), event loop, and last the manager link (the controller serves it until
+        every rollout rank has said goodbye)."""
         for future in self.playing:
             future.cancel()
+        self.server.close_site()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             async def stop_engine() -> None:
