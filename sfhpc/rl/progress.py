@@ -57,7 +57,12 @@ class Progress:
             return None
         steps = [r["step"] for r in self.rows]
         fig, ax = plt.subplots(figsize=(7, 3.5))
-        ax.plot(steps, [r["reward_mean"] for r in self.rows], label="mean reward")
+        rewards = [r["reward_mean"] for r in self.rows]
+        window = max(1, len(rewards) // 40)
+        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="mean reward per step")
+        ax.plot(steps, smooth, color="tab:blue", label=f"moving average ({window} steps)")
         ax.set_xlabel("training step")
         ax.set_ylabel("mean reward")
         ax.set_ylim(-0.02, 1.02)
