@@ -42,8 +42,8 @@ from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
-from sfhpc.trainer.losses import baseline_advantages, group_advantages, policy_loss
-from sfhpc.trainer.torch_trainer import StepMetrics, TrainerConfig
+from sfhpc.trainer.losses import policy_loss
+from sfhpc.trainer.torch_trainer import StepMetrics, TrainerConfig, batch_advantages
 
 # megatron-core's forward, DDP and optimizer address the CUDA device directly. Tests that exercise the
 # wiring on CPU machines through their own shim (tests/trainer/megatron_shim) turn this off.
@@ -306,12 +306,7 @@ class MegatronTrainer:
 
     # -- training ---------------------------------------------------------------------------------------
     def advantages(self, batch: TrainBatch) -> torch.Tensor:
-        """The batch's own advantages, or the algorithm's: group-normalised (GRPO) or mean baseline (PPO)."""
-        if batch.advantages is not None:
-            return batch.advantages
-        if self.config.algorithm == "grpo":
-            return group_advantages(batch.rewards, batch.groups, self.config.advantage_eps)
-        return baseline_advantages(batch.rewards)
+        return batch_advantages(batch, self.config)
 
     def logits(self, tokens: torch.Tensor, model: Any = None) -> torch.Tensor:
         """This tensor-parallel rank's vocabulary shard of the logits, ``[B, T, padded_vocab / tp]``

@@ -83,6 +83,16 @@ class StepMetrics:
         return dataclasses.asdict(self)
 
 
+def batch_advantages(batch: TrainBatch, config: TrainerConfig) -> torch.Tensor:
+    """The batch's own advantages, or the algorithm's: group-normalised (GRPO) or mean baseline (PPO).
+    Shared by every training backend, so they agree on what a step optimises."""
+    if batch.advantages is not None:
+        return batch.advantages
+    if config.algorithm == "grpo":
+        return group_advantages(batch.rewards, batch.groups, config.advantage_eps)
+    return baseline_advantages(batch.rewards)
+
+
 class TorchTrainer:
     """Loads the policy from a Hugging Face folder and trains it one batch at a time."""
 
@@ -116,12 +126,7 @@ class TorchTrainer:
 
     # -- training -----------------------------------------------------------------------------------
     def advantages(self, batch: TrainBatch) -> torch.Tensor:
-        """The batch's own advantages, or the algorithm's: group-normalised (GRPO) or mean baseline (PPO)."""
-        if batch.advantages is not None:
-            return batch.advantages
-        if self.config.algorithm == "grpo":
-            return group_advantages(batch.rewards, batch.groups, self.config.advantage_eps)
-        return baseline_advantages(batch.rewards)
+        return batch_advantages(batch, self.config)
 
     def logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
         """Per-token log-probabilities of the batch under the current weights (or `model`), ``[B, T]``."""
