@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,3 +72,14 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+
+
+def restore(path: str | Path, model_dir: str | Path, state: dict[str, Any], load_weights: Callable[[], None]) -> None:
+    """Run `load_weights` (the backend's model + optimizer restore) and then restore the RNG streams;
+    a checkpoint that does not fit the model becomes one CheckpointError naming both."""
+    try:
+        load_weights()
+    except (RuntimeError, ValueError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+        raise CheckpointError(f"{path}: does not fit the model in {model_dir} ({first})") from None
+    set_rng_state(state["rng"])

@@ -515,18 +515,16 @@ class MegatronTrainer:
         if state.get("parallel") != dataclasses.asdict(self.sizes):
             raise CheckpointError(f"{path}: written with parallel sizes {state.get('parallel')}, this run has "
                                   f"{dataclasses.asdict(self.sizes)}; resume with the same layout")
-        try:
+        def load_weights() -> None:
             self.module.load_state_dict(state["model"], strict=False)
             missing = {k for k, _ in self.module.named_parameters()} - set(state["model"])
             if missing:
                 raise KeyError(f"missing {sorted(missing)[0]}")
             self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-            raise CheckpointError(f"{path}: does not fit the model in {self.model_dir} ({first})") from None
+
+        ckpt.restore(path, self.model_dir, state, load_weights)
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
-        ckpt.set_rng_state(state["rng"])
 
     def _barrier(self) -> None:
         if self.sizes.world_size > 1:

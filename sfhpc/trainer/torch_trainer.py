@@ -27,7 +27,7 @@ from sfhpc.config.recipe import AlgorithmSpec
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
-from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
+from sfhpc.trainer.errors import BatchError, TrainerError
 from sfhpc.trainer.losses import DEFAULT_RATIO_CAP, baseline_advantages, group_advantages, policy_loss, token_logprobs
 
 
@@ -234,12 +234,10 @@ class TorchTrainer:
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore the state `save_checkpoint` wrote; the next step is the one that would have followed."""
         state = ckpt.load(path)
-        try:
+        def load_weights() -> None:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-            raise CheckpointError(f"{path}: does not fit the model in {self.model_dir} ({first})") from None
+
+        ckpt.restore(path, self.model_dir, state, load_weights)
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
-        ckpt.set_rng_state(state["rng"])
