@@ -1,17 +1,24 @@
 """Weight-broadcast bandwidth: the publisher against a raw ``MPI_Bcast`` of the same bytes, in one run.
 
-    python -m sfhpc.bench.broadcast [--ranks 3] [--repeats 7] [--bucket-mb 32] [--synthetic-mb 200]
+    python -m sfhpc.bench.broadcast [--ranks 3] [--repeats 9] [--bucket-mb 32] [--synthetic-mb 200]
 
-Rank 0 publishes, every other rank receives (as the engines would). Two weight sets: the project's tiny
-Llama in bf16, and a synthetic set of Llama-shaped bf16 tensors of about ``--synthetic-mb``. For each,
-the repetitions alternate "raw" (one ``Bcast`` of an already-packed buffer of the same size: the floor)
-and "publish" (header + packing of the tensors not sent from their own memory + every message of every
-bucket + receivers handing out ``(name, tensor)`` views); a time is from a common barrier to the last
-rank done; medians are reported, with the source's packing time inside "publish" shown on its own.
+Rank 0 publishes, every other rank receives (as the engines would). Two weight sets, both held as
+float32 master weights and published in bf16, as the trainer does: the project's tiny Llama, and a
+synthetic set of Llama-shaped tensors of about ``--synthetic-mb`` on the wire. Three methods alternate
+in each repetition, every one timed from a common barrier to the last rank done:
+
+* raw: one ``Bcast`` of an already-packed buffer of the same bytes (the floor);
+* send: the broadcast itself: header + every bucket, received into the receivers' bucket buffers and
+  handed out as ``(name, tensor)`` views; what was published is staged before the barrier;
+* publish: stage (cast float32 -> bf16 into the staging buffer) and send, as one call; receivers poll
+  for the header with short sleeps, as rollout ranks do between generation steps.
+
+Send against raw is the broadcast's efficiency (what engines wait for: they keep generating while the
+trainer stages). Publish against raw shows what the cast adds on the trainer. Medians are reported.
 The first publish of a layout also sends the manifest and allocates the persistent buffers; it is
-timed apart and left out of the medians. Absolute figures depend on the machine and its load; the
-ratio, measured in one run, is what this measures. After the timings, receivers check one published
-version bit for bit against the weights they regenerate from the same seed.
+timed apart and left out. After the timings, receivers check one version bit for bit against the
+weights they regenerate from the same seed. Absolute figures depend on the machine and its load; the
+ratios, measured in one run, are what this measures.
 
 Without an MPI launcher around it, the command starts itself under ``mpiexec -n RANKS``.
 """
@@ -35,10 +42,9 @@ import torch
 
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
-from sfhpc.weights.manifest import DEFAULT_CHUNK_BYTES
-from sfhpc.weights.publisher import DEFAULT_DIRECT_BYTES
 
 CHILD_VAR = "SFHPC_BENCH_UNDER_MPI"
+POLL_SECONDS = 0.0005  # receivers' header polling during "publish"
 SMALL_SET_BYTES = 64 << 20
 
 
@@ -55,17 +61,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="repetitions for sets under 64 MB (quick, and noisier per repetition)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=32.0)
-    p.add_argument("--direct-kb", type=float, default=DEFAULT_DIRECT_BYTES / 1024,
-                   help="tensors from this size on are sent from their own memory, smaller ones are packed")
-    p.add_argument("--chunk-mb", type=float, default=DEFAULT_CHUNK_BYTES / (1 << 20),
-                   help="packed runs are sent in messages of this size")
     p.add_argument("--synthetic-mb", type=float, default=200.0, help="size of the synthetic set (0: skip it)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/broadcast.json"), help="JSON result file")
     return p.parse_args(argv)
 
 
 def tiny_weights() -> list[tuple[str, torch.Tensor]]:
-    """The project's default tiny Llama (sfhpc.model.tiny's configuration), seed 0, in bf16."""
+    """The project's default tiny Llama (sfhpc.model.tiny's configuration), seed 0, float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sfhpc.config.recipe import ModelSpec
@@ -73,18 +75,18 @@ def tiny_weights() -> list[tuple[str, torch.Tensor]]:
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**llama_config(ModelSpec())))
-    return [(n, p.detach().to(torch.bfloat16)) for n, p in model.named_parameters()]
+    return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
 def synthetic_weights(megabytes: float, hidden: int = 1024, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    """Llama-shaped bf16 tensors (hidden 1024, SwiGLU 2816, vocab 8192) of about `megabytes`."""
+    """Llama-shaped float32 tensors (hidden 1024, SwiGLU 2816, vocab 8192) of about `megabytes` in bf16."""
     inter, vocab = 2816, 8192
     gen = torch.Generator().manual_seed(seed)
     layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
     layers = max(1, round((megabytes * 1e6 - 2 * 2 * vocab * hidden) / layer_bytes))
 
     def rand(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+        return torch.randn(*shape, generator=gen) * 0.02
 
     named = [("model.embed_tokens.weight", rand(vocab, hidden))]
     for i in range(layers):
@@ -115,63 +117,88 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
     from sfhpc.weights import MPITransport, WeightPublisher, WeightReceiver
     from sfhpc.weights.manifest import plan_buckets
 
-    transport = MPITransport(comm, root=0)
+    wire = torch.bfloat16
+    transport = MPITransport(comm.Dup(), root=0)  # its own communicator: barriers and raw Bcasts use `comm`
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     source = transport.is_source
     named = make() if source else None  # the receivers only learn the layout from the manifest
     # Every rank needs the total size for the raw buffer; the source knows it from the plan.
-    total = comm.bcast(plan_buckets(named, 0, bucket_bytes).total_bytes if source else None, root=0)
+    total = comm.bcast(plan_buckets(named, 0, bucket_bytes, dtype=wire).total_bytes if source else None, root=0)
     repeats = args.small_repeats if total < SMALL_SET_BYTES else args.repeats
     raw = np.empty(total, dtype=np.uint8)
     raw.fill(7 if source else 0)  # touched before timing, like the publisher's persistent buffers
-    publisher = WeightPublisher(transport, bucket_bytes, direct_bytes=int(args.direct_kb * 1024),
-                                chunk_bytes=int(args.chunk_mb * (1 << 20))) if source else None
+    publisher = WeightPublisher(transport, bucket_bytes) if source else None
     receiver = None if source else WeightReceiver(transport)
-    stats: list[Any] = []
+    stats: dict[str, list[Any]] = {"send": [], "publish": []}
 
     def do_raw() -> None:
         comm.Bcast(raw, root=0)
 
-    def do_publish(version: int) -> None:
+    def do_send(version: int) -> None:
         if publisher is not None:
-            stats.append(publisher.publish(named, version))
+            stats["send"].append(publisher.send(version))
         else:
             receiver.receive().drain()  # every bucket received into (name, tensor) views
 
+    def do_publish(version: int) -> None:
+        if publisher is not None:
+            stats["publish"].append(publisher.publish(named, version, dtype=wire))
+            return
+        # Receivers poll for the header with sleeps in between, as rollout ranks do while they generate,
+        # rather than spinning in MPI and taking the core the source casts on.
+        pending = receiver.start()
+        while not pending.ready():
+            time.sleep(POLL_SECONDS)
+        pending.result().drain()
+
     # The first publish sends the manifest and builds the persistent buffers: timed on its own.
     first = _timed(comm, lambda: do_publish(0))
-    raw_times, pub_times = [], []
+    times: dict[str, list[float]] = {"raw": [], "send": [], "publish": []}
+    version = 0
     for rep in range(args.warmup + repeats):
-        # Alternate which goes first, so neither always runs on a warmer (or busier) machine.
-        order = ("raw", "pub") if rep % 2 == 0 else ("pub", "raw")
-        for which in order:
-            t = _timed(comm, do_raw) if which == "raw" else _timed(comm, lambda r=rep: do_publish(r + 1))
+        # Rotate the order, so no method always runs on a warmer (or busier) machine.
+        methods = ("raw", "send", "publish")
+        for which in methods[rep % 3:] + methods[:rep % 3]:
+            version += 1
+            if which == "raw":
+                t = _timed(comm, do_raw)
+            elif which == "send":
+                if publisher is not None:
+                    publisher.stage(named, dtype=wire)  # before the barrier: engines are not waiting yet
+                t = _timed(comm, lambda v=version: do_send(v))
+            else:
+                t = _timed(comm, lambda v=version: do_publish(v))
             if rep >= args.warmup:
-                (raw_times if which == "raw" else pub_times).append(t)
-    timed_stats = stats[1 + args.warmup:]
+                times[which].append(t)
+    timed_publish = stats["publish"][1 + args.warmup:]
 
     # Correctness, outside the timings: receivers compare one version with the weights regenerated here.
     ok = True
     if publisher is not None:
-        publisher.publish(named, 10_000)
+        publisher.publish(named, 10_000, dtype=wire)
     else:
-        expected = dict(make())
+        expected = {n: t.to(wire) for n, t in make()}
         incoming = receiver.receive()
         names = []
         for bucket in incoming:  # a bucket's views are valid until the next one is requested: check each now
             names += [n for n, _ in bucket]
             ok = ok and all(torch.equal(t.view(torch.int16), expected[n].view(torch.int16)) for n, t in bucket)
         ok = ok and incoming.version == 10_000 and names == list(expected)
+    if publisher is not None:
+        publisher.finish()
+    else:
+        ok = ok and receiver.receive() is None
     verified = all(comm.allgather(ok))
-    raw_s, pub_s = statistics.median(raw_times), statistics.median(pub_times)
-    pack_s = statistics.median(s.pack_seconds for s in timed_stats) if source else None
+    raw_s, send_s, pub_s = (statistics.median(times[k]) for k in ("raw", "send", "publish"))
+    stage_s = statistics.median(s.stage_seconds for s in timed_publish) if source else None
+    last = timed_publish[0] if source else None
     return {"set": name, "tensors": len(named) if source else None, "bytes": total, "repeats": repeats,
-            "messages": timed_stats[0].messages if source else None,
-            "buckets": timed_stats[0].buckets if source else None,
-            "raw_median_s": raw_s, "publish_median_s": pub_s, "publish_pack_median_s": pack_s,
-            "first_publish_s": first,
-            "raw_GBps": total / raw_s / 1e9, "publish_GBps": total / pub_s / 1e9, "ratio": raw_s / pub_s,
-            "raw_times_s": raw_times, "publish_times_s": pub_times, "verified": verified}
+            "messages": last.messages if last else None, "buckets": last.buckets if last else None,
+            "raw_median_s": raw_s, "send_median_s": send_s, "publish_median_s": pub_s,
+            "stage_median_s": stage_s, "first_publish_s": first,
+            "raw_GBps": total / raw_s / 1e9, "send_GBps": total / send_s / 1e9,
+            "send_ratio": raw_s / send_s, "publish_ratio": raw_s / pub_s,
+            "times_s": times, "verified": verified}
 
 
 def run_ranks(args: argparse.Namespace) -> int:
@@ -191,17 +218,19 @@ def run_ranks(args: argparse.Namespace) -> int:
               "repeats": args.repeats, "bucket_bytes": int(args.bucket_mb * (1 << 20)), "host": socket.gethostname(),
               "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch_threads": 1, "results": results}
     rows = [[r["set"], f"{r['bytes'] / 1e6:.1f}", str(r["messages"]), str(r["repeats"]),
-             f"{r['raw_median_s'] * 1e3:.2f}", f"{r['publish_median_s'] * 1e3:.2f}",
-             f"{r['publish_pack_median_s'] * 1e3:.2f}", f"{r['raw_GBps'] * 1e3:.0f}", f"{r['publish_GBps'] * 1e3:.0f}",
-             f"{r['ratio'] * 100:.0f}%", f"{r['first_publish_s'] * 1e3:.1f}", "yes" if r["verified"] else "NO"]
+             f"{r['raw_median_s'] * 1e3:.2f}", f"{r['send_median_s'] * 1e3:.2f}", f"{r['send_ratio'] * 100:.0f}%",
+             f"{r['raw_GBps'] * 1e3:.0f}", f"{r['send_GBps'] * 1e3:.0f}", f"{r['stage_median_s'] * 1e3:.2f}",
+             f"{r['publish_median_s'] * 1e3:.2f}", f"{r['publish_ratio'] * 100:.0f}%",
+             f"{r['first_publish_s'] * 1e3:.1f}", "yes" if r["verified"] else "NO"]
             for r in results]
-    print(f"weight broadcast, 1 source -> {comm.Get_size() - 1} receivers, buckets {args.bucket_mb:g} MB, medians")
-    print(format_table(["set", "MB", "msgs", "reps", "raw ms", "publish ms", "of which pack ms", "raw MB/s",
-                        "publish MB/s", "publish/raw", "first ms", "bit-identical"], rows))
-    print("raw: one Bcast of an already-packed buffer of the same bytes. publish: header + packing (cast/copy of "
-          "the tensors not sent from their own memory) + every bucket received into the receivers' buffers; "
-          "'of which pack' is the source's packing time inside it. first: the first publish, which also "
-          "sends the manifest and allocates the persistent buffers (not in the medians).")
+    print(f"weight broadcast, 1 source -> {comm.Get_size() - 1} receivers, float32 master -> bf16 wire, "
+          f"buckets {args.bucket_mb:g} MB, medians")
+    print(format_table(["set", "MB", "msgs", "reps", "raw ms", "send ms", "send/raw", "raw MB/s", "send MB/s",
+                        "stage ms", "publish ms", "publish/raw", "first ms", "bit-identical"], rows))
+    print("raw: one Bcast of an already-packed buffer of the same bytes. send: header + every bucket into the "
+          "receivers' buffers (engines wait for this). stage: the trainer's cast into staging (engines keep "
+          "generating). publish: stage + send in one call. first: the first publish, which also sends the "
+          "manifest and allocates the persistent buffers (not in the medians).")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.out}")

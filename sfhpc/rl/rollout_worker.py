@@ -101,6 +101,13 @@ class RolloutWorker:
         self.playing = [f for f in self.playing if not f.done()]
         return [e for e in (f.exception() for f in done) if e is not None]
 
+    def end_weight_stream(self) -> None:
+        """On Stop the first trainer closes the weight stream: take its last header, so that no broadcast
+        is left posted when MPI finalizes."""
+        if self.receiver is not None and (incoming := self.receiver.receive()) is not None:
+            incoming.drain()
+            raise RuntimeError(f"rank {self.rank}: weights version {incoming.version} arrived after Stop")
+
     def close(self) -> None:
         """Wind down in dependency order: agents, HTTP site (its open requests still need the engine),
         engine (on its own loop), event loop, and last the manager link (the controller serves it until
@@ -172,6 +179,7 @@ def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
         elif isinstance(command, msg.Checkpoint) and on_train is not None:
             on_train(command)
         elif isinstance(command, msg.Stop):
+            worker.end_weight_stream()
             return
         else:
             raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")

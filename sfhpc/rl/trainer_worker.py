@@ -53,7 +53,8 @@ class TrainerWorker:
         if self.publisher is not None:
             import torch
 
-            # float32 master weights are cast to the engines' dtype on the way into the send buffers.
+            # float32 master weights are cast to the engines' dtype into staging first; rollout ranks keep
+            # generating until the header that follows it arrives.
             self.publisher.publish(self.trainer.named_weights(), command.version,
                                    dtype=getattr(torch, self.recipe.model.dtype))
         if self.is_first:
@@ -80,6 +81,8 @@ def serve_trainer(worker: TrainerWorker) -> None:
         elif isinstance(command, msg.Checkpoint):
             worker.checkpoint(command)
         elif isinstance(command, msg.Stop):
+            if worker.publisher is not None:
+                worker.publisher.finish()  # the rollout ranks take it before they stop
             return
         else:
             raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")

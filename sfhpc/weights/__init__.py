@@ -8,7 +8,6 @@ from sfhpc.weights.errors import WeightStreamError
 from sfhpc.weights.manifest import Message, TensorMeta, WeightManifest
 from sfhpc.weights.publisher import (
     DEFAULT_BUCKET_BYTES,
-    DEFAULT_DIRECT_BYTES,
     IncomingWeights,
     PendingVersion,
     PublishStats,
@@ -17,6 +16,6 @@ from sfhpc.weights.publisher import (
 )
 from sfhpc.weights.transport import MPITransport, Transfer, WeightTransport
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DEFAULT_DIRECT_BYTES", "IncomingWeights", "MPITransport", "Message",
+__all__ = ["DEFAULT_BUCKET_BYTES", "IncomingWeights", "MPITransport", "Message",
            "PendingVersion", "PublishStats", "TensorMeta", "Transfer", "WeightManifest", "WeightPublisher",
            "WeightReceiver", "WeightStreamError", "WeightTransport"]

@@ -6,13 +6,10 @@ layer's ``self_attn`` or ``mlp``) share a bucket, because engines fuse them (vLL
 gate/up into one parameter) and a load that brings half of a fused parameter corrupts the other half. A
 group larger than a bucket gets a bucket of its own.
 
-Each bucket travels as a few *messages*, byte ranges of the bucket:
-
-* a **direct** tensor (large, contiguous, already in the wire dtype on the source) is one message sent
-  from where it lies, so the source never copies it;
-* the other tensors form **staged** runs: the source casts or copies them into a persistent staging
-  buffer and sends a run as one message once it holds ``chunk_bytes``, so packing the next run overlaps
-  the transfer of the previous one.
+On the wire a bucket is one *message*: the source casts or copies every tensor into a persistent
+staging buffer that holds the buckets back to back, and sends each bucket from there (one contiguous
+range of memory, which moves between ranks as fast as a plain broadcast of the same bytes). A bucket
+larger than one MPI message may hold is cut into several.
 
 Receivers only see byte ranges and land every message in place in one bucket buffer. Bytes are
 dtype-agnostic, which is how bf16 travels over MPI (MPI has no bf16 type). The `layout` hash covers
@@ -30,7 +27,6 @@ from collections.abc import Callable, Sequence
 import torch
 
 ALIGN = 64  # byte alignment of each tensor in a bucket: any dtype view of the slice is then aligned
-DEFAULT_CHUNK_BYTES = 4 << 20  # a staged run is sent once it holds this much
 MAX_MESSAGE = 1 << 30  # bytes per message: Open MPI 4 counts are C ints, so stay well below 2 GiB
 
 
@@ -128,18 +124,18 @@ def layout_hash(tensors: Sequence[TensorMeta], bucket_sizes: Sequence[int], mess
 
 
 def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], version: int, bucket_bytes: int, *,
-                 dtype: torch.dtype | None = None, direct: Sequence[bool] | None = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 group: Callable[[str], str] | None = module_group) -> WeightManifest:
-    """Lay `named` out in buckets of at most `bucket_bytes` and cut the buckets into messages.
+                 dtype: torch.dtype | None = None, group: Callable[[str], str] | None = module_group,
+                 message_bytes: int = MAX_MESSAGE) -> WeightManifest:
+    """Lay `named` out in buckets of at most `bucket_bytes`, each sent as one message (or several of at
+    most `message_bytes`, for a bucket beyond what one MPI message may hold).
 
-    `dtype` is the wire dtype (None: each tensor's own); `direct[i]` marks tensors sent from their own
-    memory (default: none); `group` maps a name to its bucket group (None: every tensor alone).
+    `dtype` is the wire dtype (None: each tensor's own); `group` maps a name to its bucket group (None:
+    every tensor alone).
     """
     if bucket_bytes < ALIGN:
         raise ValueError(f"bucket_bytes must be at least {ALIGN}, found {bucket_bytes}")
-    if not ALIGN <= chunk_bytes <= MAX_MESSAGE:
-        raise ValueError(f"chunk_bytes must be between {ALIGN} and {MAX_MESSAGE}, found {chunk_bytes}")
+    if not ALIGN <= message_bytes <= MAX_MESSAGE:
+        raise ValueError(f"message_bytes must be between {ALIGN} and {MAX_MESSAGE}, found {message_bytes}")
     names = [name for name, _ in named]
     if len(set(names)) != len(names):
         twice = next(n for i, n in enumerate(names) if n in names[:i])
@@ -173,37 +169,13 @@ def plan_buckets(named: Sequence[tuple[str, torch.Tensor]], version: int, bucket
             fill = _aligned(fill + sizes[i])
         bucket_sizes[-1] = fill
 
-    messages: list[Message] = []
-
-    def emit(bucket: int, start: int, end: int, piece: int) -> None:
-        messages.extend(Message(bucket, a, min(a + piece, end) - a) for a in range(start, end, piece))
-
-    run_bucket, run_start, run_end = -1, 0, 0
-    for i in range(len(names)):
-        if not sizes[i]:
-            continue  # no bytes to send (nor an address to send them from)
-        if run_end > run_start and (buckets[i] != run_bucket or (direct is not None and direct[i])
-                                    or run_end - run_start >= chunk_bytes):
-            emit(run_bucket, run_start, run_end, chunk_bytes)
-            run_start = run_end = 0
-        if direct is not None and direct[i]:
-            emit(buckets[i], offsets[i], offsets[i] + sizes[i], MAX_MESSAGE)
-            continue
-        if run_end == run_start:
-            run_bucket, run_start = buckets[i], offsets[i]
-        run_end = offsets[i] + sizes[i]
-    if run_end > run_start:
-        emit(run_bucket, run_start, run_end, chunk_bytes)
-
+    # A bucket of only empty tensors has no bytes, hence no message.
+    messages = tuple(Message(b, start, min(start + message_bytes, size) - start)
+                     for b, size in enumerate(bucket_sizes) for start in range(0, size, message_bytes))
     metas = tuple(TensorMeta(n, tuple(t.shape), dtype_name(w), b, o, s)
                   for (n, t), w, b, o, s in zip(named, wire, buckets, offsets, sizes))
     return WeightManifest(version=version, tensors=metas, bucket_sizes=tuple(bucket_sizes),
                           messages=tuple(messages), layout=layout_hash(metas, bucket_sizes, messages))
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's memory as a flat uint8 tensor (a view when it is contiguous)."""
-    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
 def typed_view(buffer: torch.Tensor, meta: TensorMeta, base: int = 0) -> torch.Tensor:

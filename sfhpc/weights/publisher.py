@@ -1,10 +1,13 @@
 """The weight publisher (trainer side) and receiver (engine side) of one broadcast group.
 
-Per version the publisher sends a 32-byte header (kind, version, layout hash, messages), the manifest
-only when the layout changed since the previous version, then the messages of every bucket. It keeps,
-per layout, the bucket plan and a persistent staging buffer: large tensors already in the wire dtype go
-straight from their own memory, the rest are cast or copied into staging in one pass (float32 master
-weights become bf16 there, with no intermediate copy) and sent run by run while the next run is packed.
+A version is published in two phases. **Stage**: the publisher casts or copies every tensor into a
+persistent staging buffer that holds the buckets back to back (float32 master weights become bf16
+there in one pass). Receivers take no part, so engines keep generating with their current weights for
+as long as this takes. **Send**: a 32-byte header (kind, version, layout hash, messages), the manifest
+when the layout changed since the previous version, then one message per bucket straight from staging.
+Staging is memory the transport allocated for itself (huge pages over MPI), so the send moves at the
+speed of a plain broadcast of the same bytes; an engine is paused from the header to its last bucket,
+i.e. for the send and its own loads, never for the cast.
 
 A receiver turns a header into `IncomingWeights` and then, bucket by bucket, ``(name, tensor)`` lists
 that are views into its bucket buffers, ready for the engine's ``load_weights``. It holds `depth`
@@ -22,6 +25,9 @@ broadcast itself on small machines).
                                                            engine_load(named, incoming.version)
     publisher.finish()                                 # at the end of the run
 
+`publish` is `stage` then `send`; a trainer may call them apart (stage as soon as the optimizer step is
+done, send when the controller asks). The source holds one copy of the weights in the wire dtype.
+
 Every bucket must be consumed on every receiver (the broadcasts are collective); `IncomingWeights.drain`
 does so for a receiver that has nothing to load. `WeightReceiver.start` waits for a header without
 blocking (poll `PendingVersion.ready`), for ranks that generate while they wait.
@@ -29,30 +35,18 @@ blocking (poll `PendingVersion.ready`), for ranks that generate while they wait.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from sfhpc.weights.errors import WeightStreamError
-from sfhpc.weights.manifest import (
-    ALIGN,
-    DEFAULT_CHUNK_BYTES,
-    Message,
-    WeightManifest,
-    module_group,
-    plan_buckets,
-    typed_view,
-    unpack,
-)
+from sfhpc.weights.manifest import WeightManifest, module_group, plan_buckets, typed_view, unpack
 from sfhpc.weights.transport import Transfer, WeightTransport
 
 DEFAULT_BUCKET_BYTES = 32 << 20
-# Tensors from this size on are sent from their own memory: below it, one more message costs more than
-# copying the bytes into a staged run (measured: ~7 us per message, ~8 GB/s copies).
-DEFAULT_DIRECT_BYTES = 64 << 10
 
 HEADER_WORDS = 4  # kind, version, layout hash, number of messages
 _FINISH, _SAME_LAYOUT, _NEW_LAYOUT = 0, 1, 2
@@ -65,167 +59,109 @@ class PublishStats:
     bytes: int  # bucket bytes, padding included
     buckets: int
     messages: int
-    seconds: float  # whole publish as the source saw it: header, manifest if sent, packing, transfers
-    pack_seconds: float  # of which the source spent casting/copying tensors into staging
+    stage_seconds: float  # casting/copying the tensors into staging (receivers not involved)
+    send_seconds: float  # header, manifest if sent, every message, as the source saw it
     manifest_sent: bool
 
     @property
+    def seconds(self) -> float:
+        return self.stage_seconds + self.send_seconds
+
+    @property
     def bandwidth(self) -> float:
-        """Bytes per second of the whole publish, as seen by the source."""
-        return self.bytes / self.seconds if self.seconds > 0 else float("inf")
+        """Bytes per second of the send, as seen by the source."""
+        return self.bytes / self.send_seconds if self.send_seconds > 0 else float("inf")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Step:
-    """One message as the source sends it: from a direct tensor, or from staging after packing."""
+class _Staging:
+    """What the source keeps per layout: the manifest, one transport buffer holding every bucket back to
+    back, a typed view of each tensor in it and the transport's handle of each message."""
 
-    message: Message
-    source: int | None  # index of the direct tensor holding the bytes; None: staged
-    source_offset: int  # byte offset of the message inside that tensor
-    pack: tuple[int, ...]  # staged tensors to cast/copy into staging before the message goes
-    staged: object  # the transport's handle to the message's slice of staging (None: direct)
-
-
-class _SourcePlan:
-    """What the source keeps per layout: the manifest, the steps, staging and the typed views into it."""
-
-    def __init__(self, key: object, manifest: WeightManifest, direct: list[bool], transport: WeightTransport) -> None:
+    def __init__(self, key: object, manifest: WeightManifest, transport: WeightTransport) -> None:
         self.key = key
         self.manifest = manifest
-        metas = manifest.tensors
-        direct_starts: dict[int, list[int]] = {}
-        direct_at: dict[tuple[int, int], int] = {}
-        staged: dict[int, list[int]] = {}
-        for i, meta in enumerate(metas):
-            if not meta.nbytes:
-                continue
-            if direct[i]:
-                direct_starts.setdefault(meta.bucket, []).append(meta.offset)
-                direct_at[meta.bucket, meta.offset] = i
-            else:
-                staged.setdefault(meta.bucket, []).append(i)
-        # Staging holds the staged messages in order, each at an offset congruent to its bucket offset
-        # modulo ALIGN (so every tensor view in it is aligned); the pieces of one run stay adjacent, so a
-        # tensor spanning several pieces is contiguous in staging too.
-        owners = [_inside(direct_starts, direct_at, metas, m) for m in manifest.messages]
-        stage_offsets: list[int] = []
-        stage_end = 0
-        for m, owner in zip(manifest.messages, owners):
-            if owner is None:
-                stage_end += (m.offset - stage_end) % ALIGN
-                stage_offsets.append(stage_end)
-                stage_end += m.nbytes
-            else:
-                stage_offsets.append(-1)
-        self.staging = transport.allocate(stage_end) if stage_end else None
-        self.pack_views: dict[int, torch.Tensor] = {}
-        steps = []
-        next_staged = dict.fromkeys(staged, 0)
-        for m, owner, stage_at in zip(manifest.messages, owners, stage_offsets):
-            if owner is not None:
-                steps.append(_Step(m, owner, m.offset - metas[owner].offset, (), None))
-                continue
-            assert self.staging is not None
-            pack = []
-            queue = staged.get(m.bucket, [])
-            while next_staged.get(m.bucket, 0) < len(queue) and metas[queue[next_staged[m.bucket]]].offset < m.end:
-                i = queue[next_staged[m.bucket]]
-                self.pack_views[i] = typed_view(self.staging, metas[i], base=m.offset - stage_at)
-                pack.append(i)
-                next_staged[m.bucket] += 1
-            steps.append(_Step(m, None, 0, tuple(pack), transport.wire(self.staging, stage_at, m.nbytes)))
-        self.steps = tuple(steps)
-
-
-def _inside(starts: dict[int, list[int]], at: dict[tuple[int, int], int], metas: tuple, m: Message) -> int | None:
-    """Index of the direct tensor message `m` is a piece of, or None."""
-    offsets = starts.get(m.bucket)
-    if not offsets:
-        return None
-    j = bisect.bisect_right(offsets, m.offset) - 1
-    if j < 0:
-        return None
-    i = at[m.bucket, offsets[j]]
-    return i if m.offset < metas[i].offset + metas[i].nbytes else None
+        # Bucket sizes are multiples of the manifest's alignment, so every tensor view stays aligned.
+        starts = [0, *itertools.accumulate(manifest.bucket_sizes)]
+        self.buffer = transport.allocate(manifest.total_bytes) if manifest.total_bytes else None
+        self.views: list[torch.Tensor | None] = [
+            typed_view(self.buffer, meta, base=-starts[meta.bucket]) if meta.nbytes and self.buffer is not None
+            else None for meta in manifest.tensors]
+        self.wires = [transport.wire(self.buffer, starts[m.bucket] + m.offset, m.nbytes)
+                      for m in manifest.messages] if self.buffer is not None else []
 
 
 class WeightPublisher:
     """The sending side; lives on the transport's source rank."""
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 direct_bytes: int = DEFAULT_DIRECT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  group: Callable[[str], str] | None = module_group) -> None:
         if not transport.is_source:
             raise ValueError("a WeightPublisher lives on the transport's source rank; use WeightReceiver elsewhere")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
-        self.direct_bytes = direct_bytes
-        self.chunk_bytes = chunk_bytes
         self.group = group
-        self._plan: _SourcePlan | None = None
+        self._staging: _Staging | None = None
+        self._announced: int | None = None  # layout hash the receivers hold the manifest of
+        self._staged: tuple[int, float] | None = None  # tensors and seconds of the version in staging, unsent
         self._header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        self._header_words = self._header.numpy()  # written in place: no tensor built per version
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *,
                 dtype: torch.dtype | None = None) -> PublishStats:
-        """Broadcast one version; returns when every message has left this rank's memory.
+        """Stage `named` and send it as `version`; returns when every message has left this rank."""
+        self.stage(named, dtype=dtype)
+        return self.send(version)
 
-        `named` may be a generator; its tensors are read once, in order, and must stay unchanged until this
-        returns. With `dtype` (e.g. ``torch.bfloat16`` from float32 master weights) tensors are cast into
-        staging on the way; tensors already in the wire dtype may be sent from where they lie.
+    def stage(self, named: Iterable[tuple[str, torch.Tensor]], *, dtype: torch.dtype | None = None) -> float:
+        """Cast or copy one version into staging (receivers are not involved); returns the seconds taken.
+
+        `named` may be a generator; its tensors are read once, in order. With `dtype` (e.g.
+        ``torch.bfloat16`` from float32 master weights) tensors are cast on the way. A new set of names,
+        shapes or dtypes is a new layout: its staging is allocated here and its manifest goes with the
+        next `send`.
         """
         start = time.perf_counter()
         items = [(name, tensor.detach()) for name, tensor in named]
-        direct = [self._is_direct(t, dtype) for _, t in items]
-        key = (dtype, tuple((n, t.shape, t.dtype, d) for (n, t), d in zip(items, direct)))
-        plan = self._plan
-        new_layout = plan is None or plan.key != key
-        if new_layout:
-            manifest = plan_buckets(items, version, self.bucket_bytes, dtype=dtype, direct=direct,
-                                    chunk_bytes=self.chunk_bytes, group=self.group)
-            plan = self._plan = _SourcePlan(key, manifest, direct, self.transport)
-        assert plan is not None
-        manifest = plan.manifest
-        self._header.copy_(torch.tensor([_NEW_LAYOUT if new_layout else _SAME_LAYOUT, version, manifest.layout,
-                                         len(manifest.messages)]))
+        key = (dtype, tuple((n, tuple(t.shape), t.dtype) for n, t in items))
+        if self._staging is None or self._staging.key != key:
+            manifest = plan_buckets(items, 0, self.bucket_bytes, dtype=dtype, group=self.group)
+            self._staging = None  # let the previous layout's buffer go before allocating the next
+            self._staging = _Staging(key, manifest, self.transport)
+        for view, (_, tensor) in zip(self._staging.views, items):
+            if view is not None:
+                view.copy_(tensor)  # cast and copy in one pass
+        seconds = time.perf_counter() - start
+        self._staged = (len(items), seconds)
+        return seconds
+
+    def send(self, version: int) -> PublishStats:
+        """Broadcast what is staged as `version`; returns when every message has left this rank's memory.
+        Staging must not change until then."""
+        if self._staging is None or self._staged is None:
+            raise WeightStreamError("nothing is staged: call stage() (or publish()) before send()")
+        start = time.perf_counter()
+        manifest = self._staging.manifest
+        new_layout = self._announced != manifest.layout
+        self._header_words[:] = (_NEW_LAYOUT if new_layout else _SAME_LAYOUT, version, manifest.layout,
+                                 len(manifest.messages))
         # The header's completion is waited for with the rest (the header buffer is not touched before).
         transfers: list[Transfer] = [self.transport.post([self.transport.wire(self._header)])]
         if new_layout:
             self.transport.share_manifest(dataclasses.replace(manifest, version=version))
-
-        tensors = [t for _, t in items]
-        wire = self.transport.wire
-        ready: list[object] = []  # direct messages not yet posted
-        pack_seconds = 0.0
-        for step in plan.steps:
-            if step.source is not None:
-                ready.append(wire(tensors[step.source], step.source_offset, step.message.nbytes))
-                continue
-            if ready:
-                transfers.append(self.transport.post(ready))
-                ready = []
-            t0 = time.perf_counter()
-            for i in step.pack:
-                plan.pack_views[i].copy_(tensors[i])  # cast and pack in one pass
-            pack_seconds += time.perf_counter() - t0
-            # Posting is enough for receivers to start pulling a run while the next one is packed; a
-            # progress call here (MPI_Testall) cost more than it saved (~0.15 ms each on a loaded 2-core box).
-            transfers.append(self.transport.post([step.staged]))
-        if ready:
-            transfers.append(self.transport.post(ready))
+            self._announced = manifest.layout
+        transfers.append(self.transport.post(self._staging.wires))
         self.transport.wait_all(transfers)
-        return PublishStats(version=version, tensors=len(items), bytes=manifest.total_bytes,
+        tensors, stage_seconds = self._staged
+        self._staged = None
+        return PublishStats(version=version, tensors=tensors, bytes=manifest.total_bytes,
                             buckets=manifest.num_buckets, messages=len(manifest.messages),
-                            seconds=time.perf_counter() - start, pack_seconds=pack_seconds,
+                            stage_seconds=stage_seconds, send_seconds=time.perf_counter() - start,
                             manifest_sent=new_layout)
 
     def finish(self) -> None:
         """Tell every receiver there are no more versions (their `receive` returns None)."""
-        self._header.copy_(torch.tensor([_FINISH, 0, 0, 0]))
+        self._header_words[:] = (_FINISH, 0, 0, 0)
         self.transport.post([self.transport.wire(self._header)]).wait()
-
-    def _is_direct(self, tensor: torch.Tensor, dtype: torch.dtype | None) -> bool:
-        return (tensor.device.type == "cpu" and (dtype is None or tensor.dtype == dtype)
-                and tensor.numel() * tensor.element_size() >= self.direct_bytes and tensor.is_contiguous())
 
 
 class _ReceiverLayout:
@@ -307,6 +243,8 @@ class IncomingWeights:
         if index not in self._posted:
             messages, views = self._layout.bucket(index)
             self._posted[index] = (self._receiver.transport.post(messages), views)
+            if index == self.num_buckets - 1:
+                self._receiver._post_header()  # the next header may now be matched, in order
 
 
 class PendingVersion:
@@ -348,14 +286,20 @@ class WeightReceiver:
 
     def start(self) -> PendingVersion:
         """Begin waiting for the next header (non-blocking); the same object until its result is taken."""
-        if self._pending is not None:
-            return self._pending
         if self._current is not None and not self._current.done:
             raise WeightStreamError(f"version {self._current.version} still has buckets on the wire: "
                                     "iterate or drain() it before receiving the next version")
+        if self._pending is None:
+            self._post_header()
+        assert self._pending is not None
+        return self._pending
+
+    def _post_header(self) -> None:
+        # Posted as soon as the previous version's last bucket is (collectives match in posting order),
+        # so the header is already waiting when the publisher sends: a version costs the publisher's
+        # latency once, not once more for a receiver that only starts listening when asked.
         header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         self._pending = PendingVersion(self, header, self.transport.post([self.transport.wire(header)]))
-        return self._pending
 
     def receive(self) -> IncomingWeights | None:
         """Wait for the next version; None once the publisher has called `finish`.
@@ -380,4 +324,6 @@ class WeightReceiver:
                 len(self._layout.manifest.messages) != messages:
             raise WeightStreamError(f"version {version} announces a layout this receiver never got a manifest for")
         self._current = IncomingWeights(self, self._layout, version)
+        if self._current.num_buckets == 0:
+            self._post_header()
         return self._current

@@ -7,7 +7,10 @@ sends from its memory and every receiver lands in its own. The publisher and rec
 `sfhpc.weights.publisher` only talk to this interface.
 
 `MPITransport` is the one implemented: host memory and non-blocking ``MPI_Ibcast`` over a communicator
-that holds exactly the trainer's source rank and the engine ranks (the runtime's weight-broadcast group).
+that holds exactly the trainer's source rank and the engine ranks (the runtime's weight-broadcast group)
+and carries nothing else: receivers post the next header as soon as they have posted a version's last
+bucket, and MPI matches collectives on one communicator in posting order, so any other collective on
+it would be matched against that header.
 Headers and messages are non-blocking on every member because MPI never matches a blocking collective
 with a non-blocking one, and a rollout rank must be able to wait for a version without blocking its
 event loop.

@@ -1,7 +1,7 @@
 """Rank program of the broadcast test: `mpiexec -n 3 python -m tests.weights.broadcast_ranks OUT_DIR`.
 
-Rank 0 publishes three versions of a mixed set of tensors in small buckets (the third cast to bf16 on the
-way, a new layout) and then finishes; tensors of 1 KiB and more go from their own memory. Ranks 1 and
+Rank 0 publishes three versions of a mixed set of tensors in small buckets (the second staged and sent in
+two calls, the third cast to bf16 on the way, a new layout) and then finishes. Ranks 1 and
 2 receive (rank 1 reusing one buffer, rank 2 with a fresh buffer per bucket) and record, per version,
 the version number, the names per bucket and a SHA-256 of every tensor's bytes.
 """
@@ -48,11 +48,17 @@ def main() -> int:
     transport = MPITransport(comm, root=0)
     record: list[dict[str, object]] = []
     if transport.is_source:
-        publisher = WeightPublisher(transport, bucket_bytes=BUCKET_BYTES, direct_bytes=1024, chunk_bytes=1024)
+        publisher = WeightPublisher(transport, bucket_bytes=BUCKET_BYTES)
         for version in (1, 2, 3):
             dtype = torch.bfloat16 if version == 3 else None
             named = weights(version)
-            stats = publisher.publish(iter(named), version, dtype=dtype)
+            if version == 2:
+                publisher.stage(iter(named))
+                named = [(n, torch.zeros_like(t)) for n, t in named]  # staging holds its own copy
+                stats = publisher.send(version)
+                named = weights(version)
+            else:
+                stats = publisher.publish(iter(named), version, dtype=dtype)
             if dtype is not None:
                 named = [(n, t.to(dtype)) for n, t in named]
             record.append({"version": version, "buckets": stats.buckets, "bytes": stats.bytes,

@@ -1,5 +1,5 @@
-"""The weight publisher over MPI: three ranks, bit-identical tensors (sent in place, packed, or cast on the
-way), versions that arrive, a manifest only when the layout changes."""
+"""The weight publisher over MPI: three ranks, bit-identical tensors (copied or cast into staging, staged
+and sent in one call or two), versions that arrive, a manifest only when the layout changes."""
 
 from __future__ import annotations
 

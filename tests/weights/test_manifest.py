@@ -50,21 +50,23 @@ def test_a_module_travels_in_one_bucket_so_fused_parameters_load_whole() -> None
     assert [t.bucket for t in plan_buckets(named, 0, 512, group=None).tensors] == [0, 0, 1, 1]
 
 
-def test_messages_cover_every_byte_once_direct_tensors_alone_runs_chunked() -> None:
+def test_each_bucket_is_one_message_unless_it_exceeds_the_message_size() -> None:
     named = [("small.a", torch.zeros(10)), ("big", torch.zeros(1000)), ("small.b", torch.zeros(300)),
              ("small.c", torch.zeros(300)), ("empty", torch.zeros(0))]
-    direct = [False, True, False, False, False]
-    m = plan_buckets(named, 3, 1 << 20, direct=direct, chunk_bytes=1024)
-    spans = [(msg.offset, msg.end) for msg in m.messages]
-    big = m.tensors[1]
-    assert (big.offset, big.offset + big.nbytes) in spans  # a direct tensor is a message of its own
-    assert all(msg.nbytes <= 1024 for msg in m.messages if (msg.offset, msg.end) != (big.offset, big.offset + 4000))
-    for t in m.tensors:  # every byte of every tensor is inside exactly one message
-        covered = sum(max(0, min(e, t.offset + t.nbytes) - max(s, t.offset)) for s, e in spans)
-        assert covered == t.nbytes
+    m = plan_buckets(named, 3, 2048, message_bytes=1024)
+    assert m.bucket_sizes == (64, 4032, 1216, 1216)  # small.c (and the empty tensor) fill a fourth bucket
+    # Bucket 1 (4032 B) is cut into 1024-byte messages, the others need one or two; the empty tensor adds nothing.
+    assert [(x.bucket, x.offset, x.nbytes) for x in m.messages] == [
+        (0, 0, 64), (1, 0, 1024), (1, 1024, 1024), (1, 2048, 1024), (1, 3072, 960), (2, 0, 1024), (2, 1024, 192),
+        (3, 0, 1024), (3, 1024, 192)]
+    assert [len(m.bucket_messages(b)) for b in range(m.num_buckets)] == [1, 4, 2, 2]
+    assert sum(x.nbytes for x in m.messages) == m.total_bytes  # every byte of every bucket, once
+    assert len(plan_buckets(named, 3, 2048).messages) == m.num_buckets  # the default: one message per bucket
     # The layout hash ignores the version and follows the layout.
-    assert plan_buckets(named, 4, 1 << 20, direct=direct, chunk_bytes=1024).layout == m.layout
-    assert plan_buckets(named, 3, 1 << 20, chunk_bytes=1024).layout != m.layout
+    assert plan_buckets(named, 4, 2048, message_bytes=1024).layout == m.layout
+    assert plan_buckets(named, 3, 2048).layout != m.layout
+    with pytest.raises(ValueError, match="message_bytes"):
+        plan_buckets(named, 0, 2048, message_bytes=8)
 
 
 def test_pack_casts_into_the_wire_dtype() -> None:

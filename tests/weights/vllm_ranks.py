@@ -29,7 +29,7 @@ def polled_barrier(comm: Any) -> None:
         time.sleep(0.02)
 
 
-def trainer_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
+def trainer_rank(comm: Any, weights: Any, model_dir: Path) -> dict[str, Any]:
     import torch
 
     from sfhpc.trainer.torch_trainer import TorchTrainer
@@ -37,7 +37,7 @@ def trainer_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
 
     trainer = TorchTrainer(model_dir)
     original = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    publisher = WeightPublisher(MPITransport(comm), bucket_bytes=BUCKET_BYTES)
+    publisher = WeightPublisher(MPITransport(weights), bucket_bytes=BUCKET_BYTES)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in trainer.model.parameters():
@@ -53,7 +53,7 @@ def trainer_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
     return {"buckets": [first.buckets, second.buckets], "manifest_sent": [first.manifest_sent, second.manifest_sent]}
 
 
-async def engine_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
+async def engine_rank(comm: Any, weights: Any, model_dir: Path) -> dict[str, Any]:
     from sfhpc.engine.base import GenerationRequest
     from sfhpc.engine.tokenizer import BOS
     from sfhpc.engine.vllm_engine import VllmEngine
@@ -61,7 +61,7 @@ async def engine_rank(comm: Any, model_dir: Path) -> dict[str, Any]:
     from sfhpc.weights import MPITransport, WeightReceiver
 
     engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
-    receiver = WeightReceiver(MPITransport(comm))
+    receiver = WeightReceiver(MPITransport(weights))
     calls = 0
 
     async def greedy() -> dict[str, list[int]]:
@@ -102,8 +102,10 @@ def main() -> int:
 
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     world = MPI.COMM_WORLD
-    comm = world.Split(0, world.Get_rank())  # the weight-broadcast group: trainer root, engine rank
-    record = trainer_rank(comm, model_dir) if comm.Get_rank() == 0 else asyncio.run(engine_rank(comm, model_dir))
+    comm = world.Split(0, world.Get_rank())  # the test's own synchronisation
+    weights = comm.Dup()  # the weight-broadcast group (trainer root, engine rank) carries nothing else
+    record = (trainer_rank(comm, weights, model_dir) if comm.Get_rank() == 0
+              else asyncio.run(engine_rank(comm, weights, model_dir)))
     (out / f"rank{comm.Get_rank()}.json").write_text(json.dumps(record))
     return 0
 
