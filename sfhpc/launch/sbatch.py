@@ -30,6 +30,7 @@ class SbatchSpec:
     setup: tuple[str, ...] = ()               # shell lines before srun
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
     header: tuple[str, ...] = ()              # comment lines under the shebang
+    guard: str | None = None                  # shell words srun runs under (sfhpc.launch.step_guard)
 
 
 def flag(key: str, value: FlagValue) -> str | None:
@@ -66,7 +67,14 @@ def render_sbatch(spec: SbatchSpec) -> str:
     if len(spec.components) > 1:
         srun.append("--het-group=" + ",".join(str(i) for i in range(len(spec.components))))
     srun += _flags(spec.srun_flags)
-    lines += ["", "# one step spans every component: one MPI world", " ".join(srun) + " " + spec.command, ""]
+    step = " ".join(srun) + " " + spec.command
+    lines += ["", "# one step spans every component: one MPI world"]
+    if spec.guard:
+        lines += ["# (the guard ends srun if it outlives every rank: a Slurm 22.05 mpi/pmix hang)",
+                  f"{spec.guard} {step}"]
+    else:
+        lines.append(step)
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -84,10 +92,11 @@ def component_flags(component: Component, time_minutes: int) -> dict[str, FlagVa
     }
 
 
-def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None,
+def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None, python: str,
                   setup: tuple[str, ...] = (), environment: Mapping[str, str] | None = None,
                   header: tuple[str, ...] = ()) -> SbatchSpec:
-    """The batch script of a resolved recipe; `command` is what every rank runs."""
+    """The batch script of a resolved recipe; `command` is what every rank runs, `python` (shell words)
+    the interpreter the batch script runs the step guard with."""
     launch = recipe.launch
     components = [component_flags(c, launch.time_minutes) for c in plan.components]
     components[0].update(
@@ -107,4 +116,5 @@ def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str
         setup=(*launch.setup, *setup),
         environment=dict(environment or {}),
         header=header,
+        guard=f"{python} -m sfhpc.launch.step_guard --ranks {plan.world_size} --",
     )

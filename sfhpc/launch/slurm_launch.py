@@ -11,6 +11,8 @@ Two scripts come from the same plan and the same renderer:
 from __future__ import annotations
 
 import dataclasses
+import shlex
+import sys
 from pathlib import Path
 
 from sfhpc.config.cluster import ClusterMap
@@ -38,16 +40,19 @@ def _header(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> tuple[str,
               for c in plan.components))
 
 
-def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, command: str) -> SbatchSpec:
-    """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point)."""
+def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, command: str,
+                python: str) -> SbatchSpec:
+    """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point); the batch
+    script runs the step guard with `python` (shell words)."""
     # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
     return spec_for_plan(plan, recipe, command, output=str(run_dir / "slurm-%j.out"),
-                         environment={"SUBMITIT_EXECUTOR": "slurm"}, header=_header(recipe, cluster, plan))
+                         python=python, environment={"SUBMITIT_EXECUTOR": "slurm"},
+                         header=_header(recipe, cluster, plan))
 
 
 def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> HetSlurmExecutor:
     def spec(command: str) -> SbatchSpec:
-        return launch_spec(recipe, cluster, plan, run_dir, command)
+        return launch_spec(recipe, cluster, plan, run_dir, command, python=shlex.quote(sys.executable))
 
     return HetSlurmExecutor(run_dir / "submitit", spec, num_tasks=plan.world_size)
 
@@ -63,8 +68,9 @@ def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path)
 def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:
     """A batch script that runs any recipe of this shape: ``sbatch SCRIPT RECIPE.yaml``."""
     usage = ": \"${1:?usage: sbatch " + "<this script> RECIPE.yaml (run from the project folder)}\""
+    python = '"${SFHPC_PYTHON:-python3}"'
     spec = spec_for_plan(
-        plan, recipe, '"${SFHPC_PYTHON:-python3}" -m sfhpc.runtime "$@"', output=None,
+        plan, recipe, f'{python} -m sfhpc.runtime "$@"', output=None, python=python,
         setup=(usage, f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{cluster.source}}}"'),
         header=(*_header(recipe, cluster, plan),
                 f"Written by: sfhpc render {recipe.source} --cluster {cluster.source} --template",

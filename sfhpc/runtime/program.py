@@ -16,6 +16,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
+from sfhpc.launch import step_guard
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
@@ -33,6 +34,12 @@ class RankProgram:
 
     def __call__(self) -> dict[str, Any]:
         identity = identify(self.plan, read_rank_environment())
+        step_guard.arm(identity.rank)
+        result = self._run(identity)
+        step_guard.finished(0)
+        return result
+
+    def _run(self, identity: RankIdentity) -> dict[str, Any]:
         _log_to_file(self.run_dir / "logs" / f"rank-{identity.rank:03d}.log", identity)
         # Import mpi4py here, never at module level: vLLM's CPU engine spawns children that re-import
         # the main module, and a top-level import would run MPI_Init in them.
@@ -82,6 +89,7 @@ def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
     try:
         program()
     except SfhpcError as exc:
+        step_guard.finished(exc.exit_code)
         return report_user_error(exc, is_rank_zero)
     except Exception:
         # A crashed rank must not leave the others blocked in MPI forever (mpiexec would wait): print the

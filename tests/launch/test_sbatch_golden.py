@@ -44,7 +44,7 @@ def _load(case: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untype
 def test_launch_script_matches_golden(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     recipe, cluster, plan = _load(case, monkeypatch)
     spec = launch_spec(recipe, cluster, plan, Path("/runs/example"), "/usr/bin/python3 -u -m submitit.core._submit "
-                       "/runs/example/submitit")
+                       "/runs/example/submitit", python="/usr/bin/python3")
     _check(GOLDEN / f"{case}.launch.sbatch", render_sbatch(spec))
 
 
