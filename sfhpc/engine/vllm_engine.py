@@ -18,12 +18,15 @@ pause ends every request.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 from sfhpc.engine.base import GenerationChunk, GenerationRequest, RolloutEngine
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
 
 
 def pack_weights(weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], bytes]:
@@ -40,9 +43,22 @@ def pack_weights(weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, st
     return table, blob
 
 
+class _QuietRotaryReload(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, logged on every in-place reload:
+    the rotary embedding holds a computed cos/sin cache that no checkpoint carries, and vLLM puts it back
+    as it was. One such line per weight update would bury a run's progress; other layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
 def _reload_in_worker(worker: Any, table: list[tuple[str, str, tuple[int, ...], int, int]], blob: bytes) -> int:
     """Runs inside vLLM's worker process (through collective_rpc): rebuild tensors, reload in place."""
     import torch
+
+    reload_log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, _QuietRotaryReload) for f in reload_log.filters):
+        reload_log.addFilter(_QuietRotaryReload())
 
     raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     weights = [(name, raw[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))

@@ -132,7 +132,8 @@ class Controller:
             "step": step, "version": trained.version, "reward_mean": sum(rewards) / len(rewards),
             "trajectories": len(rewards), "generated_tokens": batch.num_generated, "trained_tokens": batch.num_tokens,
             "generated_tokens_per_s": batch.num_generated / step_s, "trained_tokens_per_s":
-            batch.num_tokens / max(float(metrics.get("seconds", 0.0)), 1e-9), "sync_s": sync_s,
+            batch.num_tokens / max(float(metrics.get("seconds", 0.0)), 1e-9),
+            "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
         })
