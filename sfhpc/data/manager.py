@@ -134,6 +134,26 @@ def _fits(value: str, limit: int, what: str) -> None:
         raise InvalidRequest(f"{what} is longer than {limit} bytes: {value[:40]!r}...")
 
 
+def check_start(trajectory_id: str, task: str, group: str | None, metadata: dict | None) -> str:
+    """Everything `TrajectoryManager.start` refuses but an id clash, checked where the call is made (a
+    remote client sends `start` one-way after this); returns the metadata as stored (JSON)."""
+    if not trajectory_id:
+        raise InvalidRequest("a trajectory id cannot be empty")
+    _fits(trajectory_id, layout.ID_BYTES, "trajectory id")
+    _fits(task, layout.TASK_BYTES, "task name")
+    if group is not None:
+        _fits(group, layout.GROUP_BYTES, "group id")
+    try:
+        return Trajectory.encode_metadata(metadata)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def new_trajectory_id() -> str:
+    """A random 128-bit id: no two callers anywhere in a run draw the same one."""
+    return uuid.uuid4().hex
+
+
 class TrajectoryManager:
     """Thread-safe registry of trajectories; see the module docstring for the life of one."""
 
@@ -229,17 +249,8 @@ class TrajectoryManager:
     def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
               metadata: dict | None = None, trajectory_id: str | None = None) -> str:
         """Begin a trajectory with its prompt; returns its id (a new random one unless given)."""
-        trajectory_id = uuid.uuid4().hex if trajectory_id is None else str(trajectory_id)
-        if not trajectory_id:
-            raise InvalidRequest("a trajectory id cannot be empty")
-        _fits(trajectory_id, layout.ID_BYTES, "trajectory id")
-        _fits(task, layout.TASK_BYTES, "task name")
-        if group is not None:
-            _fits(group, layout.GROUP_BYTES, "group id")
-        try:
-            metadata_json = Trajectory.encode_metadata(metadata)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
+        trajectory_id = new_trajectory_id() if trajectory_id is None else str(trajectory_id)
+        metadata_json = check_start(trajectory_id, task, group, metadata)
         now = time.time()
         prompt = Segment(SegmentKind.PROMPT, -1, 0, np.asarray(prompt_tokens, np.int32), t_start=now, t_end=now)
         record = Trajectory(id=trajectory_id, segments=(prompt,), task=task, group=group, status=Status.RUNNING,

@@ -7,9 +7,11 @@ The manager lives on the controller rank. A `ManagerServer` there answers reques
     reply    (server -> client, tag REPLY_TAG):   ("ok", result) or ("error", error class name, message)
 
 Recording calls that return nothing (`add_generated`, `interrupt`, `finish`) are one-way: the client
-does not wait for an answer, so an agent's turn costs one round trip (`start` or `observe`) instead of
-three or four. MPI keeps the messages of one client in order, so a later call still sees their effect;
-an error in a one-way call is logged on the controller and counted in `ManagerServer.failed_one_way`.
+does not wait for an answer. So is `start` when the client makes the trajectory id itself (the usual
+case: a random 128-bit id, with every other check done before sending), which makes an agent's first
+turn cost no round trip at all; a later turn costs two (`status`, `observe`). MPI keeps the messages of
+one client in order, so a later call still sees their effect; an error in a one-way call is logged on
+the controller and counted in `ManagerServer.failed_one_way`.
     goodbye  (client -> server, tag REQUEST_TAG): (GOODBYE, (), {}); no reply
 
 Errors come back as the same `SfhpcError` subclass (UnknownTrajectory stays UnknownTrajectory), so code
@@ -31,7 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from sfhpc.data.errors import WIRE_ERRORS, ServiceError
-from sfhpc.data.manager import Batch, Continuation, TrajectoryManager
+from sfhpc.data.manager import Batch, Continuation, TrajectoryManager, check_start, new_trajectory_id
 from sfhpc.data.trajectory import Trajectory
 from sfhpc.errors import SfhpcError
 
@@ -140,11 +142,11 @@ class ManagerClient:
         self._lock = threading.Lock()
         self._closed = False
 
-    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, method: str, *args: Any, one_way: bool = False, **kwargs: Any) -> Any:
         with self._lock:
             if self._closed:
                 raise ServiceError("this trajectory-manager client was closed")
-            wants_reply = method not in ONE_WAY
+            wants_reply = not one_way and method not in ONE_WAY
             self.comm.send((method, args, kwargs, wants_reply), dest=self.server_rank, tag=REQUEST_TAG)
             if not wants_reply:
                 return None
@@ -175,8 +177,14 @@ class ManagerClient:
 
     def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
               metadata: dict | None = None, trajectory_id: str | None = None) -> str:
-        return self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
-                          trajectory_id=trajectory_id)
+        if trajectory_id is not None:  # the caller's id may clash: wait for the manager's word
+            return self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
+                              trajectory_id=trajectory_id)
+        trajectory_id = new_trajectory_id()
+        check_start(trajectory_id, task, group, metadata)
+        self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
+                   trajectory_id=trajectory_id, one_way=True)
+        return trajectory_id
 
     def exists(self, trajectory_id: str) -> bool:
         return self._call("exists", trajectory_id)

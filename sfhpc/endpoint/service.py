@@ -22,6 +22,7 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from sfhpc.data.errors import UnknownTrajectory
 from sfhpc.endpoint.errors import ContextLengthExceeded, TrajectoryClosed, TrajectoryNotFound, from_sink_error
 from sfhpc.endpoint.sink import OPEN_STATUSES, TrajectorySink
 from sfhpc.engine.base import FinishReason, GenerationRequest, RolloutEngine
@@ -208,10 +209,13 @@ class Turn:
         await ep._lock(tid)
         self._locked = True
         try:
-            if not ep._sink_call(tid, ep.sink.exists, tid):
+            try:
+                status = ep.sink.status(tid)  # one call answers both "is it known" and "is it open"
+            except UnknownTrajectory:
                 raise TrajectoryNotFound(f"trajectory {tid!r} is unknown; omit the id to start a new one",
-                                         param="trajectory_id")
-            status = ep._sink_call(tid, ep.sink.status, tid)
+                                         param="trajectory_id") from None
+            except SfhpcError as exc:
+                raise from_sink_error(exc, tid) from exc
             if status not in OPEN_STATUSES:
                 raise TrajectoryClosed(f"trajectory {tid!r} is {status} and takes no more turns; start a new one",
                                        param="trajectory_id")
