@@ -9,7 +9,7 @@ The manager lives on the controller rank. A `ManagerServer` there answers reques
 Recording calls that return nothing (`add_generated`, `interrupt`, `finish`) are one-way: the client
 does not wait for an answer. So is `start` when the client makes the trajectory id itself (the usual
 case: a random 128-bit id, with every other check done before sending), which makes an agent's first
-turn cost no round trip at all; a later turn costs two (`status`, `observe`). MPI keeps the messages of
+turn cost no round trip at all; a later turn costs one (`observe`). MPI keeps the messages of
 one client in order, so a later call still sees their effect; an error in a one-way call is logged on
 the controller and counted in `ManagerServer.failed_one_way`.
     goodbye  (client -> server, tag REQUEST_TAG): (GOODBYE, (), {}); no reply

@@ -22,9 +22,9 @@ import itertools
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from sfhpc.data.errors import UnknownTrajectory
+from sfhpc.data.errors import TrajectoryConflict, UnknownTrajectory
 from sfhpc.endpoint.errors import ContextLengthExceeded, TrajectoryClosed, TrajectoryNotFound, from_sink_error
-from sfhpc.endpoint.sink import OPEN_STATUSES, TrajectorySink
+from sfhpc.endpoint.sink import TrajectorySink
 from sfhpc.engine.base import FinishReason, GenerationRequest, RolloutEngine
 from sfhpc.errors import SfhpcError
 
@@ -210,16 +210,16 @@ class Turn:
         self._locked = True
         try:
             try:
-                status = ep.sink.status(tid)  # one call answers both "is it known" and "is it open"
+                # One call records the turn and answers "is it known, is it open" (the manager refuses both).
+                ep.sink.observe(tid, list(req.prompt_token_ids))
             except UnknownTrajectory:
                 raise TrajectoryNotFound(f"trajectory {tid!r} is unknown; omit the id to start a new one",
                                          param="trajectory_id") from None
+            except TrajectoryConflict as exc:
+                raise TrajectoryClosed(f"trajectory {tid!r} takes no more turns ({exc}); start a new one",
+                                       param="trajectory_id") from None
             except SfhpcError as exc:
                 raise from_sink_error(exc, tid) from exc
-            if status not in OPEN_STATUSES:
-                raise TrajectoryClosed(f"trajectory {tid!r} is {status} and takes no more turns; start a new one",
-                                       param="trajectory_id")
-            ep._sink_call(tid, ep.sink.observe, tid, list(req.prompt_token_ids))
         except BaseException:
             self._release()
             raise

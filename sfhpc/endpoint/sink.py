@@ -3,7 +3,8 @@
 `sfhpc.data.manager.TrajectoryManager` satisfies this protocol; so does any object with these methods.
 Errors the sink raises for a trajectory id it does not know, or one that is already finished, are
 the `sfhpc.data.errors` classes (``UnknownTrajectory``, ``TrajectoryConflict`` and its subclass
-``TrajectoryFinished``); the endpoint answers them with 404 and 409.
+``TrajectoryFinished``); the endpoint answers them with 404 and 409. A later turn of a trajectory is one
+`observe` call, which must refuse an unknown or closed trajectory with those errors.
 """
 
 from __future__ import annotations
@@ -11,20 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
-# Statuses of a trajectory that still takes turns; any other (finished, consumed, stale, aborted) is closed.
-OPEN_STATUSES = frozenset({"running", "interrupted"})
-
 
 @runtime_checkable
 class TrajectorySink(Protocol):
     def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
               metadata: dict[str, Any] | None = None, trajectory_id: str | None = None) -> str: ...
-
-    def exists(self, trajectory_id: str) -> bool: ...
-
-    def status(self, trajectory_id: str) -> str: ...
-
-    def context(self, trajectory_id: str) -> list[int]: ...
 
     def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None: ...
 
