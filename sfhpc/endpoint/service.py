@@ -211,7 +211,9 @@ class Turn:
         try:
             try:
                 # One call records the turn and answers "is it known, is it open" (the manager refuses both).
-                ep.sink.observe(tid, list(req.prompt_token_ids))
+                # It may be a round trip to another rank: made from a worker thread, so the loop keeps
+                # serving the other agents and the engine meanwhile.
+                await asyncio.to_thread(ep.sink.observe, tid, list(req.prompt_token_ids))
             except UnknownTrajectory:
                 raise TrajectoryNotFound(f"trajectory {tid!r} is unknown; omit the id to start a new one",
                                          param="trajectory_id") from None

@@ -82,11 +82,17 @@ class VllmEngine(RolloutEngine):
         # The weight loader is a function shipped to the worker; vLLM refuses pickled callables unless asked.
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
+        import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # On CPU a prompt must be prefilled in one engine step: a prompt split across steps (chunked
+        # prefill, when many arrive at once) makes vLLM rewind the request's seeded generator, which CPU
+        # generators cannot do ("CPU Generator does not use offset"), and the engine dies.
+        on_cpu = not torch.cuda.is_available()
         args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
-                               enforce_eager=True, dtype=dtype, seed=seed)
+                               enforce_eager=True, dtype=dtype, seed=seed,
+                               enable_chunked_prefill=False if on_cpu else None)
         return cls(name, AsyncLLM.from_engine_args(args), max_model_len, version=version)
 
     @property

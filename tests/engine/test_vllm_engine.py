@@ -78,6 +78,22 @@ def test_generates_tokens_with_logprobs_and_versions(served) -> None:  # type: i
     assert again[0] == results[0][0]
 
 
+def test_more_seeded_prompt_tokens_than_one_engine_step_takes(served) -> None:  # type: ignore[no-untyped-def]
+    """Seeded requests whose prompts together exceed one scheduler step's token budget (2,048): with
+    chunked prefill a prompt would be split across steps, and vLLM's CPU sampler then fails rewinding the
+    request's random generator (RuntimeError: CPU Generator does not use offset), killing the engine."""
+    server, engine, _ = served
+    long_prompt = (BOS, *b"a longer prompt of some thirty-two b")
+    requests = [GenerationRequest(f"many{i}", long_prompt[:30] + (48 + i % 10,), 3, seed=i) for i in range(96)]
+
+    async def all_of() -> list[tuple[list[int], list[float], list[int], str]]:
+        return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
+
+    results = server.call(all_of(), timeout=120)
+    assert sum(len(r) for r in (q.prompt_token_ids for q in requests)) > 2048
+    assert [len(tokens) for tokens, *_ in results] == [3] * 96
+
+
 def test_pause_keeps_partial_output_and_continuation_completes(served) -> None:  # type: ignore[no-untyped-def]
     server, engine, _ = served
 
