@@ -42,6 +42,18 @@ def test_shipped_examples_load() -> None:
     assert gpu.algorithm.learning_rate == pytest.approx(1e-6) and gpu.role("trainer").gpus_per_task == 1  # type: ignore[union-attr]
 
 
+@pytest.mark.parametrize("name", ["demo", "guess-number", "report", "report-colocated", "h100-l40s-grpo"])
+def test_every_shipped_recipe_resolves_on_its_cluster_and_is_runnable(name: str) -> None:
+    from sfhpc.launch.resolve import resolve
+    from sfhpc.rl.program import check_runnable
+
+    recipe = load_recipe(RECIPES / f"{name}.yaml")
+    cluster = load_cluster_map(RECIPES / ("cluster-h100-l40s.yaml" if name.startswith("h100") else "cluster-dev.yaml"))
+    plan = resolve(recipe, cluster)
+    check_runnable(recipe)  # known task with valid options, an available pipeline mode
+    assert plan.world_size >= 2 and {r for c in plan.components for r in c.roles} >= {"controller", "trainer"}
+
+
 def test_config_objects_are_immutable() -> None:
     recipe = load_recipe(RECIPES / "report.yaml")
     with pytest.raises(dataclasses.FrozenInstanceError):
