@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from sfhpc.bench import run_as_script
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
 
@@ -254,8 +255,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except SfhpcError as exc:
-        print(f"sfhpc: error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    run_as_script(main)

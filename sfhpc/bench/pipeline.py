@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sfhpc.bench import run_as_script
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
 
@@ -166,8 +166,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except SfhpcError as exc:
-        print(f"sfhpc: error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    run_as_script(main)

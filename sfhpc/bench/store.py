@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sfhpc.bench import run_as_script
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.table import format_table
@@ -187,4 +187,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_as_script(main)
