@@ -7,6 +7,7 @@
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
+    sfhpc traj summary|export RUN                  a run's trajectory store, for analysts
 
 Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
 """
@@ -140,6 +141,40 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_traj_summary(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import locate_store
+    from sfhpc.data import open_store
+
+    with open_store(locate_store(args.store)) as store:
+        print(store.summary().format())
+    return 0
+
+
+def cmd_traj_export(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import locate_store, trajectory_rows, write_csv
+    from sfhpc.data import open_store
+
+    out = Path(args.out)
+    if out.exists():
+        raise SfhpcError(f"{out} exists; choose another --out (nothing was written)")
+    if not out.parent.is_dir():
+        raise SfhpcError(f"{out.parent}: no such folder for --out")
+    with open_store(locate_store(args.store)) as store:
+        total, last = len(store), time.monotonic()
+
+        def progress(rows):  # a line every few seconds on stderr: large stores take a while
+            nonlocal last
+            for n, row in enumerate(rows, start=1):
+                if time.monotonic() - last > 3:
+                    print(f"  {n:,} / {total:,} trajectories", file=sys.stderr, flush=True)
+                    last = time.monotonic()
+                yield row
+
+        count = write_csv(progress(trajectory_rows(store)), out)
+    print(f"wrote {count:,} trajectories to {out}")
+    return 0
+
+
 def cmd_tags_show(args: argparse.Namespace) -> int:
     from sfhpc.admin.tags import show_tags
 
@@ -225,6 +260,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", help="benchmark name, or 'all'")
     p.add_argument("options", nargs=argparse.REMAINDER, help="options of the benchmark (see NAME --help)")
     p.set_defaults(func=cmd_bench)
+
+    traj = sub.add_parser("traj", help="a run's trajectory store (for analysts)").add_subparsers(
+        dest="traj_command", required=True, metavar="SUBCOMMAND")
+    p = traj.add_parser("summary", help="counts by status, tokens, steps, mean reward",
+                        description="counts by status, tokens, steps, mean reward")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.set_defaults(func=cmd_traj_summary)
+    p = traj.add_parser("export", help="one CSV row per trajectory", description="one CSV row per trajectory")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("--out", required=True, help="CSV file to create (an existing file is never overwritten)")
+    p.set_defaults(func=cmd_traj_export)
 
     tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
         dest="tags_command", required=True, metavar="SUBCOMMAND")

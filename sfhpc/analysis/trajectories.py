@@ -1,0 +1,73 @@
+"""One row per trajectory of a store, for a spreadsheet or a data frame (``sfhpc traj export``).
+
+    from sfhpc.analysis import locate_store, trajectory_rows
+    from sfhpc.data import open_store
+
+    with open_store(locate_store("runs/demo-20261129-132650")) as store:
+        rows = list(trajectory_rows(store))     # dicts with the TRAJECTORY_COLUMNS keys
+    # pandas.DataFrame(rows), if pandas is at hand
+
+Columns: the record's id, task, GRPO group, status and reward; its number of turns (rewards the agent
+reported per reply); tokens on its current branch and how many the policy generated; the oldest and
+newest policy version among those tokens; the training step that consumed it and the trainer's version
+then (empty if none did), hence the staleness it was trained at; creation and last-change times (Unix s).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from sfhpc.data.store import StoreView
+from sfhpc.errors import SfhpcError
+
+STORE_FILE = "trajectories.h5"
+TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
+                      "min_version", "max_version", "consumed_step", "trained_version", "staleness",
+                      "created", "updated")
+
+
+def locate_store(path: str | Path) -> Path:
+    """The store file named by `path`: the file itself, or a run folder holding ``trajectories.h5``."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / STORE_FILE
+        if not path.exists():
+            raise SfhpcError(f"{path.parent}: no {STORE_FILE} in this folder; pass a run folder or a store file")
+    elif not path.exists():
+        raise SfhpcError(f"{path}: no such file or folder; pass a run folder or its {STORE_FILE}")
+    return path
+
+
+def trajectory_rows(store: StoreView) -> Iterator[dict[str, Any]]:
+    """One dict per trajectory, in the order they were started."""
+    consumed = {mark.trajectory_id: mark for mark in store.marks()}
+    for trajectory in store.trajectories():
+        versions = trajectory.token_versions()[trajectory.generated_mask()]
+        mark = consumed.get(trajectory.id)
+        newest = int(versions.max()) if len(versions) else None
+        yield {
+            "id": trajectory.id, "task": trajectory.task, "group": trajectory.group or "",
+            "status": str(trajectory.status.value), "reward": trajectory.reward,
+            "turns": len(trajectory.turn_rewards), "tokens": trajectory.num_tokens,
+            "generated_tokens": trajectory.num_generated,
+            "min_version": int(versions.min()) if len(versions) else None, "max_version": newest,
+            "consumed_step": mark.step if mark else None, "trained_version": mark.policy_version if mark else None,
+            # How many versions behind the trainer its oldest token was when it was trained on.
+            "staleness": mark.policy_version - int(versions.min()) if mark and len(versions) else None,
+            "created": trajectory.created, "updated": trajectory.updated,
+        }
+
+
+def write_csv(rows: Iterable[dict[str, Any]], out: Path) -> int:
+    """Write `rows` as CSV with a header (empty cells for missing values); returns the number of rows."""
+    count = 0
+    with out.open("x", newline="", encoding="utf-8") as handle:  # "x": never overwrite a user's file
+        writer = csv.DictWriter(handle, fieldnames=TRAJECTORY_COLUMNS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+            count += 1
+    return count
