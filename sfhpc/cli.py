@@ -7,7 +7,7 @@
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
-    sfhpc traj summary|export RUN                  a run's trajectory store, for analysts
+    sfhpc traj summary|export|plot RUN             a run's trajectory store, for analysts
 
 Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
 """
@@ -175,6 +175,20 @@ def cmd_traj_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_traj_plot(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import locate_store, plot_rows, trajectory_rows
+    from sfhpc.data import open_store
+
+    path = locate_store(args.store)
+    out = Path(args.out) if args.out else path.parent / "trajectories.png"
+    if out.exists():
+        raise SfhpcError(f"{out} exists; choose another --out (nothing was written)")
+    with open_store(path) as store:
+        rows = list(trajectory_rows(store))
+    print(f"wrote {plot_rows(rows, out, title=str(path.parent.name))}")
+    return 0
+
+
 def cmd_tags_show(args: argparse.Namespace) -> int:
     from sfhpc.admin.tags import show_tags
 
@@ -271,6 +285,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
     p.add_argument("--out", required=True, help="CSV file to create (an existing file is never overwritten)")
     p.set_defaults(func=cmd_traj_export)
+    p = traj.add_parser("plot", help="reward, reply length and staleness over the training steps",
+                        description="reward, reply length and staleness over the training steps")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("--out", help="PNG file to create (default: trajectories.png beside the store)")
+    p.set_defaults(func=cmd_traj_plot)
 
     tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
         dest="tags_command", required=True, metavar="SUBCOMMAND")

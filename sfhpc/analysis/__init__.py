@@ -3,6 +3,6 @@
 Everything here reads through `sfhpc.data.open_store`, never the HDF5 layout itself.
 """
 
-from sfhpc.analysis.trajectories import TRAJECTORY_COLUMNS, locate_store, trajectory_rows, write_csv
+from sfhpc.analysis.trajectories import TRAJECTORY_COLUMNS, locate_store, plot_rows, trajectory_rows, write_csv
 
-__all__ = ["TRAJECTORY_COLUMNS", "locate_store", "trajectory_rows", "write_csv"]
+__all__ = ["TRAJECTORY_COLUMNS", "locate_store", "plot_rows", "trajectory_rows", "write_csv"]

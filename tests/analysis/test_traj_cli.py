@@ -60,3 +60,19 @@ def test_export_never_overwrites_and_bad_paths_get_one_line(tmp_path: Path) -> N
     assert out.read_text() == "the user's own data\n"
     assert_one_line_error(run_sfhpc("traj", "summary", str(tmp_path / "nope")), "no such file or folder")
     assert_one_line_error(run_sfhpc("traj", "summary", str(tmp_path)), "no trajectories.h5")
+
+
+def test_plot_draws_beside_the_store_and_keeps_existing_files(tmp_path: Path) -> None:
+    run = _run_folder(tmp_path)
+    done = run_sfhpc("traj", "plot", str(run))
+    assert done.returncode == 0, done.stderr
+    png = run / "trajectories.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    before = png.read_bytes()
+    assert_one_line_error(run_sfhpc("traj", "plot", str(run)), "exists")
+    assert png.read_bytes() == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    TrajectoryManager(TrajectoryStore.create(empty / "trajectories.h5")).close()
+    assert_one_line_error(run_sfhpc("traj", "plot", str(empty)), "nothing to plot")
+    assert not (empty / "trajectories.png").exists()
