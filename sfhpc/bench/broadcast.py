@@ -130,20 +130,20 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
     raw.fill(7 if source else 0)  # touched before timing, like the publisher's persistent buffers
     publisher = WeightPublisher(transport, bucket_bytes) if source else None
     receiver = None if source else WeightReceiver(transport)
-    stats: dict[str, list[Any]] = {"send": [], "publish": []}
+    published: list[Any] = []  # PublishStats of every "publish" (the source's stage time is read from them)
 
     def do_raw() -> None:
         comm.Bcast(raw, root=0)
 
     def do_send(version: int) -> None:
         if publisher is not None:
-            stats["send"].append(publisher.send(version))
+            publisher.send(version)
         else:
             receiver.receive().drain()  # every bucket received into (name, tensor) views
 
     def do_publish(version: int) -> None:
         if publisher is not None:
-            stats["publish"].append(publisher.publish(named, version, dtype=wire))
+            published.append(publisher.publish(named, version, dtype=wire))
             return
         # Receivers poll for the header with sleeps in between, as rollout ranks do while they generate,
         # rather than spinning in MPI and taking the core the source casts on.
@@ -171,7 +171,7 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
                 t = _timed(comm, lambda v=version: do_publish(v))
             if rep >= args.warmup:
                 times[which].append(t)
-    timed_publish = stats["publish"][1 + args.warmup:]
+    timed_publish = published[1 + args.warmup:]
 
     # Correctness, outside the timings: receivers compare one version with the weights regenerated here.
     ok = True

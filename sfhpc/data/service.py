@@ -177,14 +177,15 @@ class ManagerClient:
 
     def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
               metadata: dict | None = None, trajectory_id: str | None = None) -> str:
-        if trajectory_id is not None:  # the caller's id may clash: wait for the manager's word
-            return self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
-                              trajectory_id=trajectory_id)
-        trajectory_id = new_trajectory_id()
-        check_start(trajectory_id, task, group, metadata)
-        self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
-                   trajectory_id=trajectory_id, one_way=True)
-        return trajectory_id
+        # An id made here cannot clash, so the call goes one-way once the other checks pass; the caller's
+        # own id may clash: then wait for the manager's word.
+        one_way = trajectory_id is None
+        if one_way:
+            trajectory_id = new_trajectory_id()
+            check_start(trajectory_id, task, group, metadata)
+        started = self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
+                             trajectory_id=trajectory_id, one_way=one_way)
+        return trajectory_id if one_way else started
 
     def exists(self, trajectory_id: str) -> bool:
         return self._call("exists", trajectory_id)

@@ -36,8 +36,7 @@ class Progress:
         rewards = [r["reward_mean"] for r in self.rows]
         if not rewards:
             return "no steps were run"
-        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-                  for i in range(len(rewards))]
+        smooth = moving_average(rewards, window)
         width = min(len(smooth), 60)  # one character per bin of steps: fits a terminal line
         bins = [smooth[i * len(smooth) // width:(i + 1) * len(smooth) // width] for i in range(width)]
         spark = "".join(SPARK[min(len(SPARK) - 1, int(max(0.0, sum(b) / len(b)) * len(SPARK)))] for b in bins)
@@ -59,8 +58,7 @@ class Progress:
         fig, ax = plt.subplots(figsize=(7, 3.5))
         rewards = [r["reward_mean"] for r in self.rows]
         window = max(1, len(rewards) // 40)
-        smooth = [sum(rewards[max(0, i - window + 1): i + 1]) / len(rewards[max(0, i - window + 1): i + 1])
-                  for i in range(len(rewards))]
+        smooth = moving_average(rewards, window)
         ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="mean reward per step")
         ax.plot(steps, smooth, color="tab:blue", label=f"moving average ({window} steps)")
         ax.set_xlabel("training step")
@@ -73,3 +71,9 @@ class Progress:
         fig.savefig(out, dpi=100)
         plt.close(fig)
         return out
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Mean of each value and the up to ``window - 1`` before it (shorter at the start)."""
+    return [sum(values[max(0, i - window + 1): i + 1]) / len(values[max(0, i - window + 1): i + 1])
+            for i in range(len(values))]
