@@ -25,7 +25,9 @@ class _GuessEpisode(Episode):
     def step(self, reply: str) -> StepResult:
         self.turns += 1
         text = reply.strip()
-        guess = int(text) if text.isdigit() else None
+        # ASCII digits only: str.isdigit() also accepts '²' and other Unicode digits, which int() refuses
+        # (or reads as another digit), and a policy writes them sooner or later.
+        guess = int(text) if text.isascii() and text.isdigit() else None
         if guess == self.secret:
             return StepResult(done=True, reward=max(0.0, 1.0 - self.turn_cost * (self.turns - 1)), turn_reward=1.0)
         if self.turns >= self.max_turns:

@@ -40,6 +40,16 @@ def test_guess_number_answers_with_hints_and_ends() -> None:
     assert [r.done for r in results] == [False, False, False, True] and results[-1].reward == 0.0
 
 
+@pytest.mark.parametrize("reply", ["²", "٣", "3²", "¹⁰"])
+def test_guess_number_reads_only_ascii_digits(reply: str) -> None:
+    # A policy wrote '²' at step 43 of a run: str.isdigit() accepted it and int() raised inside the task.
+    # '٣' (Arabic-Indic three) is worse: int() reads it as 3, a guess the agent never wrote in the format.
+    task = get_task(TaskSpec("guess-number", {"max_turns": 3}))
+    episode = task.episode(task.sample(random.Random(0)))
+    result = episode.step(reply)
+    assert (result.done, result.observation) == (False, "?")
+
+
 def test_unknown_task_and_bad_options() -> None:
     with pytest.raises(ConfigError, match="unknown task 'chess'"):
         get_task(TaskSpec("chess"))
