@@ -7,7 +7,7 @@ metadata, per-turn rewards) lives in flat arrays that fixed-size table rows poin
     /tokens/ids        int32    every recorded token, segment after segment, in the order they arrived
     /tokens/logprobs   float32  aligned with ids (0.0 for tokens the policy did not generate)
     /tokens/versions   int32    aligned with ids (-1 for tokens the policy did not generate)
-    /blobs/metadata    uint8    JSON metadata of trajectories (UTF-8)
+    /blobs/metadata    uint8    JSON metadata of trajectories, and the reasons of failed ones (UTF-8)
     /blobs/rewards     float64  per-turn rewards
     /trajectories      table    one row per trajectory: id, task, group, created, metadata (start, count)
     /segments          table    one row per segment: trajectory row, index, parent, fork, kind, tokens ...
@@ -66,7 +66,9 @@ STATUS_DTYPE = np.dtype([
     ("status", "u1"),
     ("time", "f8"),
     ("reward", "f8"),  # NaN: none
-    ("rewards_start", "i8"),  # per-turn rewards, into /blobs/rewards
+    # Per-turn rewards, into /blobs/rewards. A FAILED record has no rewards: these point at its reason
+    # instead (UTF-8, into /blobs/metadata), which keeps the schema (a new dataset would need a new one).
+    ("rewards_start", "i8"),
     ("rewards_count", "i8"),
 ])
 

@@ -6,6 +6,12 @@ logprobs and per-token policy versions, and `finish` closes it with a reward. Wh
 (a weight update, a rank taken back for training, a preemption) the trajectory is `interrupt`ed and keeps
 its prefix; `continuation` tells the next engine what to feed and how many tokens are left.
 
+An episode whose agent or task raised, or ran out of time, is `fail`ed with the reason. A failed
+trajectory is never trained on, and neither is the rest of its GRPO group (GRPO needs whole groups):
+members already finished are aborted at once, the others as they end, so the group never waits for a
+batch. Recording calls that arrive for a trajectory the run gave up (aborted or failed) are dropped: a
+turn that was still generating when its episode failed may still report its tokens.
+
 `take_batch` hands the trainer whole GRPO groups whose tokens are fresh enough and records, in memory and
 in the store, which step consumed them, so nothing is trained on twice, also across a restart.
 
@@ -65,7 +71,7 @@ class _Live:
     """A trajectory the manager still holds (running, interrupted or finished): mutable, under the lock."""
 
     __slots__ = ("id", "task", "group", "metadata_json", "created", "updated", "status", "segments", "reward",
-                 "turn_rewards", "last_event", "_context")
+                 "turn_rewards", "last_event", "fail_reason", "_context")
 
     def __init__(self, trajectory: Trajectory) -> None:
         self.id, self.task, self.group = trajectory.id, trajectory.task, trajectory.group
@@ -74,6 +80,7 @@ class _Live:
         self.status, self.reward, self.turn_rewards = trajectory.status, trajectory.reward, trajectory.turn_rewards
         self.segments: list[Segment] = list(trajectory.segments)
         self.last_event = trajectory.updated
+        self.fail_reason = trajectory.fail_reason
         self._context: np.ndarray | None = None
 
     @property
@@ -113,7 +120,8 @@ class _Live:
     def snapshot(self) -> Trajectory:
         return Trajectory(id=self.id, segments=tuple(self.segments), task=self.task, group=self.group,
                           status=self.status, reward=self.reward, turn_rewards=self.turn_rewards,
-                          metadata_json=self.metadata_json, created=self.created, updated=self.updated)
+                          metadata_json=self.metadata_json, created=self.created, updated=self.updated,
+                          fail_reason=self.fail_reason)
 
 
 def _fork_point(segments: Sequence[Segment], position: int) -> tuple[int, int]:
@@ -149,6 +157,10 @@ def check_start(trajectory_id: str, task: str, group: str | None, metadata: dict
         raise InvalidRequest(str(exc)) from None
 
 
+FIRST_REASONS = 3  # failure reasons a manager keeps in memory: enough to say why a run stopped
+_CLOSED = (Status.CONSUMED, Status.STALE, Status.ABORTED, Status.FAILED)  # only their status is kept in memory
+
+
 def new_trajectory_id() -> str:
     """A random 128-bit id: no two callers anywhere in a run draw the same one."""
     return uuid.uuid4().hex
@@ -168,6 +180,12 @@ class TrajectoryManager:
         self._live: dict[str, _Live] = {}
         self._closed: dict[str, Status] = {}  # consumed, stale, aborted: only the status is kept in memory
         self._groups: dict[str, list[str]] = {}  # group key -> live member ids, oldest group first
+        # Groups a failed member spoiled, still holding (or expecting) members: key -> how many of the group's
+        # episodes have ended (finish or fail). Once all have, members left open are orphans (a first turn
+        # whose agent failed before it learnt the id) and are aborted.
+        self._spoiled: dict[str, int] = {}
+        self._spoiled_untaken = 0  # spoiled groups the controller has not replaced yet
+        self._fail_reasons: list[str] = []  # the first FIRST_REASONS, for the message that stops a run
         self._next_step = 0
         self._finished_since_flush = 0
         if store is not None:
@@ -177,8 +195,13 @@ class TrajectoryManager:
         """Continue a run: reload what the store holds; generations that were running are interrupted."""
         view = store.view()
         statuses = view.statuses()
+        spoiled: set[str] = set()
         for trajectory_id, status in statuses.items():
-            if status in (Status.CONSUMED, Status.STALE, Status.ABORTED):
+            if status is Status.FAILED:
+                failed = view.get(trajectory_id)
+                spoiled.add(failed.group_key)
+                self._note_failure(failed.fail_reason)
+            if status in _CLOSED:
                 self._closed[trajectory_id] = status
                 continue
             live = _Live(view.get(trajectory_id))
@@ -187,6 +210,9 @@ class TrajectoryManager:
                 store.set_status(live.id, live.status, when=live.updated)
             self._live[trajectory_id] = live
             self._groups.setdefault(live.group_key, []).append(trajectory_id)
+        for key in spoiled & set(self._groups):  # never trained on; the episodes died with the old process
+            for member in list(self._groups[key]):
+                self._give_up(self._live[member])
         marks = view.marks()
         self._next_step = max((m.step for m in marks), default=-1) + 1
         store.flush()
@@ -275,9 +301,15 @@ class TrajectoryManager:
 
     def _set_status(self, live: _Live, status: Status) -> None:
         live.status, live.updated = status, time.time()
-        if self.store is not None:  # every record carries the rewards: a reader needs only the latest one
+        if self.store is not None and status is Status.FAILED:
+            self.store.set_status(live.id, status, when=live.updated, reason=live.fail_reason)
+        elif self.store is not None:  # every record carries the rewards: a reader needs only the latest one
             self.store.set_status(live.id, status, when=live.updated, reward=live.reward,
                                   turn_rewards=live.turn_rewards)
+
+    def _given_up(self, trajectory_id: str) -> bool:
+        """Whether the run gave this trajectory up (aborted, failed): late recording calls are dropped."""
+        return self._closed.get(trajectory_id) in (Status.ABORTED, Status.FAILED)
 
     def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None:
         """Record a new turn's full prompt: what extends the current branch becomes an observation segment;
@@ -317,6 +349,8 @@ class TrajectoryManager:
         _fits(engine, layout.ENGINE_BYTES, "engine name")
         _fits(finish_reason or "", layout.REASON_BYTES, "finish reason")
         with self._lock:
+            if self._given_up(trajectory_id):
+                return
             live = self._open(trajectory_id)
             if not len(toks) and not finish_reason:
                 return
@@ -331,6 +365,8 @@ class TrajectoryManager:
     def interrupt(self, trajectory_id: str) -> None:
         """Generation stopped mid-way; the recorded prefix is kept for a `continuation`."""
         with self._lock:
+            if self._given_up(trajectory_id):
+                return
             live = self._open(trajectory_id)
             if live.status is not Status.INTERRUPTED:
                 self._set_status(live, Status.INTERRUPTED)
@@ -353,13 +389,59 @@ class TrajectoryManager:
     def finish(self, trajectory_id: str, reward: float | None = None, *,
                turn_rewards: Sequence[float] | None = None) -> None:
         with self._lock:
+            if self._given_up(trajectory_id):
+                return
             live = self._open(trajectory_id)
             live.reward = None if reward is None else float(reward)
             live.turn_rewards = tuple(float(r) for r in turn_rewards or ())
+            if live.group_key in self._spoiled:  # another member failed: kept with its reward, never trained on
+                self._spoiled[live.group_key] += 1
+                self._give_up(live)
+                return
             self._set_status(live, Status.FINISHED)
             self._finished_since_flush += 1
             if self._finished_since_flush >= self.flush_every:
                 self.flush()
+
+    def fail(self, trajectory_id: str, reason: str) -> None:
+        """The episode's agent or task raised or ran out of time: record why, never train on it, and drop
+        its GRPO group (see the module docstring). A trajectory the run already gave up stays as it is."""
+        with self._lock:
+            if self._given_up(trajectory_id):
+                return
+            live = self._open(trajectory_id)  # an episode that ended (finish) can no longer fail
+            key = live.group_key
+            if key not in self._spoiled:
+                ended = [self._live[m] for m in self._groups[key] if self._live[m].status is Status.FINISHED]
+                self._spoiled[key] = len(ended)
+                self._spoiled_untaken += 1
+                for member in ended:
+                    self._give_up(member)
+            self._spoiled[key] += 1
+            live.fail_reason = reason
+            self._note_failure(reason)
+            self._set_status(live, Status.FAILED)
+            self._drop(live)
+            self.flush()  # a failure is rare and worth seeing at once (`sfhpc traj summary` while it runs)
+
+    def _note_failure(self, reason: str) -> None:
+        if len(self._fail_reasons) < FIRST_REASONS:
+            self._fail_reasons.append(reason)
+
+    def _give_up(self, live: _Live) -> None:
+        self._set_status(live, Status.ABORTED)
+        self._drop(live)
+
+    def fail_reasons(self) -> list[str]:
+        """The reasons of the first failures of the run (at most FIRST_REASONS), oldest first."""
+        with self._lock:
+            return list(self._fail_reasons)
+
+    def take_spoiled_groups(self) -> int:
+        """How many GRPO groups a failed member spoiled since the last call (the controller replaces each)."""
+        with self._lock:
+            taken, self._spoiled_untaken = self._spoiled_untaken, 0
+            return taken
 
     def abort(self, trajectory_id: str) -> None:
         """Give a trajectory up: it is kept in the store as aborted and never trained on."""
@@ -385,8 +467,17 @@ class TrajectoryManager:
         A group is complete when none of its members is still running or interrupted and it has at least
         `group_size` finished members (any number when None). GRPO normalises advantages within a group,
         so a group is used or dropped whole: training on its fresh members alone would bias the baseline.
+        A group a failed member spoiled is never complete; once every one of its `group_size` episodes has
+        ended, members still open are orphans (no agent holds them any more) and are aborted.
         """
+        for key, ended in list(self._spoiled.items()):
+            if group_size is not None and ended >= group_size:
+                for member in list(self._groups.get(key, ())):
+                    self._give_up(self._live[member])
+                del self._spoiled[key]
         for key in list(self._groups):
+            if key in self._spoiled:
+                continue
             lives = [self._live[m] for m in self._groups[key]]
             if any(live.status.is_open for live in lives):
                 continue

@@ -6,12 +6,15 @@ The manager lives on the controller rank. A `ManagerServer` there answers reques
     request  (client -> server, tag REQUEST_TAG): (method name, args, kwargs, wants_reply)
     reply    (server -> client, tag REPLY_TAG):   ("ok", result) or ("error", error class name, message)
 
-Recording calls that return nothing (`add_generated`, `interrupt`, `finish`) are one-way: the client
+Recording calls that return nothing (`add_generated`, `interrupt`, `finish`, `fail`) are one-way: the client
 does not wait for an answer. So is `start` when the client makes the trajectory id itself (the usual
 case: a random 128-bit id, with every other check done before sending), which makes an agent's first
 turn cost no round trip at all; a later turn costs one (`observe`). MPI keeps the messages of
-one client in order, so a later call still sees their effect; an error in a one-way call is logged on
-the controller and counted in `ManagerServer.failed_one_way`.
+one client in order, so a later call still sees their effect. Nobody waits for the answer of a one-way
+call, so its error would go unseen: the server logs and counts it (`ManagerServer.failed_one_way`) and
+keeps the first one (`first_one_way_failure`), which the controller turns into the error that stops the
+run. The server also notes when it last heard from each client rank (`last_seen`), which tells a hung
+rollout rank from a slow one.
     goodbye  (client -> server, tag REQUEST_TAG): (GOODBYE, (), {}); no reply
 
 Errors come back as the same `SfhpcError` subclass (UnknownTrajectory stays UnknownTrajectory), so code
@@ -25,6 +28,7 @@ CPU engine spawns (see the runtime).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import numbers
 import threading
@@ -42,12 +46,12 @@ log = logging.getLogger("sfhpc")
 REQUEST_TAG = 0x5F10
 REPLY_TAG = 0x5F11
 GOODBYE = "__goodbye__"
-ONE_WAY = frozenset({"add_generated", "interrupt", "finish"})
+ONE_WAY = frozenset({"add_generated", "interrupt", "finish", "fail"})
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
     "start", "exists", "status", "context", "observe", "add_generated", "interrupt", "interrupt_all",
-    "continuation", "finish", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
+    "continuation", "finish", "fail", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
 })
 
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-3  # poll back-off: quick answers stay quick, idle waits cost no CPU
@@ -65,6 +69,15 @@ def _wait_for(probe: Callable[[], bool], timeout: float | None = None) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class OneWayFailure:
+    """A one-way call that failed on the controller (its caller never learns of it)."""
+
+    rank: int
+    method: str
+    message: str
+
+
 class ManagerServer:
     """Serves a `TrajectoryManager` on this rank to the `clients` ranks of `comm` (default: all others)."""
 
@@ -76,8 +89,11 @@ class ManagerServer:
         self.open_clients = set(range(comm.Get_size())) - {rank} if clients is None else set(clients)
         self.served = 0
         self.failed_one_way = 0
+        self.first_one_way_failure: OneWayFailure | None = None
+        self.last_seen: dict[int, float] = {}  # client rank -> time.monotonic() of its latest request
 
     def _handle(self, source: int, request: Any) -> None:
+        self.last_seen[source] = time.monotonic()
         try:
             method, args, kwargs, wants_reply = request
         except (TypeError, ValueError):
@@ -101,6 +117,8 @@ class ManagerServer:
             self.comm.send(reply, dest=source, tag=REPLY_TAG)
         elif reply[0] == "error":
             self.failed_one_way += 1
+            if self.first_one_way_failure is None:
+                self.first_one_way_failure = OneWayFailure(source, method, reply[2])
             log.error("one-way %s from rank %d failed: %s", method, source, reply[2])
 
     def serve_pending(self, max_requests: int = 64) -> int:
@@ -221,6 +239,9 @@ class ManagerClient:
     def finish(self, trajectory_id: str, reward: float | None = None, *,
                turn_rewards: Sequence[float] | None = None) -> None:
         self._call("finish", trajectory_id, reward, turn_rewards=None if turn_rewards is None else list(turn_rewards))
+
+    def fail(self, trajectory_id: str, reason: str) -> None:
+        self._call("fail", trajectory_id, reason)
 
     def abort(self, trajectory_id: str) -> None:
         self._call("abort", trajectory_id)

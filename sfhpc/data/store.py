@@ -301,17 +301,21 @@ class StoreView:
         meta = self._read("blobs/metadata", int(record["meta_start"]),
                           int(record["meta_start"] + record["meta_count"]))
         status, reward, turn_rewards, updated = Status.RUNNING, None, (), float(record["created"])
+        reason = ""
         latest = int(index["latest"][row])
         if latest >= 0:
             rec = self._tables["statuses"][latest]
             status, updated = Status.from_code(int(rec["status"])), float(rec["time"])
             reward = None if np.isnan(rec["reward"]) else float(rec["reward"])
-            turn_rewards = tuple(self._read("blobs/rewards", int(rec["rewards_start"]),
-                                            int(rec["rewards_start"] + rec["rewards_count"])).tolist())
+            start, stop = int(rec["rewards_start"]), int(rec["rewards_start"] + rec["rewards_count"])
+            if status is Status.FAILED:  # its record points at the reason (see sfhpc.data.layout)
+                reason = self._read("blobs/metadata", start, stop).tobytes().decode("utf-8")
+            else:
+                turn_rewards = tuple(self._read("blobs/rewards", start, stop).tolist())
         return Trajectory(id=_text(record["id"]), segments=tuple(segments), task=_text(record["task"]),
                           group=_text(record["group"]) if record["has_group"] else None, status=status,
                           reward=reward, turn_rewards=turn_rewards, metadata_json=meta.tobytes().decode("utf-8"),
-                          created=float(record["created"]), updated=updated)
+                          created=float(record["created"]), updated=updated, fail_reason=reason)
 
     def summary(self) -> StoreSummary:
         segments, marks = self._tables["segments"], self._tables["marks"]
@@ -562,15 +566,25 @@ class TrajectoryStore:
         self.stats.seconds_buffering += time.perf_counter() - began
 
     def set_status(self, trajectory_id: str, status: Status | str, *, when: float | None = None,
-                   reward: float | None = None, turn_rewards: Sequence[float] = ()) -> None:
-        """Append a status record; it supersedes the trajectory's earlier ones."""
+                   reward: float | None = None, turn_rewards: Sequence[float] = (), reason: str = "") -> None:
+        """Append a status record; it supersedes the trajectory's earlier ones. A FAILED record carries
+        `reason` (and no rewards); no other status takes one."""
         began = time.perf_counter()
         self._check_open()
         row = self._row(trajectory_id)
-        rewards = np.asarray(turn_rewards, np.float64)
-        rewards_start = self._push("blobs/rewards", rewards, len(rewards)) if len(rewards) else 0
-        self._push("statuses", (row, Status(status).code, time.time() if when is None else when,
-                                _NONE if reward is None else float(reward), rewards_start, len(rewards)), 1)
+        status = Status(status)
+        if status is Status.FAILED:
+            if reward is not None or len(turn_rewards):
+                raise InvalidRequest(f"{self.path}: a failed trajectory has no rewards ({trajectory_id!r})")
+            text = np.frombuffer(reason.encode("utf-8"), np.uint8)
+            start, count = (self._push("blobs/metadata", text, len(text)) if len(text) else 0), len(text)
+        else:
+            if reason:
+                raise InvalidRequest(f"{self.path}: only a failed trajectory has a reason, not a {status} one")
+            rewards = np.asarray(turn_rewards, np.float64)
+            start, count = (self._push("blobs/rewards", rewards, len(rewards)) if len(rewards) else 0), len(rewards)
+        self._push("statuses", (row, status.code, time.time() if when is None else when,
+                                _NONE if reward is None else float(reward), start, count), 1)
         self.stats.seconds_buffering += time.perf_counter() - began
 
     def mark_consumed(self, step: int, trajectory_ids: Iterable[str], *, policy_version: int,
@@ -588,7 +602,7 @@ class TrajectoryStore:
         for segment in trajectory.segments:
             self.add_segment(trajectory.id, segment)
         self.set_status(trajectory.id, trajectory.status, when=trajectory.updated, reward=trajectory.reward,
-                        turn_rewards=trajectory.turn_rewards)
+                        turn_rewards=trajectory.turn_rewards, reason=trajectory.fail_reason)
 
     # -- flushing ----------------------------------------------------------------------------------------
 

@@ -37,7 +37,8 @@ class Status(enum.StrEnum):
     FINISHED = "finished"  # complete and rewarded, waiting for a training step
     CONSUMED = "consumed"  # a training step used it
     STALE = "stale"  # its oldest token fell too far behind the policy; never trained on
-    ABORTED = "aborted"  # given up (the task failed, the run dropped it)
+    ABORTED = "aborted"  # given up by the run (e.g. another member of its GRPO group failed)
+    FAILED = "failed"  # its agent or task raised or ran out of time (`fail_reason` says why); never trained on
 
     @property
     def code(self) -> int:
@@ -192,6 +193,7 @@ class Trajectory:
     metadata_json: str = "{}"  # free-form metadata, kept as JSON text so the record stays immutable
     created: float = 0.0
     updated: float = 0.0  # when the status last changed
+    fail_reason: str = ""  # why it failed (status FAILED): "ValueError: ...", "timed out after 600 s"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "segments", tuple(self.segments))

@@ -27,8 +27,10 @@ def controller(comm, out: Path) -> dict:
     with open_store(out / "run.h5") as reader:
         summary = reader.summary()
         marks = [(m.step, m.trajectory_id) for m in reader.marks()]
+    first = server.first_one_way_failure
     return {"served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status,
-            "marks": marks,
+            "marks": marks, "first_one_way": None if first is None else [first.rank, first.method, first.message],
+            "heard_from": sorted(server.last_seen),
             "generated_tokens": summary.generated_tokens, "cpu_seconds": time.process_time() - began,
             "wall_seconds": time.monotonic() - wall}
 
@@ -47,6 +49,8 @@ def agent(comm, rank: int) -> dict:
                                  [2] * cont.remaining_tokens, engine=f"rank-{rank}", finish_reason="length")
             client.finish(tid, reward=float(rank))
         result["status"] = client.status(ids[0])
+        # An episode whose agent raised: one-way, with the reason; it spoils its own group only.
+        client.fail(client.start([rank], task="mpi", group=f"bad-{rank}"), "ValueError: not a digit: '²'")
         record = client.trajectory(ids[1])
         result["versions"] = record.token_versions().tolist()
         for name, call, error in (

@@ -37,6 +37,11 @@ def test_manager_over_mpi_with_three_ranks(tmp_path):
     assert agents[0]["again"] is None  # nothing is handed out twice
     assert controller["by_status"]["consumed"] == 4
     assert controller["failed_one_way"] == 2  # each agent's add_generated on a finished trajectory
+    # The first of them is kept for the controller to stop the run with (nobody waited for its answer).
+    rank, method, message = controller["first_one_way"]
+    assert rank in (1, 2) and method == "add_generated" and "finished" in message
+    assert controller["heard_from"] == [1, 2]  # when each client rank was last heard from
+    assert controller["by_status"]["failed"] == 2  # one failed episode from each agent rank
     assert sorted(map(tuple, controller["marks"])) == [(0, f"r{r}-{j}") for r in (1, 2) for j in (0, 1)]
     assert controller["generated_tokens"] == 4 * 10
     # Rank 2 idles a second before it says goodbye: the server polls with sleeps and does not burn a core.
