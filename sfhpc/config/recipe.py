@@ -125,12 +125,17 @@ class PipelineSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Budgets:
-    """How much work one run does: `steps` training steps of `prompts_per_step` GRPO groups each."""
+    """How much work one run does: `steps` training steps of `prompts_per_step` GRPO groups each, and
+    when it gives up: an episode after `episode_timeout_s`, the run when more than `max_failed_fraction`
+    of the episodes that ended failed, or when no rollout rank was heard from for `stall_timeout_s`."""
 
     steps: int = 20
     prompts_per_step: int = 16
     max_new_tokens: int = 32
     wall_minutes: float | None = None
+    episode_timeout_s: float = 600.0     # an episode still playing after this fails (its group is replaced)
+    max_failed_fraction: float = 0.5     # counted once a step's worth of episodes ended; 1: never stop for it
+    stall_timeout_s: float = 600.0       # silence of every rollout rank while the controller waits for a batch
 
     def validate(self, where: Where) -> None:
         for key in ("steps", "prompts_per_step", "max_new_tokens"):
@@ -138,6 +143,13 @@ class Budgets:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
         if self.wall_minutes is not None and self.wall_minutes <= 0:
             raise where.child("wall_minutes").error("must be more than 0 (or left out: no limit)")
+        for key in ("episode_timeout_s", "stall_timeout_s"):
+            if not getattr(self, key) > 0:  # `not >`: NaN is refused too
+                raise where.child(key).error(f"must be more than 0 seconds, found {getattr(self, key)}")
+        if not 0 <= self.max_failed_fraction <= 1:
+            raise where.child("max_failed_fraction").error(
+                f"must be from 0 (stop at the first failure) to 1 (never stop for failures), found "
+                f"{self.max_failed_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
