@@ -112,10 +112,29 @@ def cmd_run(args: argparse.Namespace) -> int:
     check_runnable(recipe)
     cluster = load_cluster_map(args.cluster) if args.cluster else local_cluster_map(recipe)
     plan = resolve(recipe, cluster)
-    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    if args.resume:
+        from sfhpc.rl.resume import check_resumable
+
+        run_dir = check_resumable(Path(args.resume), recipe)
+    else:
+        run_dir = new_run_dir(recipe.output_dir, recipe.name)
     print(plan.describe())
     print(f"run folder {run_dir}", flush=True)
-    return run_local(plan, args.recipe, args.cluster, run_dir)
+    code = run_local(plan, args.recipe, args.cluster, run_dir)
+    return _run_outcome(run_dir, code)
+
+
+# A run that stopped at a signal's safe point exits with this code (EX_TEMPFAIL): not done, resumable.
+STOPPED_EXIT = 75
+
+
+def _run_outcome(run_dir: Path, code: int) -> int:
+    from sfhpc.rl.controller import last_event
+
+    event = last_event(run_dir)
+    if code == 0 and event is not None and event["event"] == "stopped":
+        return STOPPED_EXIT
+    return code
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -255,7 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = recipe_command("render", cmd_render, "print the batch script of a recipe without submitting it")
     p.add_argument("--template", action="store_true",
                    help="a reusable template: `sbatch SCRIPT RECIPE.yaml` runs any recipe of this shape")
-    recipe_command("run", cmd_run, "run a recipe on this machine with mpiexec (no Slurm)", cluster_default=None)
+    p = recipe_command("run", cmd_run, "run a recipe on this machine with mpiexec (no Slurm)", cluster_default=None)
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a stopped run from its latest complete checkpoint, in its own folder")
     recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
 
     for name, func, help in (("status", cmd_status, "state of a job and of each of its components"),

@@ -180,6 +180,7 @@ class TrajectoryManager:
         self._live: dict[str, _Live] = {}
         self._closed: dict[str, Status] = {}  # consumed, stale, aborted: only the status is kept in memory
         self._groups: dict[str, list[str]] = {}  # group key -> live member ids, oldest group first
+        self._closed_groups: set[str] = set()  # groups all of whose members were closed in this process
         # Groups a failed member spoiled, still holding (or expecting) members: key -> how many of the group's
         # episodes have ended (finish or fail). Once all have, members left open are orphans (a first turn
         # whose agent failed before it learnt the id) and are aborted.
@@ -458,6 +459,7 @@ class TrajectoryManager:
         members.remove(live.id)
         if not members:
             del self._groups[live.group_key]
+            self._closed_groups.add(live.group_key)
 
     # -- batching --------------------------------------------------------------------------------------
 
@@ -518,6 +520,36 @@ class TrajectoryManager:
                 self.flush()
             self._next_step = max(self._next_step, step + 1)
             return Batch(step=step, policy_version=policy_version, groups=tuple(records))
+
+    # -- groups across a restart -------------------------------------------------------------------------
+
+    def group_members(self, group: str) -> list[tuple[str, Status, int | None]]:
+        """(id, status, oldest policy version) of a group's members still held, oldest first."""
+        with self._lock:
+            lives = sorted((self._live[m] for m in self._groups.get(group, ())), key=lambda live: live.created)
+            return [(live.id, live.status, live.oldest_version()) for live in lives]
+
+    def closed_groups(self) -> set[str]:
+        """Keys of the groups whose every member was closed (consumed, stale, aborted) since this manager
+        started."""
+        with self._lock:
+            return set(self._closed_groups)
+
+    def live_groups(self) -> list[str]:
+        """Keys of the groups with members still held (running, interrupted or finished), oldest first."""
+        with self._lock:
+            return list(self._groups)
+
+    def drop_group(self, group: str, status: Status) -> int:
+        """Close every member of `group` still held with `status` (STALE or ABORTED); returns how many."""
+        if status not in (Status.STALE, Status.ABORTED):
+            raise InvalidRequest(f"a group is dropped as stale or aborted, not {status}")
+        with self._lock:
+            lives = [self._live[m] for m in self._groups.get(group, ())]
+            for live in lives:
+                self._set_status(live, status)
+                self._drop(live)
+            return len(lives)
 
     # -- durability ------------------------------------------------------------------------------------
 

@@ -256,6 +256,25 @@ class Trajectory:
         versions = versions[versions != NO_VERSION]
         return int(versions.min()) if len(versions) else None
 
+    def replies(self) -> list[tuple[np.ndarray, bool]]:
+        """The policy's replies along the current branch, one per turn: (its tokens, whether it was cut
+        short: its last engine run ended with ``abort``). Consecutive generated segments are one reply
+        (a weight update or a restart split it); a prompt or observation segment ends a reply."""
+        out: list[tuple[list[np.ndarray], bool]] = []
+        previous_generated = False
+        for index, used in self.branch():
+            segment = self.segments[index]
+            if not segment.generated:
+                previous_generated = False
+                continue
+            if not previous_generated:
+                out.append(([], False))
+            parts, _ = out[-1]
+            parts.append(segment.tokens[:used])
+            out[-1] = (parts, segment.finish_reason == "abort" or used < len(segment))
+            previous_generated = True
+        return [(np.concatenate(parts), cut) for parts, cut in out]
+
     def staleness(self, policy_version: int) -> int:
         """How many versions the oldest generated token lags `policy_version` (0 if nothing generated)."""
         oldest = self.oldest_version()

@@ -90,6 +90,7 @@ class AgentEndpoint:
         self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
         self._request_ids = itertools.count()
         self._engine_changed = asyncio.Event()
+        self._in_engine = 0  # turns with a generation running on the engine (not waiting for a resume)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -115,6 +116,17 @@ class AgentEndpoint:
             return await engine.load_weights(weights, version=version)
         finally:
             await engine.resume()
+
+    async def quiesce(self, timeout: float = 30.0) -> int:
+        """Pause the engine and return once every turn has recorded what it generated (each ends its
+        engine run with ``abort``, records the partial segment and interrupts its trajectory, then waits
+        for a resume that a stopping rank never gives). Returns how many generations were cut."""
+        cut = self._in_engine
+        await self._engine.pause()
+        deadline = asyncio.get_running_loop().time() + timeout
+        while self._in_engine and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.005)
+        return cut
 
     async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
         """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
@@ -273,6 +285,7 @@ class Turn:
             seg_versions: list[int] = []
             finish: FinishReason | None = None
             chunks = engine.generate(request)
+            ep._in_engine += 1
             try:
                 async for chunk in chunks:
                     seg_tokens += chunk.token_ids
@@ -282,8 +295,10 @@ class Turn:
                         finish = chunk.finish_reason
                     if chunk.token_ids:
                         yield TokenDelta(chunk.token_ids, chunk.logprobs, chunk.versions)
-            except (GeneratorExit, asyncio.CancelledError):
-                # The agent went away mid-turn: keep what was generated, as an interrupted segment.
+            except (GeneratorExit, asyncio.CancelledError, Exception):
+                # The agent went away mid-turn, or the engine died under it (a stop signal reached its
+                # process): keep what was generated, as an interrupted segment, for a continuation.
+                ep._in_engine -= 1
                 await chunks.aclose()  # type: ignore[attr-defined]
                 self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
                 if seg_tokens or not interrupted:
@@ -292,23 +307,27 @@ class Turn:
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
             if finish is None:
+                ep._in_engine -= 1
                 raise RuntimeError(f"engine '{engine.name}' ended request {request.request_id} without a finish reason")
             tokens += seg_tokens
             logprobs += seg_logprobs
             versions += seg_versions
             paused = engine.paused or engine.pauses != epoch or engine is not ep.engine
-            if finish == "abort" and paused and len(tokens) < self._max_new:
-                self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
-                if seg_tokens or not interrupted:
+            try:
+                if finish == "abort" and paused and len(tokens) < self._max_new:
+                    self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
+                    if seg_tokens or not interrupted:
+                        ep._sink_call(tid, ep.sink.interrupt, tid)
+                        interrupted = True
+                    interruptions += 1
+                    continue
+                if finish == "abort" and paused:
+                    finish = "length"  # paused just as the budget ran out: nothing is left to continue
+                self._record(seg_tokens, seg_logprobs, seg_versions, engine, finish)
+                if finish == "abort":  # cancelled on the engine (not paused): the turn ends here
                     ep._sink_call(tid, ep.sink.interrupt, tid)
-                    interrupted = True
-                interruptions += 1
-                continue
-            if finish == "abort" and paused:
-                finish = "length"  # paused just as the budget ran out: nothing is left to continue
-            self._record(seg_tokens, seg_logprobs, seg_versions, engine, finish)
-            if finish == "abort":  # cancelled on the engine (not paused): the turn ends here
-                ep._sink_call(tid, ep.sink.interrupt, tid)
-            break
+                break
+            finally:
+                ep._in_engine -= 1  # recorded: `quiesce` may count this generation as settled
         self.result = TurnResult(tid, req.prompt_token_ids, tuple(tokens), tuple(logprobs), tuple(versions),
                                  finish, interruptions)

@@ -14,7 +14,8 @@ token is more than ``max_staleness`` versions behind the policy being trained.
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import json
+import logging
 import random
 import threading
 import time
@@ -27,13 +28,22 @@ from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.rl import messages as msg
+from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.progress import Progress
+from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
+from sfhpc.runtime import preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
+log = logging.getLogger("sfhpc")
+
 STORE_NAME = "trajectories.h5"
+EVENTS_NAME = "events.jsonl"
 STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
+# In sync mode a stop request lets the step in progress finish (its episodes were all handed out at once,
+# and a seeded run then resumes exactly) unless that takes longer than this.
+SYNC_STOP_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +58,11 @@ class RunSummary:
 
 
 class Controller:
-    def __init__(self, recipe: Recipe, plan: LaunchPlan, layout: CommLayout, task: Task, run_dir: Path) -> None:
+    def __init__(self, recipe: Recipe, plan: LaunchPlan, layout: CommLayout, task: Task, run_dir: Path, *,
+                 model_dir: Path, resume_from: CheckpointInfo | None = None, restart: int = 0,
+                 job_id: str | None = None) -> None:
         self.recipe, self.layout, self.task, self.run_dir = recipe, layout, task, run_dir
+        self.resume_from, self.restart, self.job_id = resume_from, restart, job_id
         self.scheduler = Scheduler(plan)
         self.store_path = run_dir / STORE_NAME
         self.store = TrajectoryStore.open(self.store_path,
@@ -62,10 +75,18 @@ class Controller:
         self._serving.start()
         self.rng = random.Random(recipe.seed)
         self.version = 0
+        self.step_done = 0  # the last training step whose weights the trainers hold
         self.groups_out = 0  # GRPO groups handed out and not yet trained on or dropped as stale
         self.stale_groups = 0  # groups the manager dropped as too stale (replaced by new ones)
-        self._group_ids = itertools.count()
+        self.next_group = 0
+        self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}  # handed out, not trained on: checkpointed
         self.progress = Progress(run_dir, recipe.budgets.steps)
+        self.checkpoints = RunCheckpoints(run_dir)
+        self.identity = run_identity(recipe, model_dir)
+        self.last_checkpoint: CheckpointInfo | None = resume_from
+        self.stop_watch = preemption.StopWatch(layout.world)
+        self.stopping: tuple[int, str] | None = None  # (rank, signal) of the stop request being acted on
+        self._stop_noticed = 0.0
         self.started = time.monotonic()
 
     # -- the steps of the loop ---------------------------------------------------------------------
@@ -78,21 +99,32 @@ class Controller:
         episodes = []
         for _ in range(new_groups):
             problem = self.task.sample(self.rng)
-            group = f"g{next(self._group_ids)}-{problem.key}"
-            episodes += [msg.Episode(problem, group, self.rng.randrange(2**31))
-                         for _ in range(self.recipe.algorithm.group_size)]
+            group = f"g{self.next_group}-{problem.key}"
+            self.next_group += 1
+            members = tuple(msg.Episode(problem, group, self.rng.randrange(2**31))
+                            for _ in range(self.recipe.algorithm.group_size))
+            self.open_groups[group] = members
+            episodes += members
         self.groups_out += new_groups
+        self.hand_out(episodes)
+
+    def hand_out(self, episodes: list[msg.Episode]) -> None:
         for rank, share in self.scheduler.assign(episodes).items():
             msg.send(self.layout.world, msg.Play(tuple(share)), rank)
 
-    def wait_for_batch(self, step: int) -> Batch:
-        """Whole, fresh groups for one step (polls the manager; stale groups are dropped and replaced)."""
+    def wait_for_batch(self, step: int) -> Batch | None:
+        """Whole, fresh groups for one step (polls the manager; stale groups are dropped and replaced).
+        None when a stop request comes first (in sync mode: unless the step's batch is done soon)."""
         per_step, size = self.recipe.budgets.prompts_per_step, self.recipe.algorithm.group_size
         while True:
             batch = self.manager.take_batch(self.version, per_step, size, step)
             if batch is not None:
                 self.groups_out -= len(batch.groups)
+                for group in batch.groups:
+                    self.open_groups.pop(group[0].group_key, None)
                 return batch
+            if self.stop_requested() and not self._finish_step_first():
+                return None
             stale_groups = self.manager.counts().get("stale", 0) // size
             if stale_groups > self.stale_groups:  # replace what the staleness bound threw away
                 self.groups_out -= stale_groups - self.stale_groups
@@ -138,24 +170,135 @@ class Controller:
                                                           "max_staleness") if k in metrics},
         })
 
-    def checkpoint(self, step: int, *, final: bool = False) -> Path | None:
-        """Trainer state to ``checkpoints/step-NNNNNN.pt`` every ``training.checkpoint_every`` steps and at
-        the end (the trainers write it atomically; trainer 0 answers when it is on disk)."""
+    def checkpoint_if_due(self, step: int) -> None:
+        """Every ``training.checkpoint_every`` steps (0: only at the end and at a stop request)."""
+        self.step_done = step
         every = self.recipe.training.checkpoint_every
-        if not final and not (every and step % every == 0):
-            return None
-        path = self.run_dir / "checkpoints" / f"step-{step:06d}.pt"
+        if every and step % every == 0:
+            self.checkpoint("periodic")
+
+    def checkpoint(self, reason: str) -> CheckpointInfo:
+        """One whole checkpoint of the run (see `sfhpc.rl.checkpoints`): the trainers write their state
+        into the new folder, the store is flushed, then the controller's state and the manifest go last."""
+        started = time.monotonic()
+        partial = self.checkpoints.begin(self.step_done)
         trainers = self.scheduler.trainer_ranks
         for rank in trainers:
-            msg.send(self.layout.world, msg.Checkpoint(str(path)), rank)
+            msg.send(self.layout.world, msg.Checkpoint(str(partial / TRAINER_FILE)), rank)
         msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG)
-        return path
+        self.manager.flush()
+        self._state().save(partial / "controller.pt")
+        info = self.checkpoints.commit(partial, step=self.step_done, version=self.version, identity=self.identity,
+                                       reason=reason, extra={"restart": self.restart})
+        self.last_checkpoint = info
+        self.event("checkpoint", path=str(info.path), step=info.step, version=info.version, reason=reason,
+                   seconds=round(time.monotonic() - started, 3))
+        return info
+
+    def _state(self) -> ControllerState:
+        live = set(self.manager.live_groups())
+        # Groups every member of which is closed (consumed, stale, aborted) are done with.
+        self.open_groups = {g: e for g, e in self.open_groups.items()
+                            if g in live or not self.manager.group_members(g) and not self._closed_group(g)}
+        task_state = getattr(self.task, "state", None)
+        return ControllerState(step=self.step_done, version=self.version, rng=self.rng.getstate(),
+                               next_group=self.next_group, open_groups=dict(self.open_groups),
+                               task_state=task_state() if callable(task_state) else None,
+                               assigned={r: e.assigned for r, e in self.scheduler.entries.items()})
+
+    def _closed_group(self, group: str) -> bool:
+        return group in self.manager.closed_groups()
+
+    def quiesce_rollouts(self) -> None:
+        """Every generation in flight ends and is recorded as a partial rollout (engines stay paused)."""
+        rollouts = self.scheduler.rollout_ranks
+        for rank in rollouts:
+            msg.send(self.layout.world, msg.Quiesce(), rank)
+        replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG) for rank in rollouts]
+        self.event("quiesced", interrupted=sum(r.interrupted for r in replies))
+
+    def _after_stop(self) -> None:
+        """Stopped by a signal, checkpoint on disk: under Slurm a USR1/USR2 stop requeues the job (after TERM
+        Slurm requeues it itself); on one machine, say how to go on."""
+        assert self.stopping is not None and self.last_checkpoint is not None
+        signal_name = self.stopping[1]
+        self.event("stopped", signal=signal_name, step=self.step_done, checkpoint=str(self.last_checkpoint.path))
+        requeue = getattr(self.recipe.launch, "requeue", True)
+        if self.job_id is not None and requeue and preemption.asks_for_requeue(signal_name):
+            from sfhpc.launch.jobs import requeue_job
+
+            print(f"requeueing job {self.job_id} after {signal_name}", flush=True)
+            requeue_job(self.job_id)
+            self.event("requeue-requested", job=self.job_id)
+        elif self.job_id is None:
+            print(f"stopped by {signal_name} after step {self.step_done}; checkpoint {self.last_checkpoint.path}; "
+                  f"continue with: sfhpc run {self.recipe.source} --resume {self.run_dir}", flush=True)
+
+    # -- stop requests and restarts ----------------------------------------------------------------
+    def stop_requested(self) -> bool:
+        """Whether a stop signal reached any rank (the first one is kept, with the time it was noticed)."""
+        if self.stopping is None and (request := self.stop_watch.stop_requested()) is not None:
+            self.stopping = request
+            self._stop_noticed = time.monotonic()
+            self.event("stop-requested", rank=request[0], signal=request[1])
+            print(f"stop requested: {request[1]} on rank {request[0]}; checkpointing at the next safe point",
+                  flush=True)
+        return self.stopping is not None
+
+    def _finish_step_first(self) -> bool:
+        return self.recipe.pipeline.mode == "sync" and time.monotonic() - self._stop_noticed < SYNC_STOP_WAIT_S
+
+    def resume(self) -> int:
+        """Continue from the checkpoint the run was started with (if any); returns the first step to run."""
+        info = self.resume_from
+        if info is None:
+            return 1
+        state = ControllerState.load(info.controller_file)
+        self.step_done, self.version, self.next_group = state.step, state.version, state.next_group
+        self.rng.setstate(state.rng)
+        if state.task_state is not None and callable(restore := getattr(self.task, "restore", None)):
+            restore(state.task_state)
+        for rank, assigned in state.assigned.items():
+            if rank in self.scheduler.entries:
+                self.scheduler.entries[rank].assigned = assigned
+        self.progress.resume(state.step)
+        if state.step >= self.recipe.budgets.steps:
+            print(f"resumed at step {state.step}: the run is already complete", flush=True)
+            return state.step + 1
+        started = time.monotonic()
+        if self.version > 0:
+            self.sync_weights(self.version)  # engines start from the checkpoint's weights, not the model's
+        plan = plan_resume(state, self.manager, max_staleness=self.recipe.pipeline.max_staleness,
+                           group_size=self.recipe.algorithm.group_size)
+        self.open_groups = plan.groups
+        self.groups_out = len(plan.groups) + plan.waiting_groups
+        self.stale_groups = self.manager.counts().get("stale", 0) // self.recipe.algorithm.group_size
+        self.hand_out(plan.episodes)
+        self.event("resumed", checkpoint=str(info.path), step=state.step, version=state.version,
+                   seconds=round(time.monotonic() - started, 3), **plan.as_dict())
+        print(f"resumed from {info.path.name} (step {state.step}, version {state.version}): {plan.describe()}",
+              flush=True)
+        return state.step + 1
+
+    def event(self, name: str, **fields: Any) -> None:
+        """One line of the run's event log (``events.jsonl``): stops, checkpoints, restarts, the end."""
+        row = {"event": name, "time": time.time(), "restart": self.restart, **fields}
+        with open(self.run_dir / EVENTS_NAME, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
     def out_of_time(self) -> bool:
         wall = self.recipe.budgets.wall_minutes
         return wall is not None and time.monotonic() - self.started > wall * 60
 
     def finish(self) -> RunSummary:
+        """The last checkpoint (at the end of the budget, or at a stop request's safe point), then every
+        rank stops; a run stopped by USR1/USR2 under Slurm then requeues itself."""
+        preempted = self.stopping is not None
+        if preempted:
+            self.quiesce_rollouts()
+            self.checkpoint(f"stop:{self.stopping[1]}")
+        elif self.last_checkpoint is None or self.last_checkpoint.step < self.step_done:
+            self.checkpoint("final")
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
         # Keep serving the trajectory manager until every rollout rank has said goodbye: episodes still in
@@ -164,6 +307,11 @@ class Controller:
         self._stop_serving.set()
         self._serving.join()
         self.manager.close()
+        if preempted:
+            self._after_stop()
+        else:
+            self.event("finished", step=self.step_done,
+                       reason="steps" if self.step_done >= self.recipe.budgets.steps else "wall_minutes")
         rewards = [r["reward_mean"] for r in self.progress.rows]
         tenth = max(1, len(rewards) // 10)
         return RunSummary(len(rewards), sum(rewards[:tenth]) / tenth if rewards else 0.0,
@@ -173,18 +321,19 @@ class Controller:
 
 def run_loop(ctl: Controller) -> RunSummary:
     """The RL loop: episodes -> batch -> train step -> new weights everywhere, until the budget is spent."""
-    for step in range(1, ctl.recipe.budgets.steps + 1):
+    for step in range(ctl.resume(), ctl.recipe.budgets.steps + 1):  # step 1, or the checkpoint's next one
         started = time.monotonic()
         ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
         batch = ctl.wait_for_batch(step)          # whole GRPO groups within the staleness bound
+        if batch is None:                         # a stop request came first: checkpoint now
+            break
         trained = ctl.train(step, batch)          # one optimisation step on the trainer ranks
         sync_s = ctl.sync_weights(trained.version)  # engines pause, load the new weights, resume
         ctl.report(step, batch, trained, sync_s, time.monotonic() - started)
-        ctl.checkpoint(step)                      # every training.checkpoint_every steps
-        if ctl.out_of_time():
+        ctl.checkpoint_if_due(step)               # every training.checkpoint_every steps
+        if ctl.out_of_time() or ctl.stop_requested():
             break
-    ctl.checkpoint(step, final=True)
-    return ctl.finish()
+    return ctl.finish()                           # last checkpoint, every rank stops (and a requeue)
 
 
 def describe(summary: RunSummary, progress: Progress, plot: Any) -> str:
@@ -199,3 +348,12 @@ def describe(summary: RunSummary, progress: Progress, plot: Any) -> str:
     if plot is not None:
         lines.append(f"reward plot: {plot}")
     return "\n".join(lines)
+
+
+def last_event(run_dir: Path) -> dict[str, Any] | None:
+    """The last line of a run's event log (None when it has none)."""
+    path = run_dir / EVENTS_NAME
+    if not path.exists():
+        return None
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return json.loads(lines[-1]) if lines else None

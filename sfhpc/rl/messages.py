@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sfhpc.tasks.base import Problem
@@ -25,6 +26,7 @@ class Episode:
     problem: Problem
     group: str
     seed: int
+    resume_id: str | None = None  # continue this trajectory of an earlier allocation instead of a new one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,19 @@ class Checkpoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class Quiesce:
+    """Controller -> rollout ranks, at a stop request's safe point: pause the engine, so that every
+    generation in flight ends and is recorded as a partial rollout; answer `Quiesced` once the records
+    have reached the trajectory manager. The engine stays paused until Stop."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Quiesced:
+    rank: int
+    interrupted: int  # generations this rank cut short
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 
@@ -83,8 +98,10 @@ def send(comm: Any, message: object, dest: int, tag: int = CONTROL_TAG) -> None:
     comm.send(message, dest=dest, tag=tag)
 
 
-def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeout: float | None = None) -> Any:
-    """Receive one message, polling with a short sleep (a blocking receive in Open MPI spins a core)."""
+def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeout: float | None = None,
+            idle: Callable[[], None] | None = None) -> Any:
+    """Receive one message, polling with a short sleep (a blocking receive in Open MPI spins a core);
+    `idle` is called between polls (a worker passes on a stop signal while it waits)."""
     from mpi4py import MPI
 
     source = MPI.ANY_SOURCE if source is None else source
@@ -93,6 +110,8 @@ def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeou
     while not comm.iprobe(source=source, tag=tag):
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"no message with tag {tag:#x} within {timeout} s")
+        if idle is not None:
+            idle()
         time.sleep(delay)
         delay = min(delay * 2, 2e-3)
     return comm.recv(source=source, tag=tag)

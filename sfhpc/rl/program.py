@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,30 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
     return Path(world.bcast(str(path) if path else None, root=0))
 
 
+def find_resume_checkpoint(recipe: Recipe, run_dir: Path, model_dir: Path, world: Any) -> Any:
+    """The newest sound checkpoint of the run folder (a restarted job, or ``sfhpc run --resume``), checked
+    against this recipe and model; None for a new run. Collective: rank 0 looks, every rank gets the answer
+    (a damaged checkpoint is named in the log and an earlier one used; a foreign one stops every rank)."""
+    from sfhpc.rl.checkpoints import RunCheckpoints, check_identity, run_identity
+
+    found, problem = None, None
+    if world.Get_rank() == 0:
+        def warn(line: str) -> None:
+            log.warning("%s", line)
+            print(f"sfhpc: warning: {line}", file=sys.stderr, flush=True)
+
+        try:
+            found = RunCheckpoints(run_dir).latest(warn=warn)
+            if found is not None:
+                check_identity(found, run_identity(recipe, model_dir))
+        except SfhpcError as exc:
+            found, problem = None, str(exc)
+    found, problem = world.bcast((found, problem), root=0)
+    if problem is not None:
+        raise SfhpcError(problem)
+    return found
+
+
 def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     from sfhpc.rl.controller import Controller, describe, run_loop
     from sfhpc.rl.rollout_worker import RolloutWorker, serve_rollout
@@ -57,10 +82,12 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     check_runnable(recipe)
     task = get_task(recipe.task, recipe.source)
     model_dir = prepare_model(recipe, task, run_dir, world)
+    resume_from = find_resume_checkpoint(recipe, run_dir, model_dir, world)
     layout = build_comm_layout(world, plan)
     if identity.has_role("controller"):
         print(layout.describe(), flush=True)
-        controller = Controller(recipe, plan, layout, task, run_dir)
+        controller = Controller(recipe, plan, layout, task, run_dir, model_dir=model_dir, resume_from=resume_from,
+                                restart=identity.env.restart_count, job_id=identity.env.job_id)
         summary = run_loop(controller)
         print(describe(summary, controller.progress, controller.progress.plot()), flush=True)
         return {"rank": identity.rank, "steps": summary.steps, "first_reward": summary.first_reward,
@@ -69,7 +96,8 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
 
     trainer_worker = None
     if identity.has_role("trainer"):
-        trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir))
+        trainer_state = resume_from.trainer_file if resume_from is not None else None
+        trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir, trainer_state))
     if identity.has_role("rollout"):
         def engine() -> Any:
             from sfhpc.engine.vllm_engine import VllmEngine

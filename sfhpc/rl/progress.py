@@ -21,6 +21,23 @@ class Progress:
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
 
+    def resume(self, step: int) -> None:
+        """Continue the metrics of a run restored at `step`: its rows up to that step are the curve so far.
+        Rows of later steps (trained after the checkpoint, by weights the restart lost) move to
+        ``metrics-discarded.jsonl``, so that no step appears twice in ``metrics.jsonl``."""
+        if not self.path.exists():
+            return
+        rows = [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        self.rows = [r for r in rows if r["step"] <= step]
+        later = [r for r in rows if r["step"] > step]
+        if not later:
+            return
+        with open(self.path.with_name("metrics-discarded.jsonl"), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in later)
+        temporary = self.path.with_name(".metrics.jsonl.tmp")
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
+        temporary.replace(self.path)
+
     def step(self, row: dict[str, Any]) -> None:
         row = {**row, "elapsed_s": round(time.monotonic() - self.started, 3)}
         self.rows.append(row)

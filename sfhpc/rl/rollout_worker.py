@@ -22,7 +22,8 @@ from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.rl import messages as msg
 from sfhpc.rl.messages import Episode
-from sfhpc.rollout.agent import ChatBackend, LocalChat, OpenAIChat, play_episode
+from sfhpc.rollout.agent import ChatBackend, LocalChat, OpenAIChat, ResumePoint, play_episode, reply_budget
+from sfhpc.runtime import preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
@@ -41,7 +42,8 @@ class RolloutWorker:
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name)).start()
 
         async def start_engine() -> RolloutEngine:
-            engine = engine_factory()
+            with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
+                engine = engine_factory()
             await self.endpoint.replace_engine(engine)
             return engine
 
@@ -63,9 +65,31 @@ class RolloutWorker:
             self.playing.append(asyncio.run_coroutine_threadsafe(self._play(episode), self.server.loop))
 
     async def _play(self, episode: Episode) -> None:
+        resume = None if episode.resume_id is None else await self._resume_point(episode)
         outcome = await play_episode(self.backend, self.task, episode.problem, group=episode.group,
-                                     seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens)
+                                     seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens,
+                                     resume=resume)
         self.manager.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
+
+    async def _resume_point(self, episode: Episode) -> ResumePoint:
+        """An episode of an earlier allocation: its replies so far, the one that was cut short finished
+        first from its recorded prefix on this engine (a partial rollout across the restart)."""
+        from sfhpc.endpoint.service import Sampling, TurnRequest
+
+        assert episode.resume_id is not None
+        trajectory = await asyncio.to_thread(self.manager.trajectory, episode.resume_id)
+        tokenizer = self.server.api.tokenizer
+        replies = [list(tokens) for tokens, _ in trajectory.replies()]
+        cut = bool(trajectory.replies()) and trajectory.replies()[-1][1]
+        remaining = reply_budget(self.task, self.recipe.budgets.max_new_tokens) - (len(replies[-1]) if cut else 0)
+        if cut and remaining > 0:
+            request = TurnRequest(tuple(int(t) for t in trajectory.context()), trajectory_id=trajectory.id,
+                                  task=trajectory.task, group=trajectory.group,
+                                  sampling=Sampling(max_tokens=remaining, seed=episode.seed + len(replies),
+                                                    stop_token_ids=tuple(tokenizer.chat_stop_ids)))
+            result = await self.endpoint.complete(request)
+            replies[-1] += result.token_ids
+        return ResumePoint(trajectory.id, tuple(tokenizer.decode(r) for r in replies))
 
     def sync_weights(self, version: int) -> float:
         """Bring the engine to `version`; returns the seconds the engine was paused.
@@ -108,10 +132,22 @@ class RolloutWorker:
             incoming.drain()
             raise RuntimeError(f"rank {self.rank}: weights version {incoming.version} arrived after Stop")
 
+    def quiesce(self) -> int:
+        """Pause the engine for good: every generation in flight ends and is recorded as a partial rollout
+        (the turns record their segment and interrupt the trajectory); returns how many were cut. A round
+        trip on the manager link then makes sure those one-way records have reached the manager."""
+        cut = self.server.call(self.endpoint.quiesce(), timeout=60)
+        self.manager.counts()
+        return cut
+
     def close(self) -> None:
-        """Wind down in dependency order: agents, HTTP site (its open requests still need the engine),
-        engine (on its own loop), event loop, and last the manager link (the controller serves it until
-        every rollout rank has said goodbye)."""
+        """Wind down in dependency order: engine paused (what is in flight is recorded), agents, HTTP site
+        (its open requests still need the engine), engine (on its own loop), event loop, and last the
+        manager link (the controller serves it until every rollout rank has said goodbye)."""
+        try:
+            self.server.call(self.endpoint.quiesce(), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - a dead engine must not keep the rank from closing down
+            log.warning("rank %d: engine did not pause at close (%s)", self.rank, exc)
         for future in self.playing:
             future.cancel()
         self.server.close_site()
@@ -161,10 +197,12 @@ class _Idle(RolloutEngine):
 def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
     """The rollout rank's command loop (the main thread), until the controller says Stop."""
     world, controller = worker.layout.world, worker.layout.controller_rank
+    notice = preemption.StopNotice(world, controller)
     while True:
         errors = worker.errors()
         if errors:
             raise errors[0]
+        notice.check()
         command = msg.poll(world, controller)
         if command is None:
             time.sleep(0.002)
@@ -178,6 +216,8 @@ def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
             msg.send(world, msg.Synced(worker.rank, command.version, seconds), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Checkpoint) and on_train is not None:
             on_train(command)
+        elif isinstance(command, msg.Quiesce):
+            msg.send(world, msg.Quiesced(worker.rank, worker.quiesce()), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Stop):
             worker.end_weight_stream()
             return

@@ -13,21 +13,27 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.rl import messages as msg
+from sfhpc.runtime import preemption
 from sfhpc.runtime.comm_layout import CommLayout
 
 
-def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path) -> Any:
-    """The recipe's training backend over the trainers communicator (collective on the trainer ranks)."""
+def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_from: Path | None = None) -> Any:
+    """The recipe's training backend over the trainers communicator (collective on the trainer ranks),
+    restored from the trainer state file `resume_from` when the run continues from a checkpoint."""
     from sfhpc.trainer.distributed import DistSpec
 
     dist = DistSpec.from_mpi(layout.trainers)
     if recipe.training.backend == "megatron":
         from sfhpc.trainer.megatron_backend import MegatronTrainer
 
-        return MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
-    from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+        trainer: Any = MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
+    else:
+        from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
 
-    return TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm), dist=dist, seed=recipe.seed)
+        trainer = TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm), dist=dist, seed=recipe.seed)
+    if resume_from is not None:
+        trainer.load_checkpoint(resume_from)
+    return trainer
 
 
 class TrainerWorker:
@@ -72,8 +78,9 @@ class TrainerWorker:
 def serve_trainer(worker: TrainerWorker) -> None:
     """The trainer rank's command loop, until the controller says Stop."""
     world, controller = worker.layout.world, worker.layout.controller_rank
+    notice = preemption.StopNotice(world, controller)
     while True:
-        command = msg.receive(world, controller)
+        command = msg.receive(world, controller, idle=notice.check)
         if isinstance(command, msg.Train):
             worker.train(command)
         elif isinstance(command, msg.SyncWeights):

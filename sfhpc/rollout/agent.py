@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from sfhpc.endpoint.client import AsyncLocalClient
@@ -70,6 +71,16 @@ class OpenAIChat(ChatBackend):
 
 
 @dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where an episode of an earlier allocation stopped: its trajectory and the policy's whole replies so
+    far (text, as the agent received them). The episode is rebuilt by replaying those replies, which
+    holds for any task whose episode is a function of its problem and the replies (every shipped task)."""
+
+    trajectory_id: str
+    replies: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class EpisodeOutcome:
     trajectory_id: str
     reward: float
@@ -77,19 +88,32 @@ class EpisodeOutcome:
     turn_rewards: tuple[float, ...]
 
 
-async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, group: str,
-                       seed: int | None = None, max_tokens: int | None = None) -> EpisodeOutcome:
-    """Run one episode to its end; the caller records the reward (`finish`) with the returned outcome.
+def reply_budget(task: Task, max_tokens: int | None) -> int:
+    """Tokens one reply may hold: the task's `max_reply_tokens`, capped by the recipe's budget."""
+    return task.max_reply_tokens if max_tokens is None else min(task.max_reply_tokens, max_tokens)
 
-    Each reply may hold the task's `max_reply_tokens`, capped by `max_tokens` (the recipe's budget)."""
-    reply_tokens = task.max_reply_tokens if max_tokens is None else min(task.max_reply_tokens, max_tokens)
+
+async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, group: str,
+                       seed: int | None = None, max_tokens: int | None = None,
+                       resume: ResumePoint | None = None,
+                       on_trajectory: Callable[[str], None] | None = None) -> EpisodeOutcome:
+    """Run one episode to its end (from `resume` on, if given); the caller records the reward (`finish`)
+    with the returned outcome. `on_trajectory` hears the trajectory id as soon as the first reply names it
+    (an episode that fails later must fail that trajectory)."""
+    reply_tokens = reply_budget(task, max_tokens)
     episode = task.episode(problem)
     messages = episode.opening()
-    trajectory_id: str | None = None
+    trajectory_id: str | None = None if resume is None else resume.trajectory_id
     turn_rewards: list[float] = []
+    replayed = list(resume.replies) if resume is not None else []
     for turn in range(1, task.max_turns + 1):
-        reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
-                                   max_tokens=reply_tokens, seed=None if seed is None else seed + turn)
+        if replayed:  # a reply the policy gave in the earlier allocation: the episode sees it again
+            reply = Reply(replayed.pop(0), trajectory_id or "", "stop")
+        else:
+            reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
+                                       max_tokens=reply_tokens, seed=None if seed is None else seed + turn)
+        if trajectory_id is None and on_trajectory is not None:
+            on_trajectory(reply.trajectory_id)
         trajectory_id = reply.trajectory_id
         result = episode.step(reply.text)
         turn_rewards.append(result.turn_reward)

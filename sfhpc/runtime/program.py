@@ -18,6 +18,7 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch import step_guard
 from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.runtime import preemption
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
 from sfhpc.runtime.slurm_env import read_rank_environment
@@ -33,6 +34,7 @@ class RankProgram:
     run_dir: Path
 
     def __call__(self) -> dict[str, Any]:
+        preemption.install()  # from the first moment: a stop signal during start-up is acted on, not lost
         identity = identify(self.plan, read_rank_environment())
         step_guard.arm(identity.rank)
         result = self._run(identity)

@@ -87,9 +87,11 @@ def test_colocated_sync_run_records_every_token_with_its_version(tmp_path: Path)
     import torch
 
     saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert saved == ["step-000002.pt", "step-000003.pt"]
-    state = torch.load(run_dir / "checkpoints" / "step-000003.pt", weights_only=False)
+    assert saved == ["step-000002", "step-000003"]
+    state = torch.load(run_dir / "checkpoints" / "step-000003" / "trainer.pt", weights_only=False)
     assert state["policy_version"] == 3 and state["step"] == 3
+    manifest = json.loads((run_dir / "checkpoints" / "step-000003" / "MANIFEST.json").read_text())
+    assert manifest["step"] == manifest["version"] == 3 and set(manifest["files"]) == {"trainer.pt", "controller.pt"}
 
 
 MULTI_TURN = """\

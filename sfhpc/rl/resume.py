@@ -1,0 +1,126 @@
+"""Continuing a run in a new allocation: what the controller saves, and what it does with it on restart.
+
+The store is the record of every token; the checkpoint adds what only the controller knew: the step
+and weight version, the sampler's state, and the episodes it had handed out and not yet seen trained
+(`ControllerState`). On restart `plan_resume` walks those episode groups against the trajectories the
+store holds (the manager reloaded them; running ones came back interrupted):
+
+- a group whose oldest generated token is more than ``max_staleness`` versions behind the restored
+  policy is dropped whole, as stale (GRPO needs whole groups), and counted;
+- otherwise each member trajectory that is still open is *continued* from its recorded prefix on a
+  new engine (an `Episode` with ``resume_id``), finished members wait for a batch as they are, and
+  episodes whose trajectory never started are played again from the start;
+- open trajectories of groups the checkpoint does not know (handed out after it: the run died without
+  a stop checkpoint) cannot be continued, since their problem is not recorded: they are aborted and
+  counted. Complete groups of finished trajectories among them are kept for training.
+
+The consumption marks in the store decide what was trained, so no trajectory is trained twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+from typing import Any
+
+from sfhpc.data.manager import TrajectoryManager
+from sfhpc.data.trajectory import Status
+from sfhpc.rl.messages import Episode
+
+
+@dataclasses.dataclass
+class ControllerState:
+    """Everything of the controller a checkpoint holds (pickled: problems are the tasks' own objects)."""
+
+    step: int  # the last training step done
+    version: int  # the policy version the trainers hold
+    rng: Any  # random.Random state: the problems and sampling seeds still to come
+    next_group: int  # the number the next GRPO group gets
+    open_groups: dict[str, tuple[Episode, ...]]  # handed out, not yet trained on or dropped
+    task_state: Any = None  # a task's own sampler state (`Task.state`), e.g. a data file's position
+    assigned: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> episodes sent so far
+
+    def save(self, path: Path) -> None:
+        with open(path, "wb") as f:
+            pickle.dump(dataclasses.asdict(self) | {"open_groups": self.open_groups}, f, protocol=5)
+
+    @classmethod
+    def load(cls, path: Path) -> ControllerState:
+        with open(path, "rb") as f:
+            fields = pickle.load(f)  # noqa: S301 - a file this run wrote, verified against its manifest
+        return cls(**fields)
+
+
+@dataclasses.dataclass
+class ResumePlan:
+    episodes: list[Episode]  # to hand out now: continuations (resume_id set) and episodes played again
+    groups: dict[str, tuple[Episode, ...]]  # the groups still out after the restart
+    waiting_groups: int  # complete groups of finished trajectories of unknown episodes, kept for training
+    resumed: int = 0  # trajectories continued from their prefix
+    replayed: int = 0  # episodes whose trajectory never started, played again
+    dropped_stale: int = 0  # trajectories dropped as too stale to continue
+    abandoned: int = 0  # open trajectories of episodes the checkpoint does not know (aborted)
+    finished: int = 0  # finished trajectories waiting for a batch
+
+    def describe(self) -> str:
+        return (f"{self.resumed} trajectories continued from their prefix, {self.replayed} episodes played "
+                f"again, {self.finished} finished ones waiting for a batch, {self.dropped_stale} dropped as "
+                f"stale, {self.abandoned} abandoned")
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if isinstance(v, int)}
+
+
+def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_staleness: int,
+                group_size: int) -> ResumePlan:
+    plan = ResumePlan([], {}, 0)
+    for group, episodes in state.open_groups.items():
+        members = manager.group_members(group)
+        oldest = [v for _, _, v in members if v is not None]
+        if oldest and state.version - min(oldest) > max_staleness:
+            plan.dropped_stale += manager.drop_group(group, Status.STALE)
+            continue
+        for (trajectory_id, status, _), episode in zip(members, episodes):
+            if status.is_open:
+                plan.episodes.append(dataclasses.replace(episode, resume_id=trajectory_id))
+                plan.resumed += 1
+            elif status is Status.FINISHED:
+                plan.finished += 1
+        again = episodes[len(members):]
+        plan.episodes += again
+        plan.replayed += len(again)
+        plan.groups[group] = episodes
+    for group in manager.live_groups():
+        if group in state.open_groups:
+            continue
+        members = manager.group_members(group)
+        if len(members) >= group_size and all(status is Status.FINISHED for _, status, _ in members):
+            plan.waiting_groups += 1
+            plan.finished += len(members)
+        else:
+            plan.abandoned += sum(1 for _, status, _ in members if status.is_open)
+            manager.drop_group(group, Status.ABORTED)
+    return plan
+
+
+def check_resumable(run_dir: Path, recipe: Any) -> Path:
+    """Refuse, before anything starts or is written, a ``--resume`` folder that is not a run of this recipe
+    with a sound checkpoint; returns the folder (absolute)."""
+    from sfhpc.errors import SfhpcError
+    from sfhpc.rl.checkpoints import RunCheckpoints, check_identity, run_identity
+
+    run_dir = run_dir.absolute()
+    if not run_dir.is_dir():
+        raise SfhpcError(f"--resume {run_dir}: no such folder")
+    if not any((run_dir / name).exists() for name in ("launch_report.json", "trajectories.h5", "checkpoints")):
+        raise SfhpcError(f"--resume {run_dir}: not a run folder (no launch_report.json, trajectories.h5 or "
+                         "checkpoints/ in it)")
+    problems: list[str] = []
+    info = RunCheckpoints(run_dir).latest(warn=problems.append)
+    if info is None:
+        detail = f" ({problems[0]})" if problems else ""
+        raise SfhpcError(f"--resume {run_dir}: no complete checkpoint to continue from{detail}")
+    model_dir = Path(recipe.model.path) if recipe.model.path else run_dir / "model"
+    check_identity(info, run_identity(recipe, model_dir))
+    return run_dir
