@@ -26,6 +26,14 @@ def check_runnable(recipe: Recipe) -> None:
                          "(overlapped, bounded staleness) or 'sync'")
     if recipe.task.name != "launch-report":
         get_task(recipe.task, recipe.source)  # unknown task or bad options: ConfigError now, not in the job
+        if recipe.model.path is not None:
+            # A folder the engines cannot load would hang or fail on every rank, after the job started.
+            from sfhpc.model.folder import model_folder_problem
+
+            problem = model_folder_problem(Path(recipe.model.path))
+            if problem is not None:
+                raise SfhpcError(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
+                                 "leave model.path out to build sfhpc's own tiny model")
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
