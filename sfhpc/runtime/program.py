@@ -47,6 +47,9 @@ class RankProgram:
         # the main module, and a top-level import would run MPI_Init in them.
         from mpi4py import MPI
 
+        from sfhpc.runtime.mpi_threads import check_thread_level
+
+        check_thread_level(MPI.Query_thread(), MPI.THREAD_MULTIPLE)  # ranks call MPI from several threads
         comm = MPI.COMM_WORLD
         if comm.Get_size() != identity.env.world_size or comm.Get_rank() != identity.rank:
             raise SfhpcError(
