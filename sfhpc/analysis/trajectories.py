@@ -11,7 +11,8 @@ the plots drawn from them (``sfhpc traj plot``).
 Columns: the record's id, task, GRPO group, status and reward; its number of turns (rewards the agent
 reported per reply); tokens on its current branch and how many the policy generated; the oldest and
 newest policy version among those tokens; the training step that consumed it and the trainer's version
-then (empty if none did), hence the staleness it was trained at; creation and last-change times (Unix s).
+then (empty if none did), hence the staleness it was trained at; creation and last-change times (Unix s);
+why it failed (status failed; empty otherwise).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sfhpc.errors import SfhpcError
 STORE_FILE = "trajectories.h5"
 TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
                       "min_version", "max_version", "consumed_step", "trained_version", "staleness",
-                      "created", "updated")
+                      "created", "updated", "fail_reason")
 
 
 def locate_store(path: str | Path) -> Path:
@@ -58,7 +59,7 @@ def trajectory_rows(store: StoreView) -> Iterator[dict[str, Any]]:
             "consumed_step": mark.step if mark else None, "trained_version": mark.policy_version if mark else None,
             # How many versions behind the trainer its oldest token was when it was trained on.
             "staleness": mark.policy_version - int(versions.min()) if mark and len(versions) else None,
-            "created": trajectory.created, "updated": trajectory.updated,
+            "created": trajectory.created, "updated": trajectory.updated, "fail_reason": trajectory.fail_reason,
         }
 
 
