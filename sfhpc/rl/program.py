@@ -91,6 +91,12 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     task = get_task(recipe.task, recipe.source)
     model_dir = prepare_model(recipe, task, run_dir, world)
     resume_from = find_resume_checkpoint(recipe, run_dir, model_dir, world)
+    if resume_from is not None and resume_from.step >= recipe.budgets.steps:
+        # Slurm may requeue a job that already finished: its run is complete, so nothing starts or is written.
+        if identity.rank == 0:
+            print(f"the run in {run_dir} is complete (checkpoint {resume_from.path.name}, step {resume_from.step} "
+                  f"of {recipe.budgets.steps}); nothing to do", flush=True)
+        return {"rank": identity.rank, "complete": True}
     layout = build_comm_layout(world, plan)
     if identity.has_role("controller"):
         print(layout.describe(), flush=True)
