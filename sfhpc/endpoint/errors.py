@@ -72,6 +72,15 @@ class ServerError(EndpointError):
     default_code = "internal_error"
 
 
+class ShuttingDown(EndpointError):
+    """The rank is stopping (end of run, or a stop signal): the turn's tokens so far are recorded and the
+    trajectory continues after a restart."""
+
+    status = 503
+    error_type = "server_error"
+    default_code = "shutting_down"
+
+
 class EndpointConfigError(SfhpcError):
     """The endpoint cannot start as configured (e.g. exposed beyond loopback without a token)."""
 

@@ -23,7 +23,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from sfhpc.data.errors import TrajectoryConflict, UnknownTrajectory
-from sfhpc.endpoint.errors import ContextLengthExceeded, TrajectoryClosed, TrajectoryNotFound, from_sink_error
+from sfhpc.endpoint.errors import (
+    ContextLengthExceeded,
+    ShuttingDown,
+    TrajectoryClosed,
+    TrajectoryNotFound,
+    from_sink_error,
+)
 from sfhpc.endpoint.sink import TrajectorySink
 from sfhpc.engine.base import FinishReason, GenerationRequest, RolloutEngine
 from sfhpc.errors import SfhpcError
@@ -91,6 +97,7 @@ class AgentEndpoint:
         self._request_ids = itertools.count()
         self._engine_changed = asyncio.Event()
         self._in_engine = 0  # turns with a generation running on the engine (not waiting for a resume)
+        self._closing = asyncio.Event()
 
     @property
     def engine(self) -> RolloutEngine:
@@ -128,6 +135,11 @@ class AgentEndpoint:
             await asyncio.sleep(0.005)
         return cut
 
+    def close(self) -> None:
+        """Turns waiting for a paused engine give up (HTTP 503), so that the server can close: a stopping
+        rank never resumes its engine. What they generated is already recorded."""
+        self._closing.set()
+
     async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
         """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
         continues on the new one from where it stopped."""
@@ -146,15 +158,19 @@ class AgentEndpoint:
         """The current engine once it is not paused (following replacements while waiting)."""
         while True:
             engine, changed = self._engine, self._engine_changed
+            if self._closing.is_set():
+                raise ShuttingDown("the rollout rank is stopping; the trajectory continues after a restart")
             if not engine.paused:
                 return engine
             resumed = asyncio.ensure_future(engine.wait_resumed())
             moved = asyncio.ensure_future(changed.wait())
+            closing = asyncio.ensure_future(self._closing.wait())
             try:
-                await asyncio.wait({resumed, moved}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({resumed, moved, closing}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 resumed.cancel()
                 moved.cancel()
+                closing.cancel()
 
     async def _lock(self, trajectory_id: str) -> asyncio.Lock:
         lock, users = self._locks.get(trajectory_id, (asyncio.Lock(), 0))
