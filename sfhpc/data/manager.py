@@ -186,7 +186,7 @@ class TrajectoryManager:
         # whose agent failed before it learnt the id) and are aborted.
         self._spoiled: dict[str, int] = {}
         self._spoiled_untaken = 0  # spoiled groups the controller has not replaced yet
-        self._fail_reasons: list[str] = []  # the first FIRST_REASONS, for the message that stops a run
+        self._fail_reasons: list[str] = []  # the first FIRST_REASONS distinct ones, for the message that stops a run
         self._next_step = 0
         self._finished_since_flush = 0
         if store is not None:
@@ -426,15 +426,15 @@ class TrajectoryManager:
             self.flush()  # a failure is rare and worth seeing at once (`sfhpc traj summary` while it runs)
 
     def _note_failure(self, reason: str) -> None:
-        if len(self._fail_reasons) < FIRST_REASONS:
-            self._fail_reasons.append(reason)
+        if len(self._fail_reasons) < FIRST_REASONS and reason not in self._fail_reasons:
+            self._fail_reasons.append(reason)  # distinct: every member of a group often fails alike
 
     def _give_up(self, live: _Live) -> None:
         self._set_status(live, Status.ABORTED)
         self._drop(live)
 
     def fail_reasons(self) -> list[str]:
-        """The reasons of the first failures of the run (at most FIRST_REASONS), oldest first."""
+        """The first distinct reasons of the run's failures (at most FIRST_REASONS), oldest first."""
         with self._lock:
             return list(self._fail_reasons)
 

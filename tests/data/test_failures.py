@@ -95,12 +95,14 @@ def test_a_restarted_manager_keeps_failed_groups_out_of_batches(store_path):
     again.close()
 
 
-def test_only_the_first_reasons_are_kept_in_memory():
+def test_only_the_first_distinct_reasons_are_kept_in_memory():
     manager = TrajectoryManager()
-    for i in range(FIRST_REASONS + 2):
+    manager.fail(manager.start([1], group="g"), "ValueError: 0")  # both members of a group, alike
+    manager.fail(manager.start([1], group="g"), "ValueError: 0")
+    for i in range(1, FIRST_REASONS + 2):
         manager.fail(manager.start([1], group=f"g{i}"), f"ValueError: {i}")
     assert manager.fail_reasons() == [f"ValueError: {i}" for i in range(FIRST_REASONS)]
-    assert manager.counts()["failed"] == FIRST_REASONS + 2 and manager.take_spoiled_groups() == FIRST_REASONS + 2
+    assert manager.counts()["failed"] == FIRST_REASONS + 3 and manager.take_spoiled_groups() == FIRST_REASONS + 2
 
 
 def test_the_store_keeps_reasons_only_for_failed_records(store_path):
