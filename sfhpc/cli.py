@@ -26,8 +26,6 @@ from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import LaunchPlan, resolve
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
-FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
-                "DEADLINE", "PREEMPTED")
 
 
 def _default_map() -> str:
@@ -81,24 +79,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
     return _wait(submission.job_id, run_dir, args.timeout)
 
 
-def _wait(job_id: str, run_dir: Path, timeout: float) -> int:
-    from sfhpc.launch.jobs import job_status
+def _wait(job_id: str, run_dir: Path, timeout: float, poll_s: float = 1.0) -> int:
+    """Follow the job across requeues until its latest run is over; then print its log."""
+    from sfhpc.launch.jobs import JobFollower, job_status, live_job
 
-    deadline, last = time.monotonic() + timeout, ""
+    follower = JobFollower(job_id)
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            state = job_status(job_id).state
-        except SfhpcError:
-            state = "SUBMITTED"  # accounting lags a moment behind sbatch
-        if state != last:
-            print(f"job {job_id}: {state}", flush=True)
-            last = state
-        if state.split()[0] in FINAL_STATES:
+        live = live_job(job_id)
+        accounted = None
+        if live is None:  # slurmctld has forgotten the job: ask accounting
+            try:
+                accounted = job_status(job_id).state
+            except SfhpcError:
+                accounted = None  # accounting lags a moment behind sbatch
+        for line in follower.observe(live, accounted):
+            print(line, flush=True)
+        if follower.final is not None:
             log = run_dir / f"slurm-{job_id}.out"
             if log.exists():
                 print(log.read_text(encoding="utf-8", errors="replace"), end="")
-            return 0 if state == "COMPLETED" else 1
-        time.sleep(1)
+            return 0 if follower.succeeded else 1
+        time.sleep(poll_s)
     raise SfhpcError(f"job {job_id} did not finish within {timeout:.0f} s; it keeps running: "
                      f"sfhpc status {job_id}, or sfhpc cancel {job_id}")
 
@@ -138,10 +140,11 @@ def _run_outcome(run_dir: Path, code: int) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from sfhpc.launch.jobs import format_status, job_status
+    from sfhpc.launch.jobs import format_status, job_restarts, job_status
     from sfhpc.launch.rundir import find_run_dir
 
-    print(format_status(job_status(args.job), find_run_dir(args.output_dir, args.job)))
+    status = job_status(args.job)
+    print(format_status(status, find_run_dir(args.output_dir, args.job), job_restarts(args.job)))
     return 0
 
 

@@ -162,15 +162,41 @@ class TaskSpec:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchSpec:
-    """Slurm job settings that are not placement (placement comes from roles and the tag map)."""
+    """Slurm job settings that are not placement (placement comes from roles and the tag map).
+
+    A run outlives its allocation: with ``requeue`` (the default) the job is requeued when Slurm preempts
+    it, and Slurm signals the batch shell (``USR1``) ``signal_grace_s`` seconds before the time limit so
+    the ranks can checkpoint and requeue the job themselves; a run that *fails* is requeued by the batch
+    script up to ``max_restarts`` times (0: never). Each restart resumes from the last checkpoint.
+
+    ``setup`` is the one place where a recipe runs shell lines (before srun, as written). Every other
+    value is a plain one-line string, refused at load time otherwise, and quoted where it reaches the
+    script.
+    """
 
     time_minutes: int = 30
     job_name: str | None = None
     account: str | None = None
     qos: str | None = None
     mpi: str = "pmix"
-    setup: tuple[str, ...] = ()          # shell lines run before srun, e.g. "module load openmpi"
+    setup: tuple[str, ...] = dataclasses.field(   # shell lines run before srun, e.g. "module load openmpi"
+        default=(), metadata={"shell": True})
     extra_sbatch: tuple[str, ...] = ()   # escape hatch, e.g. "--reservation=rl" (added to component 0)
+    requeue: bool = True
+    signal_grace_s: int = 120            # seconds before the time limit at which the batch shell gets USR1
+    max_restarts: int = 3                # requeues of a failed run (0: never)
+
+    def validate(self, where: Where) -> None:
+        if self.time_minutes < 1:
+            raise where.child("time_minutes").error(f"must be at least 1, found {self.time_minutes}")
+        limit = self.time_minutes * 60
+        # Without requeue no signal is asked for, so the value does not matter then.
+        if self.requeue and not 0 < self.signal_grace_s < limit:
+            raise where.child("signal_grace_s").error(
+                f"must be more than 0 and less than the time limit ({limit} s = time_minutes * 60), found "
+                f"{self.signal_grace_s}; lower it or raise time_minutes")
+        if self.max_restarts < 0:
+            raise where.child("max_restarts").error(f"must be 0 (never) or more, found {self.max_restarts}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,6 +6,11 @@ must be, defaults make a key optional. Supported hints: ``int``, ``float``, ``st
 mapping) and ``tuple[D, ...]`` of dataclasses with a ``name`` field (from a mapping of name -> entry).
 Fields with ``metadata={"yaml": False}`` are not YAML keys (the loader fills them in).
 A dataclass may define ``validate(self, where)`` for checks between fields; it raises via ``where``.
+
+Strings are one plain line: a newline or any other control character is refused where it is read.
+Recipe and map values end up in batch scripts (``#SBATCH`` lines, comments, shell words), where a
+line break would start a new shell line. The one field that holds shell text on purpose is marked
+``metadata={"shell": True}`` (``launch.setup``) and is exempt.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Callable
+import unicodedata
+from collections.abc import Callable, Mapping
 from typing import Any, Literal, TypeVar, Union
 
 from sfhpc.config.yaml_source import LineDict
@@ -30,9 +36,12 @@ class Where:
     source: str
     key: str
     line: int | None
+    # The lines of this mapping's own keys, so that `validate` errors point at the key's line.
+    key_lines: Mapping[str, int] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def child(self, key: str, mapping: Any = None) -> Where:
-        line = mapping.line_of(key) if isinstance(mapping, LineDict) else self.line
+        lines = mapping if isinstance(mapping, LineDict) else None
+        line = lines.line_of(key) if lines is not None else (self.key_lines or {}).get(key, self.line)
         return Where(self.source, f"{self.key}.{key}" if self.key else key, line)
 
     def error(self, problem: str) -> ConfigError:
@@ -76,10 +85,13 @@ def build(cls: type[T], data: Any, where: Where) -> T:
     for key in data:
         if key not in fields:
             raise where.child(key, data).error(f"unknown key{nearest(key, fields)}")
+    if isinstance(data, LineDict):
+        where = dataclasses.replace(where, key_lines=data.key_lines)
     values: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
-            values[name] = convert(hints[name], data[name], where.child(name, data))
+            values[name] = convert(hints[name], data[name], where.child(name, data),
+                                   plain=not field.metadata.get("shell", False))
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise where.error(f"missing required key '{name}' ({_describe(hints[name])})")
     instance = cls(**values)
@@ -89,8 +101,9 @@ def build(cls: type[T], data: Any, where: Where) -> T:
     return instance
 
 
-def convert(hint: Any, value: Any, where: Where) -> Any:
-    """Convert one YAML value to the type `hint`, or raise a ConfigError at `where`."""
+def convert(hint: Any, value: Any, where: Where, *, plain: bool = True) -> Any:
+    """Convert one YAML value to the type `hint`, or raise a ConfigError at `where`. With `plain`, strings
+    must be one line without control characters."""
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         args = typing.get_args(hint)
@@ -98,10 +111,10 @@ def convert(hint: Any, value: Any, where: Where) -> Any:
             return None
         non_none = [a for a in args if a is not type(None)]
         if len(non_none) == 1:
-            return convert(non_none[0], value, where)
+            return convert(non_none[0], value, where, plain=plain)
         for arg in non_none:
             try:
-                return convert(arg, value, where)
+                return convert(arg, value, where, plain=plain)
             except ConfigError:
                 continue
         raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)}")
@@ -120,11 +133,29 @@ def convert(hint: Any, value: Any, where: Where) -> Any:
             value = [value]  # `tags: train` reads as `tags: [train]`
         if not isinstance(value, list):
             raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)}")
-        return tuple(convert(item, v, Where(where.source, f"{where.key}[{i}]", where.line))
+        return tuple(convert(item, v, Where(where.source, f"{where.key}[{i}]", where.line), plain=plain)
                      for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
         return build(hint, value, where)  # type: ignore[arg-type]
-    return _scalar(hint, value, where)
+    result = _scalar(hint, value, where)
+    if plain and hint is str:
+        check_plain(result, where)
+    return result
+
+
+def is_control(char: str) -> bool:
+    """A line break or another control character: Cc (C0/C1 controls: newline, carriage return, tab,
+    escape, NEL) or Zl/Zp (Unicode line and paragraph separators)."""
+    return unicodedata.category(char) in ("Cc", "Zl", "Zp")
+
+
+def check_plain(text: str, where: Where) -> None:
+    """Refuse a string holding a line break or another control character (it would reach a batch script)."""
+    for char in text:
+        if is_control(char):
+            what = "a newline" if char in "\n\r" else f"the control character U+{ord(char):04X}"
+            raise where.error(f"holds {what}; values here must be one plain line (they are written into "
+                              "the batch script; shell lines belong in launch.setup)")
 
 
 def _named_entry(cls: Any, name: str, entry: Any, where: Where) -> Any:

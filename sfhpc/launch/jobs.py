@@ -1,8 +1,16 @@
-"""Watch and control submitted jobs: status (from sacct), logs (from the run folder), cancel."""
+"""Watch and control submitted jobs: status (from sacct and slurmctld), logs (from the run folder),
+cancel and requeue, and following a job across its requeues.
+
+sacct holds every run of a job but lags a few seconds and shows a requeued run as PREEMPTED or REQUEUED
+until the next run's record appears; slurmctld (``scontrol show job``) knows the job's current state and
+its restart count at once, but forgets a job some minutes after it ended (MinJobAge). So a job's live
+state and restarts come from scontrol while it knows the job, and from sacct after.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,6 +21,13 @@ from sfhpc.launch.submitit_het import combine_states
 from sfhpc.table import format_table
 
 SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList", "Elapsed")
+# States after which a job's run will not change any more (PREEMPTED: when slurmctld shows it, the job
+# is not requeued; a requeued job goes back to PENDING).
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                "DEADLINE", "PREEMPTED")
+# A pending job that only a person can start again (`scontrol release`).
+HELD_REASONS = ("job_requeued_in_held_state", "JobHeldUser", "JobHeldAdmin")
+HELD_STATES = ("REQUEUE_HOLD", "SPECIAL_EXIT")
 
 
 def slurm_command(args: list[str], timeout: float = 60) -> str:
@@ -69,11 +84,124 @@ def job_status(job_id: str) -> JobStatus:
     return JobStatus(job_id, combine_states([p.state for p in parts]), tuple(parts))
 
 
-def format_status(status: JobStatus, run_dir: Path | None) -> str:
+def format_status(status: JobStatus, run_dir: Path | None, restarts: int | None = None) -> str:
     header = ("component", "partition", "state", "exit", "nodes", "elapsed")
     rows = [(c.job_id, c.partition, c.state, c.exit_code, c.nodes, c.elapsed) for c in status.components]
-    title = f"job {status.job_id}: {status.state}" + (f"  (run folder {run_dir})" if run_dir else "")
+    title = f"job {status.job_id}: {status.state}"
+    title += f"  restarts {restarts}" if restarts is not None else ""
+    title += f"  (run folder {run_dir})" if run_dir else ""
     return title + "\n" + format_table(header, rows, indent="  ")
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveJob:
+    """What slurmctld holds on a job now: its state (over every het component), why it waits, its restarts."""
+
+    state: str
+    reason: str
+    restarts: int
+
+    @property
+    def held(self) -> bool:
+        return self.state in HELD_STATES or (self.state == "PENDING" and self.reason in HELD_REASONS)
+
+
+def _field(line: str, key: str) -> str | None:
+    match = re.search(rf"(?:^|\s){key}=(\S*)", line)
+    return match.group(1) if match else None
+
+
+def parse_scontrol_job(text: str) -> LiveJob | None:
+    """`scontrol show job -o` output (one line per het component) -> LiveJob; None when it names no job."""
+    lines = [ln for ln in text.splitlines() if _field(ln, "JobState") is not None]
+    if not lines:
+        return None
+    states = [_field(ln, "JobState") or "" for ln in lines]
+    state = combine_states(states)
+    reason = next((_field(ln, "Reason") or "" for ln, s in zip(lines, states) if s == state), "")
+    restarts = max(int(r) if (r := _field(ln, "Restarts")) and r.isdigit() else 0 for ln in lines)
+    return LiveJob(state, reason, restarts)
+
+
+def live_job(job_id: str) -> LiveJob | None:
+    """The job as slurmctld sees it now, or None once slurmctld has forgotten it (or cannot be asked)."""
+    try:
+        return parse_scontrol_job(slurm_command(["scontrol", "show", "job", "-o", check_job_id(job_id)]))
+    except SlurmError:  # "Invalid job id specified": ended more than MinJobAge ago
+        return None
+
+
+def count_runs(sacct_duplicates: str, job_id: str) -> int:
+    """Runs of a job in `sacct -D -X -o JobID` output: one record per run (of component 0 for a het job)."""
+    return sum(1 for line in sacct_duplicates.split() if line.strip() in (job_id, f"{job_id}+0"))
+
+
+def job_restarts(job_id: str) -> int | None:
+    """How often the job was requeued: from slurmctld, else from sacct's records of every run; None when
+    neither knows."""
+    live = live_job(job_id)
+    if live is not None:
+        return live.restarts
+    try:
+        out = slurm_command(["sacct", "-j", check_job_id(job_id), "--duplicates", "-X", "--noheader",
+                             "--parsable2", "-o", "JobID"])
+    except SlurmError:
+        return None
+    runs = count_runs(out, job_id)
+    return runs - 1 if runs else None
+
+
+class JobFollower:
+    """Follows one job across its requeues (``sfhpc launch --wait``).
+
+    Feed it what Slurm says on every poll; it returns the lines worth printing (each state change, and
+    ``requeued (restart N)`` when the restart count grows) and sets `final` once the latest run is over
+    for good. PREEMPTED and REQUEUED runs of a requeued job are not the end: it is pending again. A job
+    held after a requeue ends the wait too, since only a person can release it.
+    """
+
+    # Polls a PREEMPTED or REQUEUED state must last before it counts as the end: a requeued job is
+    # pending again within seconds (and its next sacct record appears a few seconds after that).
+    SETTLE_POLLS = 15
+
+    def __init__(self, job_id: str) -> None:
+        self.job_id = job_id
+        self.state = ""
+        self.restarts = 0
+        self.final: str | None = None
+        self._same = 0  # polls the current state has lasted
+
+    def observe(self, live: LiveJob | None, accounted: str | None) -> list[str]:
+        """`live`: slurmctld's view (None when it does not know the job); `accounted`: the latest run's
+        state from sacct (None when sacct has no record yet)."""
+        lines: list[str] = []
+        if live is not None:
+            state = live.state
+            if live.restarts > self.restarts:
+                self.restarts = live.restarts
+                lines.append(f"job {self.job_id}: requeued (restart {self.restarts})")
+            if live.held:
+                state = f"{state} (held: {live.reason or state}; `scontrol release {self.job_id}` lets it run again)"
+        else:
+            # slurmctld has forgotten the job (or cannot be asked): sacct's latest run is all there is.
+            state = accounted or "SUBMITTED"  # accounting lags a moment behind sbatch
+        self._same = self._same + 1 if state == self.state else 1
+        word = state.split()[0]
+        if live is not None and live.held:
+            self.final = state
+        elif word in ("PREEMPTED", "REQUEUED"):
+            if self._same >= self.SETTLE_POLLS:
+                self.final = state
+        elif word in FINAL_STATES:
+            self.final = state
+        if state != self.state:
+            lines.append(f"job {self.job_id}: {state}")
+            self.state = state
+        return lines
+
+    @property
+    def succeeded(self) -> bool:
+        return self.final == "COMPLETED"
 
 
 def job_logs(job_id: str, output_dir: str, rank: int | None = None) -> str:
@@ -91,3 +219,9 @@ def job_logs(job_id: str, output_dir: str, rank: int | None = None) -> str:
 
 def cancel_job(job_id: str) -> None:
     slurm_command(["scancel", check_job_id(job_id)])
+
+
+def requeue_job(job_id: str) -> None:
+    """Put a running job back in the queue (``scontrol requeue``): Slurm ends the current run (TERM, then
+    KILL after KillWait) and starts the job again, which resumes from its last checkpoint."""
+    slurm_command(["scontrol", "requeue", check_job_id(job_id)])

@@ -5,6 +5,19 @@ component, values shell-quoted, ``snake_case`` keys as ``--kebab-case`` flags, o
 line between components, and one ``srun`` that spans every component (``--het-group=0,1,...``) so that
 all ranks share one MPI world. The same inputs always give the same bytes (golden-file tests).
 `spec_for_plan` builds the spec of a resolved recipe.
+
+Nothing a recipe or map holds can break out of its place: flag values are shell-quoted, comment lines
+have their control characters escaped, and ``#SBATCH`` lines refuse line breaks (the config loader
+already refused them; only ``setup`` is shell text, on purpose).
+
+Signals. Slurm sends some signals to the batch shell alone (``USR1`` from ``--signal=B:USR1@N`` ahead
+of the time limit, ``scancel -b --signal``) and ``TERM`` to the shell and every step on a requeue or a
+preemption. If the shell died of ``TERM`` the job would end at once and the ranks would lose their
+KillWait seconds to checkpoint. So with ``exec_step`` the shell hands its process over to the step
+(``exec``): the step guard then *is* the batch shell, receives those signals, passes them on to srun
+(which passes them on to the ranks) and keeps waiting; the job's exit status is srun's. A shell that
+kept running beside the step would have to ``wait`` in a loop that a trapped signal cuts short, and
+bash loses the step's exit status when a signal arrives just as the step ends (measured: exit 255).
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ import shlex
 from collections.abc import Mapping
 
 from sfhpc.config.recipe import Recipe
+from sfhpc.config.schema import is_control
 from sfhpc.launch.resolve import Component, LaunchPlan
 
 FlagValue = str | int | bool | None
@@ -31,6 +45,7 @@ class SbatchSpec:
     environment: Mapping[str, str] = dataclasses.field(default_factory=dict)
     header: tuple[str, ...] = ()              # comment lines under the shebang
     guard: str | None = None                  # shell words srun runs under (sfhpc.launch.step_guard)
+    exec_step: bool = False                   # the step replaces the shell: it gets the shell's signals
 
 
 def flag(key: str, value: FlagValue) -> str | None:
@@ -45,24 +60,44 @@ def _flags(flags: Mapping[str, FlagValue]) -> list[str]:
     return [f for f in (flag(k, flags[k]) for k in sorted(flags)) if f is not None]
 
 
+def comment_text(text: str) -> str:
+    """`text` made safe for one comment line: control characters become ``\\uXXXX``, so a newline in a
+    name can never end the comment and start a shell line."""
+    return "".join(f"\\u{ord(c):04x}" if is_control(c) else c for c in text)
+
+
+def double_quoted(text: str) -> str:
+    """`text` escaped for use inside ``"${VAR:-...}"`` (the characters special there: \\ $ ` " })."""
+    return "".join("\\" + c if c in '\\$`"}' else c for c in text)
+
+
+def _directive(text: str) -> str:
+    if any(is_control(c) for c in text):
+        raise ValueError(f"an #SBATCH line must be one plain line, found {text!r}")
+    return f"#SBATCH {text}"
+
+
 def render_sbatch(spec: SbatchSpec) -> str:
     """The batch script text of `spec` (pure: no clock, no environment, no file system)."""
     if not spec.components:
         raise ValueError("an sbatch script needs at least one component")
     lines = ["#!/bin/bash"]
-    lines += [f"# {h}" if h else "#" for h in spec.header]
+    lines += [f"# {comment_text(h)}" if h else "#" for h in spec.header]
     for index, component in enumerate(spec.components):
         if index > 0:
             lines.append("#SBATCH hetjob")
-        lines += [f"#SBATCH {f}" for f in _flags(component)]
+        lines += [_directive(f) for f in _flags(component)]
         if index == 0:
-            lines += [f"#SBATCH {d}" for d in spec.extra_directives]
+            lines += [_directive(d) for d in spec.extra_directives]
     lines += ["", "set -euo pipefail"]
     if spec.setup:
         lines += ["", "# setup", *spec.setup]
     if spec.environment:
         lines.append("")
-        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(spec.environment.items())]
+        for key, value in sorted(spec.environment.items()):
+            if not key.isidentifier():
+                raise ValueError(f"{key!r} is not an environment variable name")
+            lines.append(f"export {key}={shlex.quote(value)}")
     srun = ["srun"]
     if len(spec.components) > 1:
         srun.append("--het-group=" + ",".join(str(i) for i in range(len(spec.components))))
@@ -70,8 +105,13 @@ def render_sbatch(spec: SbatchSpec) -> str:
     step = " ".join(srun) + " " + spec.command
     lines += ["", "# one step spans every component: one MPI world"]
     if spec.guard:
-        lines += ["# (the guard ends srun if it outlives every rank: a Slurm 22.05 mpi/pmix hang)",
-                  f"{spec.guard} {step}"]
+        lines.append("# (the guard ends srun if it outlives every rank: a Slurm 22.05 mpi/pmix hang)")
+        step = f"{spec.guard} {step}"
+    if spec.exec_step:
+        lines += ["# exec: the guard takes the batch shell's place, so the signals Slurm sends the shell (USR1",
+                  "# ahead of the time limit, scancel -b --signal, the TERM of a requeue or preemption) reach it;",
+                  "# it passes them on to srun and keeps waiting. The job's exit status is the step's.",
+                  f"exec {step}"]
     else:
         lines.append(step)
     lines.append("")
@@ -104,8 +144,16 @@ def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str
         account=launch.account,
         qos=launch.qos,
         output=output,
-        open_mode="append" if output else None,  # a requeued job appends to its log
+        # A requeued job appends to its log instead of starting it afresh (sbatch -o on a template too).
+        open_mode="append" if output or launch.requeue else None,
+        requeue=launch.requeue,
+        no_requeue=not launch.requeue,
+        # Ahead of the time limit the batch shell gets USR1 and passes it on: the ranks checkpoint.
+        signal=f"B:USR1@{launch.signal_grace_s}" if launch.requeue else None,
     )
+    guard = f"{python} -m sfhpc.launch.step_guard --ranks {plan.world_size}"
+    if launch.requeue:
+        guard += f" --requeue-on-failure {launch.max_restarts}"
     return SbatchSpec(
         components=tuple(components),
         command=command,
@@ -116,5 +164,6 @@ def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str
         setup=(*launch.setup, *setup),
         environment=dict(environment or {}),
         header=header,
-        guard=f"{python} -m sfhpc.launch.step_guard --ranks {plan.world_size} --",
+        guard=f"{guard} --",
+        exec_step=True,
     )

@@ -19,7 +19,7 @@ from sfhpc.config.cluster import ClusterMap
 from sfhpc.config.recipe import Recipe
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.launch.rundir import record_job
-from sfhpc.launch.sbatch import SbatchSpec, render_sbatch, spec_for_plan
+from sfhpc.launch.sbatch import SbatchSpec, double_quoted, render_sbatch, spec_for_plan
 from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
 from sfhpc.runtime.program import RankProgram
 
@@ -69,11 +69,14 @@ def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:
     """A batch script that runs any recipe of this shape: ``sbatch SCRIPT RECIPE.yaml``."""
     usage = ": \"${1:?usage: sbatch " + "<this script> RECIPE.yaml (run from the project folder)}\""
     python = '"${SFHPC_PYTHON:-python3}"'
+    # The map's path comes from the command line: escaped, it stays one word whatever it holds.
+    default_map = f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{double_quoted(cluster.source)}}}"'
     spec = spec_for_plan(
         plan, recipe, f'{python} -m sfhpc.runtime "$@"', output=None, python=python,
-        setup=(usage, f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{cluster.source}}}"'),
+        setup=(usage, default_map),
         header=(*_header(recipe, cluster, plan),
-                f"Written by: sfhpc render {recipe.source} --cluster {cluster.source} --template",
+                f"Written by: sfhpc render {shlex.quote(recipe.source)} --cluster {shlex.quote(cluster.source)} "
+                "--template",
                 "Run a recipe of the same shape with: sbatch THIS_FILE RECIPE.yaml"),
     )
     return render_sbatch(spec)

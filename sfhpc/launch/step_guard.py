@@ -14,8 +14,17 @@ one small file holding its outcome, in the folder the guard exports as ``$SFHPC_
 srun runs the guard only watches; srun's own exit status is the guard's. When every rank has left its
 mark and srun is still there `grace` seconds later, the guard says so on stderr, ends srun and exits
 with the worst outcome the ranks reported. A rank that dies without a mark (killed, crashed) keeps the
-guard out of the way: srun's ``--kill-on-bad-exit`` handles that case. Signals the batch shell passes
-on (preemption, ``scancel --signal``) are forwarded to srun.
+guard out of the way: srun's ``--kill-on-bad-exit`` handles that case.
+
+The batch script ``exec``s the guard, so the guard is the batch shell: the signals Slurm sends it (USR1
+ahead of the time limit, ``scancel -b --signal``, the TERM of a requeue or preemption) are forwarded to
+srun, which forwards them to the ranks, and the guard keeps waiting for srun instead of dying.
+
+With ``--requeue-on-failure N`` a failed step requeues its own job: when srun (or the hang handling)
+ends with a status other than 0 and 2 (2: a user error, which a rerun would repeat), no signal came from
+outside (a cancel, preemption, requeue or time limit: Slurm or the ranks decide then), and the job has
+been restarted fewer than N times, the guard says so in one line and runs ``scontrol requeue``. The
+job then starts again and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -32,10 +41,14 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sfhpc.errors import SfhpcError
+from sfhpc.runtime.slurm_env import current_job_id, restart_count
+
 MARKS_ENV = "SFHPC_STEP_MARKS"
 DEFAULT_GRACE_S = 30.0
 POLL_S = 1.0
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+USER_ERROR = SfhpcError.exit_code  # a rank's one-line user error: a rerun would fail the same way
 
 # What this rank will report in its mark: failure until the rank's program says it finished.
 _outcome = 1
@@ -79,49 +92,104 @@ def read_marks(folder: Path) -> dict[int, int]:
     return marks
 
 
+def _restarts() -> int:
+    try:
+        return restart_count()
+    except SfhpcError:
+        return 0
+
+
 def default_marks_folder() -> Path:
     """Per job and restart, next to where the job runs (a folder every node sees, on a cluster)."""
-    job = os.environ.get("SLURM_JOB_ID", str(os.getpid()))
-    restart = os.environ.get("SLURM_RESTART_COUNT", "0")
-    return Path.cwd() / ".sfhpc-steps" / f"{job}.{restart}"
+    job = current_job_id() or str(os.getpid())
+    return Path.cwd() / ".sfhpc-steps" / f"{job}.{_restarts()}"
 
 
 def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
-          marks: Path | None = None, poll_s: float = POLL_S) -> int:
+          marks: Path | None = None, poll_s: float = POLL_S, requeue_on_failure: int | None = None) -> int:
     """Run `command` (the job's srun) and return its exit status, or end it once it has outlived all
-    `ranks` ranks by `grace_s` seconds and return the ranks' worst outcome."""
-    folder = marks or default_marks_folder()
-    shutil.rmtree(folder, ignore_errors=True)  # a previous attempt of the same job left its marks
+    `ranks` ranks by `grace_s` seconds and return the ranks' worst outcome. With `requeue_on_failure`,
+    a failed step requeues the job (see the module's docstring)."""
+    received: list[int] = []
+    process: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if process is not None:
+            process.send_signal(signum)  # a no-op once srun has exited
+
+    # Installed before srun starts and kept until the guard returns: a TERM that arrives meanwhile (the
+    # one `scontrol requeue` sends, say) is passed on, never the guard's end.
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
-        folder.mkdir(parents=True)
-    except OSError as exc:  # nowhere to put marks: run srun unguarded rather than not at all
-        print(f"sfhpc: step guard off (cannot create {folder}: {exc.strerror})", file=sys.stderr, flush=True)
-        return subprocess.call(list(command))
-    process = subprocess.Popen(list(command), env=dict(os.environ, **{MARKS_ENV: str(folder)}))
-    previous = {s: signal.signal(s, lambda signum, _frame: process.send_signal(signum)) for s in _FORWARDED}
-    try:
-        all_marked_at: float | None = None
-        while (status := process.poll()) is None:
-            time.sleep(poll_s)
-            outcomes = read_marks(folder)
-            if len(outcomes) < ranks:
-                continue
-            all_marked_at = all_marked_at or time.monotonic()
-            if time.monotonic() - all_marked_at < grace_s or process.poll() is not None:
-                continue
-            worst = max(outcomes.values())
-            print(f"sfhpc: srun still running {grace_s:.0f} s after all {ranks} ranks exited (outcome {worst}); "
-                  "ending it (Slurm mpi/pmix srun hang)", file=sys.stderr, flush=True)
-            process.kill()
-            process.wait()
-            return worst
+        folder = marks or default_marks_folder()
+        shutil.rmtree(folder, ignore_errors=True)  # a previous attempt of the same job left its marks
+        try:
+            folder.mkdir(parents=True)
+        except OSError as exc:  # nowhere to put marks: run srun unguarded rather than not at all
+            print(f"sfhpc: step guard off (cannot create {folder}: {exc.strerror})", file=sys.stderr, flush=True)
+            process = subprocess.Popen(list(command))
+            status = _shell_status(process.wait())
+        else:
+            process = subprocess.Popen(list(command), env=dict(os.environ, **{MARKS_ENV: str(folder)}))
+            try:
+                status = _watch(process, folder, ranks, grace_s, poll_s)
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    folder.parent.rmdir()  # only when no other job's marks are in it
+        stopped = any(s != signal.SIGCONT for s in received)
+        if requeue_on_failure is not None and status not in (0, USER_ERROR) and not stopped:
+            _requeue_after_failure(status, requeue_on_failure)
         return status
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        shutil.rmtree(folder, ignore_errors=True)
-        with contextlib.suppress(OSError):
-            folder.parent.rmdir()  # only when no other job's marks are in it
+
+
+def _watch(process: subprocess.Popen[bytes], folder: Path, ranks: int, grace_s: float, poll_s: float) -> int:
+    """srun's exit status, or the ranks' worst outcome once srun has outlived them all by `grace_s`."""
+    all_marked_at: float | None = None
+    while (status := process.poll()) is None:
+        time.sleep(poll_s)
+        outcomes = read_marks(folder)
+        if len(outcomes) < ranks:
+            continue
+        all_marked_at = all_marked_at or time.monotonic()
+        if time.monotonic() - all_marked_at < grace_s or process.poll() is not None:
+            continue
+        worst = max(outcomes.values())
+        print(f"sfhpc: srun still running {grace_s:.0f} s after all {ranks} ranks exited (outcome {worst}); "
+              "ending it (Slurm mpi/pmix srun hang)", file=sys.stderr, flush=True)
+        process.kill()
+        process.wait()
+        return worst
+    return _shell_status(status)
+
+
+def _shell_status(returncode: int) -> int:
+    """Popen's -N for "ended by signal N" as a shell reports it (128 + N), so a job's exit code reads right."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _requeue_after_failure(status: int, limit: int) -> None:
+    """Requeue this job after a failed step if it has restarts left; one line either way."""
+    job = current_job_id()
+    if job is None:
+        return  # not inside a Slurm job: nothing to requeue
+    restarts = _restarts()
+    if restarts >= limit:
+        print(f"sfhpc: the step failed (exit {status}); job {job} is not requeued: it has been restarted "
+              f"{restarts} time(s), launch.max_restarts is {limit}", file=sys.stderr, flush=True)
+        return
+    print(f"sfhpc: the step failed (exit {status}); requeueing job {job} (restart {restarts + 1} of {limit}): "
+          "it resumes from its last checkpoint", file=sys.stderr, flush=True)
+    from sfhpc.launch.jobs import requeue_job  # only now: the guard starts fast without Slurm's helpers
+
+    try:
+        requeue_job(job)
+    except SfhpcError as exc:
+        print(f"sfhpc: {exc}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,12 +197,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ranks", type=int, required=True, help="ranks of the step (every het component)")
     parser.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help="seconds srun may outlive its last rank before it is ended")
+    parser.add_argument("--requeue-on-failure", type=int, metavar="N", default=None,
+                        help="requeue the job when the step fails, while it has been restarted fewer than N times")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- srun ...")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command or args.ranks < 1:
-        parser.error("usage: python -m sfhpc.launch.step_guard --ranks N -- srun ...")
-    return guard(command, args.ranks, args.grace)
+        parser.error("usage: python -m sfhpc.launch.step_guard --ranks N [--requeue-on-failure N] -- srun ...")
+    if args.requeue_on_failure is not None and args.requeue_on_failure < 0:
+        parser.error("--requeue-on-failure must be 0 (never) or more")
+    return guard(command, args.ranks, args.grace, requeue_on_failure=args.requeue_on_failure)
 
 
 if __name__ == "__main__":

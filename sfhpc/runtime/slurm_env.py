@@ -100,8 +100,8 @@ def _from_slurm(env: Mapping[str, str]) -> RankEnvironment:
         component=component,
         task_in_component=task,
         tasks_per_component=counts,
-        job_id=env.get("SLURM_JOB_ID"),
-        restart_count=int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+        job_id=current_job_id(env),
+        restart_count=restart_count(env),
         partitions=partitions,
     )
 
@@ -128,4 +128,13 @@ def _from_mpiexec(env: Mapping[str, str]) -> RankEnvironment:
 
 def current_job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The Slurm job id of this process (the het leader's id inside a het step), if any."""
-    return (os.environ if env is None else env).get("SLURM_JOB_ID")
+    return (os.environ if env is None else env).get("SLURM_JOB_ID") or None
+
+
+def restart_count(env: Mapping[str, str] | None = None) -> int:
+    """How often Slurm has requeued this job before the current run (0 on its first run, and outside Slurm)."""
+    text = (os.environ if env is None else env).get("SLURM_RESTART_COUNT") or "0"
+    try:
+        return int(text)
+    except ValueError:
+        raise SfhpcError(f"environment variable SLURM_RESTART_COUNT={text!r} is not an integer") from None

@@ -126,3 +126,99 @@ def test_cli_bad_recipe_is_one_line_without_traceback(tmp_path: Path) -> None:
     assert_one_line_error(done, "missing.yaml", "file not found")
     done = run_sfhpc("tags", "show", str(write(tmp_path, "cluster: [1, 2\n", "m.yaml")))
     assert_one_line_error(done, "m.yaml", "malformed YAML")
+
+
+def test_launch_defaults_outlive_the_allocation() -> None:
+    launch = load_recipe(RECIPES / "report.yaml").launch
+    assert (launch.requeue, launch.signal_grace_s, launch.max_restarts) == (True, 120, 3)
+
+
+@pytest.mark.parametrize(
+    ("launch", "fragments"),
+    [
+        ("{time_minutes: 2, signal_grace_s: 120}", ["r.yaml:9", "launch.signal_grace_s",
+                                                     "less than the time limit (120 s", "found 120"]),
+        ("{signal_grace_s: 0}", ["r.yaml:8", "launch.signal_grace_s", "more than 0"]),
+        ("{max_restarts: -1}", ["r.yaml:8", "launch.max_restarts", "0 (never) or more"]),
+        ("{requeue: maybe}", ["launch.requeue", "expected true or false"]),
+        ("{time_minutes: 0}", ["launch.time_minutes", "at least 1"]),
+    ],
+    ids=["grace-beyond-limit", "grace-zero", "negative-restarts", "requeue-not-bool", "no-time"],
+)
+def test_bad_launch_settings(tmp_path: Path, launch: str, fragments: list[str]) -> None:
+    path = write(tmp_path, GOOD_RECIPE + "seed: 1\nlaunch:\n  " + launch.strip("{}").replace(", ", "\n  ") + "\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_launch_settings_that_fit() -> None:
+    from sfhpc.config.recipe import LaunchSpec
+    from sfhpc.config.schema import Where
+
+    LaunchSpec(time_minutes=2, signal_grace_s=119).validate(Where("r.yaml", "launch", 1))
+    # Without requeue no signal is asked for: the grace does not have to fit the limit then.
+    LaunchSpec(time_minutes=1, requeue=False).validate(Where("r.yaml", "launch", 1))
+    with pytest.raises(ConfigError, match="less than the time limit"):
+        LaunchSpec(time_minutes=1).validate(Where("r.yaml", "launch", 1))
+
+
+# YAML double-quoted escapes: a newline, a carriage return, a tab, an escape, a Unicode line separator.
+CONTROL = [(r"\n", "a newline"), (r"\r", "a newline"), (r"\t", "U+0009"), (r"\e", "U+001B"), (r"\u2028", "U+2028")]
+
+
+@pytest.mark.parametrize(("escape", "what"), CONTROL, ids=["newline", "return", "tab", "escape", "line-separator"])
+@pytest.mark.parametrize(
+    ("key", "line"),
+    [("name", None), ("output_dir", None), ("model: {path", "}"), ("launch: {job_name", "}"),
+     ("launch: {account", "}"), ("launch: {qos", "}"), ("launch: {mpi", "}"), ("launch: {extra_sbatch: [", "]}")],
+    ids=["name", "output_dir", "model.path", "job_name", "account", "qos", "mpi", "extra_sbatch"],
+)
+def test_recipe_strings_that_reach_the_batch_script_are_one_plain_line(
+        tmp_path: Path, key: str, line: str | None, escape: str, what: str) -> None:
+    value = f'"x{escape}touch /tmp/pwned"'
+    if line is None:
+        text = (GOOD_RECIPE.replace("name: t\n", "") if key == "name" else GOOD_RECIPE) + f"{key}: {value}\n"
+    elif "[" in key:
+        text = GOOD_RECIPE + f"{key}{value}{line}\n"
+    else:
+        text = GOOD_RECIPE + f"{key}: {value}{line}\n"
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write(tmp_path, text))
+    message = str(info.value)
+    assert message.startswith(f"{tmp_path / 'r.yaml'}:") and "\n" not in message
+    dotted = {"model: {path": "model.path", "launch: {extra_sbatch: [": "launch.extra_sbatch[0]"}.get(
+        key, key.replace(": {", "."))
+    assert f": {dotted}: " in message, message
+    if key != "name":  # the recipe name has its own, stricter rule (letters, digits, '-', '_')
+        assert what in message and "one plain line" in message, message
+
+
+def test_setup_lines_are_shell_and_may_span_lines(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD_RECIPE + 'launch:\n  setup: ["module load openmpi\\nexport X=1", "echo\\tready"]\n')
+    assert load_recipe(path).launch.setup == ("module load openmpi\nexport X=1", "echo\tready")
+
+
+@pytest.mark.parametrize(
+    ("key", "dotted"),
+    [("cluster: c", "cluster"), ("partition: p", "pools.a.partition"), ("constraint: h100", "pools.a.constraint")],
+)
+def test_map_strings_are_one_plain_line(tmp_path: Path, key: str, dotted: str) -> None:
+    text = ("cluster: c\npools:\n  a:\n    partition: p\n    constraint: h100\n    nodes: 1\n    tags: [train]\n"
+            "    cpus_per_node: 4\n    memory_mb: 1\n")
+    name, value = key.split(": ")
+    text = text.replace(key, f'{name}: "{value}\\n#SBATCH --uid=0"')
+    with pytest.raises(ConfigError) as info:
+        load_cluster_map(write(tmp_path, text, "m.yaml"))
+    expected_line = text.splitlines().index(next(ln for ln in text.splitlines() if ln.strip().startswith(name))) + 1
+    assert f"m.yaml:{expected_line}: {dotted}: holds a newline" in str(info.value)
+
+
+def test_cli_render_of_a_recipe_with_a_newline_is_one_line_and_prints_nothing(tmp_path: Path) -> None:
+    path = write(tmp_path, GOOD_RECIPE + 'launch:\n  account: "rl\\nrm -rf ~"\n')
+    done = run_sfhpc("render", str(path), "--cluster", str(RECIPES / "cluster-dev.yaml"))
+    assert_one_line_error(done, f"{path}:7", "launch.account", "holds a newline")
+    assert done.returncode == 2 and done.stdout == ""
+    done = run_sfhpc("render", str(path), "--cluster", str(RECIPES / "cluster-dev.yaml"), "--template")
+    assert_one_line_error(done, "launch.account") and done.stdout == ""

@@ -8,7 +8,7 @@ from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import resolve
 from sfhpc.runtime.identity import identify
-from sfhpc.runtime.slurm_env import read_rank_environment
+from sfhpc.runtime.slurm_env import current_job_id, read_rank_environment, restart_count
 from tests.conftest import RECIPES
 
 HET_STEP = {
@@ -60,3 +60,12 @@ def test_identity_joins_environment_and_plan() -> None:
     shape = r"this job has 2 component\(s\) with tasks \[2, 2\].*needs 1 with tasks \[3\]"
     with pytest.raises(SfhpcError, match=shape):
         identify(colocated, read_rank_environment({**HET_STEP, "SLURM_PROCID": "0"}))
+
+
+def test_job_id_and_restart_count_helpers() -> None:
+    assert current_job_id({}) is None and current_job_id({"SLURM_JOB_ID": ""}) is None
+    assert current_job_id({"SLURM_JOB_ID": "41"}) == "41"
+    assert restart_count({}) == 0 and restart_count({"SLURM_RESTART_COUNT": ""}) == 0
+    assert restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
+    with pytest.raises(SfhpcError, match="SLURM_RESTART_COUNT='x' is not an integer"):
+        restart_count({"SLURM_RESTART_COUNT": "x"})

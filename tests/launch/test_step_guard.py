@@ -1,8 +1,10 @@
-"""The step guard: transparent while srun behaves, ends it once it outlives every rank.
+"""The step guard: transparent while srun behaves, ends it once it outlives every rank, requeues a
+failed job while it has restarts left.
 
 srun here is `tests.launch.hung_srun`, a stand-in (the Slurm 22.05 mpi/pmix hang cannot be produced on
 demand); its ranks leave their marks through the same `arm`/`finished` calls real ranks use. Every Slurm
-launch test runs its srun under the real guard too.
+launch test runs its srun under the real guard too. The failure-requeue tests put a stand-in `scontrol`
+on PATH that only writes down how it was called (tests/launch/test_slurm_requeue.py requeues real jobs).
 """
 
 from __future__ import annotations
@@ -55,3 +57,88 @@ def test_signals_reach_srun_through_the_guard(tmp_path: Path) -> None:
     process.send_signal(signal.SIGUSR1)  # as scancel --signal=USR1 --batch would
     assert process.wait(timeout=30) == 10
     assert not (tmp_path / ".sfhpc-steps").exists()
+
+
+@pytest.fixture
+def fake_scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A stand-in `scontrol` first on PATH: it appends its arguments to the returned file, exits 0."""
+    calls = tmp_path / "scontrol-calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    return calls
+
+
+def calls_of(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_failed_step_requeues_its_job_while_restarts_are_left(
+        fake_scontrol: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    failing = [*STAND_IN, "1", "--linger", "0", "--exit", "3"]
+    assert guard(failing, ranks=1, marks=tmp_path / "a", poll_s=0.05, requeue_on_failure=3) == 3
+    assert calls_of(fake_scontrol) == ["requeue 77"]
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("sfhpc:")]
+    assert lines == ["sfhpc: the step failed (exit 3); requeueing job 77 (restart 1 of 3): it resumes from its last "
+                     "checkpoint"]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    assert guard(failing, ranks=1, marks=tmp_path / "b", poll_s=0.05, requeue_on_failure=3) == 3
+    assert calls_of(fake_scontrol) == ["requeue 77", "requeue 77"]
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "3")  # the last restart failed too: the job ends FAILED
+    assert guard(failing, ranks=1, marks=tmp_path / "c", poll_s=0.05, requeue_on_failure=3) == 3
+    assert len(calls_of(fake_scontrol)) == 2
+    refused = "job 77 is not requeued: it has been restarted 3 time(s), launch.max_restarts is 3"
+    assert refused in capsys.readouterr().err
+
+
+def test_the_hang_handling_outcome_counts_as_a_failure_too(fake_scontrol: Path, tmp_path: Path) -> None:
+    hung = [*STAND_IN, "2", "--outcomes", "0,1"]  # srun hangs after rank 1 failed
+    assert guard(hung, ranks=2, grace_s=0.3, marks=tmp_path / "m", poll_s=0.05, requeue_on_failure=1) == 1
+    assert calls_of(fake_scontrol) == ["requeue 77"]
+
+
+@pytest.mark.parametrize(("exit_code", "limit"), [(0, 3), (2, 3), (3, 0), (3, None)],
+                         ids=["success", "user-error", "max-restarts-0", "option-off"])
+def test_no_requeue_on_success_user_error_or_when_off(fake_scontrol: Path, tmp_path: Path, exit_code: int,
+                                                       limit: int | None) -> None:
+    command = [*STAND_IN, "1", "--linger", "0", "--exit", str(exit_code)]
+    assert guard(command, ranks=1, marks=tmp_path / "m", poll_s=0.05, requeue_on_failure=limit) == exit_code
+    assert calls_of(fake_scontrol) == []
+
+
+def test_no_requeue_outside_a_job(fake_scontrol: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert guard([*STAND_IN, "1", "--linger", "0", "--exit", "3"], ranks=1, marks=tmp_path / "m", poll_s=0.05,
+                 requeue_on_failure=3) == 3
+    assert calls_of(fake_scontrol) == []
+
+
+def test_a_step_stopped_from_outside_is_not_requeued_by_the_guard(fake_scontrol: Path, tmp_path: Path) -> None:
+    # The guard is the batch shell (exec): TERM (cancel, requeue, preemption, time limit) is passed on to
+    # srun and the guard keeps waiting for it; Slurm or the ranks decide about a requeue then, not the guard.
+    process = subprocess.Popen([sys.executable, "-m", "sfhpc.launch.step_guard", "--ranks", "9",
+                                "--requeue-on-failure", "3", "--", *STAND_IN, "1"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ranks done"
+    process.send_signal(signal.SIGTERM)  # the stand-in dies of it; the guard reports that as 128 + 15
+    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    process = subprocess.Popen([sys.executable, "-m", "sfhpc.launch.step_guard", "--ranks", "9",
+                                "--requeue-on-failure", "3", "--", *STAND_IN, "1"], cwd=tmp_path,
+                               stdout=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "ranks done"
+    process.send_signal(signal.SIGUSR1)  # a checkpoint request: the ranks requeue the job themselves
+    assert process.wait(timeout=30) == 10
+    assert calls_of(fake_scontrol) == []
+
+
+def test_bad_requeue_option_is_a_usage_error(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "sfhpc.launch.step_guard", "--ranks", "1", "--requeue-on-failure",
+                           "-1", "--", "true"], cwd=tmp_path, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 2 and "--requeue-on-failure must be 0 (never) or more" in done.stderr
