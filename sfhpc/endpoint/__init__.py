@@ -1,12 +1,14 @@
 """The agent endpoint: an OpenAI-compatible server (and in-process client) in front of a rollout engine.
 
     endpoint = AgentEndpoint(engine, manager)           # manager: a TrajectorySink
-    api = OpenAIApi(endpoint, model_name="tiny-llama")
-    with EndpointServer(api, port=8000) as server:      # 127.0.0.1 unless given a token
-        ...                                            # agents use server.url as their base_url
+    token = new_run_token()                             # one per run: required on every route
+    api = OpenAIApi(endpoint, model_name="tiny-llama", token=token)
+    with EndpointServer(api, port=8000) as server:      # 127.0.0.1 unless told otherwise
+        ...                                            # agents: base_url=server.url, api_key=token
 """
 
 from sfhpc.endpoint.api import OpenAIApi
+from sfhpc.endpoint.auth import new_run_token
 from sfhpc.endpoint.client import AsyncLocalClient, LocalClient
 from sfhpc.endpoint.errors import EndpointConfigError, EndpointError
 from sfhpc.endpoint.server import TRAJECTORY_HEADER, EndpointServer, build_app, start_site
@@ -16,5 +18,5 @@ from sfhpc.endpoint.sink import TrajectorySink
 __all__ = [
     "TRAJECTORY_HEADER", "AgentEndpoint", "AsyncLocalClient", "EndpointConfigError", "EndpointError",
     "EndpointServer", "LocalClient", "OpenAIApi", "Sampling", "TrajectorySink", "TurnRequest", "TurnResult",
-    "build_app", "start_site",
+    "build_app", "new_run_token", "start_site",
 ]

@@ -52,11 +52,17 @@ class Call:
 
 
 class OpenAIApi:
-    """Routes of the OpenAI API over one `AgentEndpoint`, serving one model name."""
+    """Routes of the OpenAI API over one `AgentEndpoint`, serving one model name.
 
-    def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ByteTokenizer | None = None) -> None:
+    `token` is the bearer token every HTTP transport of this API demands (`EndpointServer`,
+    `start_site`); the in-process client calls the API directly and needs none.
+    """
+
+    def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ByteTokenizer | None = None,
+                 token: str | None = None) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
+        self.token = token
         self.tokenizer = tokenizer or ByteTokenizer()
         self.created = int(time.time())
 

@@ -6,14 +6,14 @@ back in the same header and in the body's ``trajectory_id``; ``X-Task`` / ``X-Gr
 trajectory.
 
 Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
-bearer token. With a token, every ``/v1/`` request needs ``Authorization: Bearer <token>``; ``/health``
-stays open so that liveness probes need no secret (it reveals only the model name and version).
+bearer token. With a token (a run always gives one: `sfhpc.endpoint.new_run_token`), every request, on
+every route and on loopback too, needs ``Authorization: Bearer <token>``; one without it or with another
+gets a 401 in OpenAI's error shape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import ipaddress
 import json
 import logging
@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from sfhpc.endpoint.api import OpenAIApi
+from sfhpc.endpoint.auth import authorized
 from sfhpc.endpoint.errors import (
     BadRequest,
     EndpointConfigError,
@@ -60,17 +61,23 @@ def check_exposure(host: str, token: str | None) -> None:
                                   f"token; set a bearer token or bind {DEFAULT_HOST}")
 
 
+def _token(api: OpenAIApi, token: str | None) -> str | None:
+    """The token a transport enforces: the one given, else the API's own (an empty one is none)."""
+    return (token if token is not None else api.token) or None
+
+
 def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
-    """The aiohttp application serving `api`; with `token`, ``/v1/`` requests must carry it."""
-    expected = f"Bearer {token}".encode() if token else None
+    """The aiohttp application serving `api`; with a token (`token`, else ``api.token``), every request
+    must carry it."""
+    expected = _token(api, token)
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
         try:
-            if expected is not None and request.path.startswith("/v1/"):
-                given = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(given, expected):
-                    raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>'")
+            # Before routing: without the token a caller learns nothing, not even which routes exist.
+            if expected is not None and not authorized(request.headers.get("Authorization"), expected):
+                raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>' "
+                                   "(the openai client's api_key)")
             return await handler(request)
         except EndpointError as exc:
             return _error_response(exc)
@@ -142,9 +149,12 @@ def _error_response(exc: EndpointError) -> web.Response:
 async def start_site(api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0,
                      token: str | None = None) -> tuple[web.AppRunner, int]:
     """Serve `api` on the running loop; returns the runner (``await runner.cleanup()`` stops it) and the
-    port (the chosen one when `port` is 0)."""
+    port (the chosen one when `port` is 0). The token is `token`, else ``api.token``."""
+    token = _token(api, token)
     check_exposure(host, token)
-    runner = web.AppRunner(build_app(api, token=token), access_log=None)
+    # A closing rank gives open requests 5 s, then cancels them (their tokens are recorded already):
+    # aiohttp's default of 60 s would hold a stopping rank past a preemption's grace.
+    runner = web.AppRunner(build_app(api, token=token), access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     try:
@@ -162,10 +172,12 @@ class EndpointServer:
     """Runs the HTTP server on its own event loop in a background thread.
 
     The engine and the `AgentEndpoint` behind `api` live on that loop; other threads reach them with
-    `call` (e.g. ``server.call(endpoint.update_weights(...))``).
+    `call` (e.g. ``server.call(endpoint.update_weights(...))``). With a token (`token`, else ``api.token``)
+    every request must carry it; agents pass `token` as their ``api_key``.
     """
 
     def __init__(self, api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0, token: str | None = None) -> None:
+        token = _token(api, token)
         check_exposure(host, token)
         self.api = api
         self.host, self.port, self.token = host, port, token

@@ -1,5 +1,6 @@
 """Plain HTTP: curl for a chat completion, a streamed one and an error; every kind of bad input answered
-with a 4xx in OpenAI's error shape while the server keeps serving; the bearer-token guard."""
+with a 4xx in OpenAI's error shape while the server keeps serving; the bearer-token guard (on every
+route, loopback too) and the run's own token."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Any
 import openai
 import pytest
 
-from sfhpc.endpoint import AgentEndpoint, EndpointConfigError, EndpointServer, OpenAIApi
+from sfhpc.endpoint import AgentEndpoint, EndpointConfigError, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.engine import tokenizer as tk
 from tests.endpoint.conftest import MODEL, RecordingManager, make_engine, replay
 
@@ -129,6 +130,8 @@ def test_token_guard(sink: RecordingManager) -> None:
         status, text = curl(f"http://127.0.0.1:{server.port}/v1/models")
         assert status == 401
         status, text = curl(f"http://127.0.0.1:{server.port}/health")
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+        status, text = curl(f"http://127.0.0.1:{server.port}/health", "-H", "Authorization: Bearer s3cret")
         assert status == 200 and json.loads(text)["status"] == "ok"
         status, body = post(url, raw, {"Authorization": "Bearer s3cret"})
         assert status == 200
@@ -138,3 +141,53 @@ def test_token_guard(sink: RecordingManager) -> None:
             openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="nope",
                           max_retries=0).models.list()
     assert len(sink.ids()) == 2  # the two accepted requests only
+
+
+def test_run_token_is_required_on_loopback_on_every_route(sink: RecordingManager) -> None:
+    token = new_run_token()
+    assert len(token) >= 40 and token != new_run_token()  # fresh random secret each time
+    api = OpenAIApi(AgentEndpoint(make_engine(), sink), model_name=MODEL, token=token)
+    with EndpointServer(api) as server:  # 127.0.0.1, the token taken from the API
+        assert server.host == "127.0.0.1" and server.token == token
+        base = f"http://127.0.0.1:{server.port}"
+        raw = json.dumps(chat_body()).encode()
+        for route, body in (("/v1/chat/completions", raw), ("/v1/completions", b"{}"), ("/v1/nowhere", b"{}")):
+            for headers in ({}, {"Authorization": f"Bearer {token[:-1]}"}, {"Authorization": token}):
+                status, answer = post(base + route, body, headers)
+                assert status == 401, (route, headers)
+                assert set(answer["error"]) == {"message", "type", "param", "code"}
+                assert answer["error"]["code"] == "invalid_api_key" and "Bearer" in answer["error"]["message"]
+        for route in ("/v1/models", "/health"):
+            assert curl(base + route)[0] == 401
+            assert curl(base + route, "-H", f"Authorization: Bearer {token}")[0] == 200
+        assert sink.ids() == []  # nothing refused reached the trajectory manager
+        # The run's own agents: the openai client with the token as api_key works, a wrong key is refused.
+        client = openai.OpenAI(base_url=server.url, api_key=token, max_retries=0)
+        reply = client.chat.completions.create(**chat_body())
+        assert reply.choices[0].token_ids and len(sink.ids()) == 1
+        with pytest.raises(openai.AuthenticationError) as err:
+            openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0).chat.completions.create(**chat_body())
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+    assert len(sink.ids()) == 1
+
+
+def test_the_runs_http_agents_send_the_token(sink: RecordingManager) -> None:
+    import asyncio
+
+    from sfhpc.rollout.agent import OpenAIChat
+
+    token = new_run_token()
+    api = OpenAIApi(AgentEndpoint(make_engine(), sink), model_name=MODEL, token=token)
+    with EndpointServer(api) as server:
+        async def turn(key: str) -> str:
+            backend = OpenAIChat(server.url, MODEL, api_key=key)
+            try:
+                reply = await backend.chat([{"role": "user", "content": "hi"}], trajectory_id=None, task="t",
+                                           group="g", max_tokens=4, seed=1)
+                return reply.trajectory_id
+            finally:
+                await backend.client.close()
+
+        assert asyncio.run(turn(token)) in sink.ids()
+        with pytest.raises(openai.AuthenticationError):
+            asyncio.run(turn("unused"))
