@@ -13,20 +13,62 @@ A thin adapter from `RolloutEngine` to vLLM's ``AsyncLLM``:
 
 Every token of one vLLM request comes from one weight version: weights only change while paused, and a
 pause ends every request.
+
+The weight loader is a Python function, which vLLM ships to its worker only with
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (it then unpickles what arrives on its sockets). That switch is
+on only while the engine starts: the engine's own processes inherit it then, and this process's vLLM
+settings are frozen with it (vLLM's ``enable_envs_cache``, what its engine processes do themselves). After
+the start the variable is gone from the environment, so nothing else this rank starts inherits it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from sfhpc.engine.base import GenerationChunk, GenerationRequest, RolloutEngine
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
+INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+
+
+@contextlib.contextmanager
+def insecure_serialization_while_starting() -> Iterator[None]:
+    """``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` inside the block only (an engine start), then as it was.
+
+    Inside, the engine's processes are spawned (they inherit the switch and keep it); before leaving,
+    this process's vLLM settings are frozen with it on, so its side of the engine still ships the weight
+    loader and reads the engine's answers once the variable is gone. A vLLM without settings to freeze
+    keeps the variable set, as before.
+    """
+    previous = os.environ.get(INSECURE_SERIALIZATION)
+    os.environ[INSECURE_SERIALIZATION] = "1"
+    keep = False
+    try:
+        yield
+        keep = not _freeze_vllm_settings()
+    finally:
+        if not keep:
+            if previous is None:
+                os.environ.pop(INSECURE_SERIALIZATION, None)
+            else:
+                os.environ[INSECURE_SERIALIZATION] = previous
+
+
+def _freeze_vllm_settings() -> bool:
+    """Make this process's vLLM keep the settings it reads now; False when this vLLM cannot."""
+    from vllm import envs
+
+    freeze = getattr(envs, "enable_envs_cache", None)
+    if freeze is None:
+        return False
+    freeze()
+    return True
 
 
 def pack_weights(weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, str, tuple[int, ...], int, int]], bytes]:
@@ -79,8 +121,6 @@ class VllmEngine(RolloutEngine):
     def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256, dtype: str = "bfloat16",
               kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0) -> VllmEngine:
         """Start the engine (about 20 s on a CPU). Call from the event loop that will use it."""
-        # The weight loader is a function shipped to the worker; vLLM refuses pickled callables unless asked.
-        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -93,7 +133,10 @@ class VllmEngine(RolloutEngine):
         args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
                                enforce_eager=True, dtype=dtype, seed=seed,
                                enable_chunked_prefill=False if on_cpu else None)
-        return cls(name, AsyncLLM.from_engine_args(args), max_model_len, version=version)
+        # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
+        with insecure_serialization_while_starting():
+            llm = AsyncLLM.from_engine_args(args)
+        return cls(name, llm, max_model_len, version=version)
 
     @property
     def max_model_len(self) -> int:
