@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +36,7 @@ from sfhpc.engine.base import FinishReason, GenerationRequest, RolloutEngine
 from sfhpc.errors import SfhpcError
 
 T = TypeVar("T")
+log = logging.getLogger("sfhpc")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +126,7 @@ class AgentEndpoint:
         finally:
             await engine.resume()
 
-    async def quiesce(self, timeout: float = 30.0) -> int:
+    async def quiesce(self, timeout: float = 10.0) -> int:
         """Pause the engine and return once every turn has recorded what it generated (each ends its
         engine run with ``abort``, records the partial segment and interrupts its trajectory, then waits
         for a resume that a stopping rank never gives). Returns how many generations were cut."""
@@ -133,6 +135,9 @@ class AgentEndpoint:
         deadline = asyncio.get_running_loop().time() + timeout
         while self._in_engine and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.005)
+        if self._in_engine:
+            log.warning("%d generations still on engine '%s' %.0f s after it paused", self._in_engine,
+                        self._engine.name, timeout)
         return cut
 
     def close(self) -> None:

@@ -27,6 +27,7 @@ from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.progress import Progress
@@ -41,6 +42,7 @@ log = logging.getLogger("sfhpc")
 STORE_NAME = "trajectories.h5"
 EVENTS_NAME = "events.jsonl"
 STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
+HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every trajectory's status
 # In sync mode a stop request lets the step in progress finish (its episodes were all handed out at once,
 # and a seeded run then resumes exactly) unless that takes longer than this.
 SYNC_STOP_WAIT_S = 10.0
@@ -113,9 +115,11 @@ class Controller:
             msg.send(self.layout.world, msg.Play(tuple(share)), rank)
 
     def wait_for_batch(self, step: int) -> Batch | None:
-        """Whole, fresh groups for one step (polls the manager; stale groups are dropped and replaced).
-        None when a stop request comes first (in sync mode: unless the step's batch is done soon)."""
+        """Whole, fresh groups for one step (polls the manager; stale groups, and groups a failed member
+        spoiled, are dropped and replaced). None when a stop request comes first (in sync mode: unless the
+        step's batch is done soon) or ``budgets.wall_minutes`` runs out; a fault raises (`check_health`)."""
         per_step, size = self.recipe.budgets.prompts_per_step, self.recipe.algorithm.group_size
+        waiting_since = next_check = time.monotonic()
         while True:
             batch = self.manager.take_batch(self.version, per_step, size, step)
             if batch is not None:
@@ -125,12 +129,47 @@ class Controller:
                 return batch
             if self.stop_requested() and not self._finish_step_first():
                 return None
+            if time.monotonic() >= next_check:
+                if not self.check_health(waiting_since):
+                    return None  # out of wall-clock time: the run ends as after its last step
+                next_check = time.monotonic() + HEALTH_EVERY_S
             stale_groups = self.manager.counts().get("stale", 0) // size
-            if stale_groups > self.stale_groups:  # replace what the staleness bound threw away
-                self.groups_out -= stale_groups - self.stale_groups
+            spoiled = self.manager.take_spoiled_groups()  # a member failed: the group is never trained on
+            if stale_groups > self.stale_groups or spoiled:  # replace what was thrown away
+                self.groups_out -= stale_groups - self.stale_groups + spoiled
                 self.stale_groups = stale_groups
                 self.keep_rollouts_busy()
             time.sleep(0.005)
+
+    def check_health(self, waiting_since: float) -> bool:
+        """Faults fail fast (`sfhpc.rl.health`): raise a `RunFault` when too many episodes failed, when no
+        rollout rank was heard from since `waiting_since` (time.monotonic()) for ``budgets.stall_timeout_s``,
+        or when a one-way call to the trajectory manager failed; every rank is stopped first. Returns False
+        when ``budgets.wall_minutes`` ran out (the run then stops cleanly)."""
+        budgets = self.recipe.budgets
+        try:
+            health.check_one_way(self.server.first_one_way_failure)
+            health.check_failures(self.manager.counts(), self.manager.fail_reasons(),
+                                  max_fraction=budgets.max_failed_fraction,
+                                  min_ended=budgets.prompts_per_step * self.recipe.algorithm.group_size)
+            if self.groups_out > 0:
+                health.check_stall(dict(self.server.last_seen), self.scheduler.rollout_ranks, since=waiting_since,
+                                   now=time.monotonic(), timeout_s=budgets.stall_timeout_s)
+        except health.RunFault as fault:
+            self.stop_after_fault(fault)
+            raise
+        return not self.out_of_time()
+
+    def stop_after_fault(self, fault: health.RunFault) -> None:
+        """Every other rank stops and the store is flushed before the fault ends the run: a rank left
+        waiting for commands would keep MPI, and so the job, from ever ending."""
+        self.event("fault", message=str(fault), step=self.step_done)
+        for rank in range(1, self.layout.world.Get_size()):
+            msg.send(self.layout.world, msg.Stop(), rank)
+        self._serving.join(timeout=STOP_GRACE_S)  # episodes in flight still make calls: keep answering them
+        self._stop_serving.set()
+        self._serving.join()
+        self.manager.close()
 
     def train(self, step: int, batch: Batch) -> msg.Trained:
         from sfhpc.trainer.batch import TrainBatch

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,16 @@ from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.rl import messages as msg
 from sfhpc.rl.messages import Episode
-from sfhpc.rollout.agent import ChatBackend, LocalChat, OpenAIChat, ResumePoint, play_episode, reply_budget
+from sfhpc.rollout.agent import (
+    ChatBackend,
+    EpisodeOutcome,
+    LocalChat,
+    OpenAIChat,
+    ResumePoint,
+    play_episode,
+    reply_budget,
+)
+from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.runtime import preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
@@ -58,6 +68,7 @@ class RolloutWorker:
 
             self.receiver = WeightReceiver(MPITransport(layout.weight_broadcast, root=0))
         self.playing: list[Future[Any]] = []
+        self.quiesced = False  # the engine is paused for good: the rank is stopping
 
     # -- commands ----------------------------------------------------------------------------------
     def play(self, episodes: tuple[Episode, ...]) -> None:
@@ -65,11 +76,22 @@ class RolloutWorker:
             self.playing.append(asyncio.run_coroutine_threadsafe(self._play(episode), self.server.loop))
 
     async def _play(self, episode: Episode) -> None:
-        resume = None if episode.resume_id is None else await self._resume_point(episode)
-        outcome = await play_episode(self.backend, self.task, episode.problem, group=episode.group,
-                                     seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens,
-                                     resume=resume)
-        self.manager.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
+        # An agent or task that raises, or outlives budgets.episode_timeout_s, fails its trajectory with the
+        # reason (the controller replaces its group): one episode's fault never takes the rank down.
+        async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+            if episode.resume_id is not None:
+                on_trajectory(episode.resume_id)
+            resume = None if episode.resume_id is None else await self._resume_point(episode)
+            return await play_episode(self.backend, self.task, episode.problem, group=episode.group,
+                                      seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens,
+                                      resume=resume, on_trajectory=on_trajectory)
+
+        await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
+                           timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
+
+    def _stopping(self) -> bool:
+        """A stop is under way on this rank (a signal reached it, or the controller quiesced it)."""
+        return self.quiesced or preemption.received() is not None
 
     async def _resume_point(self, episode: Episode) -> ResumePoint:
         """An episode of an earlier allocation: its replies so far, the one that was cut short finished
@@ -136,6 +158,7 @@ class RolloutWorker:
         """Pause the engine for good: every generation in flight ends and is recorded as a partial rollout
         (the turns record their segment and interrupt the trajectory); returns how many were cut. A round
         trip on the manager link then makes sure those one-way records have reached the manager."""
+        self.quiesced = True
         cut = self.server.call(self.endpoint.quiesce(), timeout=60)
         self.manager.counts()
         return cut
@@ -144,10 +167,12 @@ class RolloutWorker:
         """Wind down in dependency order: engine paused (what is in flight is recorded), agents, HTTP site
         (its open requests still need the engine), engine (on its own loop), event loop, and last the
         manager link (the controller serves it until every rollout rank has said goodbye)."""
+        self.quiesced = True
         try:
             self.server.call(self.endpoint.quiesce(), timeout=60)
         except Exception as exc:  # noqa: BLE001 - a dead engine must not keep the rank from closing down
             log.warning("rank %d: engine did not pause at close (%s)", self.rank, exc)
+        self.server.loop.call_soon_threadsafe(self.endpoint.close)  # waiting turns give up: the site can close
         for future in self.playing:
             future.cancel()
         self.server.close_site()

@@ -41,13 +41,15 @@ def describe_failure(exc: BaseException) -> str:
 
 
 async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[EpisodeOutcome]],
-                       recorder: EpisodeRecorder, *, task: str, group: str,
-                       timeout_s: float) -> EpisodeOutcome | None:
+                       recorder: EpisodeRecorder, *, task: str, group: str, timeout_s: float,
+                       stopping: Callable[[], bool] = lambda: False) -> EpisodeOutcome | None:
     """Play one episode and record its end: `finish` with the reward, or `fail` with the reason.
 
     `play` receives a callback to call with the trajectory id as soon as it is known, so a failure in a
     later turn fails the right trajectory. Returns the outcome, or None when the episode failed.
-    Cancellation (the rank closing down) is not a failure and goes through.
+    Cancellation (the rank closing down) is not a failure and goes through; nor is an error while the
+    rank is `stopping` (a stop signal took its engine away): the trajectory stays interrupted, and a
+    restarted run continues it.
     """
     known: list[str] = []
     deadline = asyncio.timeout(timeout_s)
@@ -55,6 +57,10 @@ async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[Episode
         async with deadline:
             outcome = await play(known.append)
     except Exception as exc:
+        if stopping():
+            log.info("episode of group %s cut by the stop (%s); it continues after a restart", group,
+                     describe_failure(exc))
+            return None
         if deadline.expired():
             reason = f"timed out after {timeout_s:g} s"
             log.warning("episode of group %s failed: %s", group, reason)
