@@ -16,8 +16,9 @@ preemption. If the shell died of ``TERM`` the job would end at once and the rank
 KillWait seconds to checkpoint. So with ``exec_step`` the shell hands its process over to the step
 (``exec``): the step guard then *is* the batch shell, receives those signals, passes them on to srun
 (which passes them on to the ranks) and keeps waiting; the job's exit status is srun's. A shell that
-kept running beside the step would have to ``wait`` in a loop that a trapped signal cuts short, and
-bash loses the step's exit status when a signal arrives just as the step ends (measured: exit 255).
+kept running beside the step would have to ``wait`` in a loop that each trapped signal cuts short, and
+bash 5.2 loses the step's exit status when a signal arrives as the step ends (measured under a burst of
+signals: the script exited 255 or 128+N instead of the step's status).
 """
 
 from __future__ import annotations
