@@ -167,7 +167,8 @@ class LaunchSpec:
     A run outlives its allocation: with ``requeue`` (the default) the job is requeued when Slurm preempts
     it, and Slurm signals the batch shell (``USR1``) ``signal_grace_s`` seconds before the time limit so
     the ranks can checkpoint and requeue the job themselves; a run that *fails* is requeued by the batch
-    script up to ``max_restarts`` times (0: never). Each restart resumes from the last checkpoint.
+    script while the job has been restarted fewer than ``max_restarts`` times (0: never; Slurm's restart
+    count holds every requeue, preemptions included). Each restart resumes from the last checkpoint.
 
     ``setup`` is the one place where a recipe runs shell lines (before srun, as written). Every other
     value is a plain one-line string, refused at load time otherwise, and quoted where it reaches the

@@ -147,3 +147,24 @@ def test_status_bad_input_is_one_line(tmp_path: Path) -> None:
     env = fake_slurm(tmp_path, None, "")
     assert_one_line_error(run_sfhpc("status", "9;rm", env=env), "'9;rm' is not a Slurm job id")
     assert_one_line_error(run_sfhpc("status", "9", env=env), "job 9: sacct knows no such job")
+
+
+def test_requeue_job_runs_scontrol_and_fails_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sfhpc.errors import SfhpcError, SlurmError
+    from sfhpc.launch.jobs import requeue_job
+
+    calls = tmp_path / "calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "scontrol"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    requeue_job("12")
+    assert calls.read_text() == "requeue 12\n"
+    script.write_text("#!/bin/sh\necho 'scontrol: error: Job has already finished' >&2\nexit 1\n")
+    with pytest.raises(SlurmError) as info:
+        requeue_job("12")
+    assert str(info.value) == "'scontrol requeue 12' failed: scontrol: error: Job has already finished"
+    with pytest.raises(SfhpcError, match="is not a Slurm job id"):
+        requeue_job("12 13")
