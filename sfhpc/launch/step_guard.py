@@ -21,10 +21,10 @@ ahead of the time limit, ``scancel -b --signal``, the TERM of a requeue or preem
 srun, which forwards them to the ranks, and the guard keeps waiting for srun instead of dying.
 
 With ``--requeue-on-failure N`` a failed step requeues its own job: when srun (or the hang handling)
-ends with a status other than 0 and 2 (2: a user error, which a rerun would repeat), no signal came from
-outside (a cancel, preemption, requeue or time limit: Slurm or the ranks decide then), and the job has
-been restarted fewer than N times, the guard says so in one line and runs ``scontrol requeue``. The
-job then starts again and resumes from its last checkpoint.
+ends with a status other than 0 and 2 (2: a user error, which a rerun would repeat; a rank's mark saying
+2 counts too), no signal came from outside (a cancel, preemption, requeue or time limit: Slurm or the
+ranks decide then), and the job has been restarted fewer than N times, the guard says so in one line
+and runs ``scontrol requeue``. The job then starts again and resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
     try:
         folder = marks or default_marks_folder()
         shutil.rmtree(folder, ignore_errors=True)  # a previous attempt of the same job left its marks
+        outcomes: dict[int, int] = {}
         try:
             folder.mkdir(parents=True)
         except OSError as exc:  # nowhere to put marks: run srun unguarded rather than not at all
@@ -134,12 +135,16 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
             process = subprocess.Popen(list(command), env=dict(os.environ, **{MARKS_ENV: str(folder)}))
             try:
                 status = _watch(process, folder, ranks, grace_s, poll_s)
+                outcomes = read_marks(folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     folder.parent.rmdir()  # only when no other job's marks are in it
+        # A rank's user error shows in its mark even when srun's status does not (a rank that exits 2
+        # makes --kill-on-bad-exit end the others, and srun may report their status instead).
+        user_error = status == USER_ERROR or USER_ERROR in outcomes.values()
         stopped = any(s != signal.SIGCONT for s in received)
-        if requeue_on_failure is not None and status not in (0, USER_ERROR) and not stopped:
+        if requeue_on_failure is not None and status != 0 and not user_error and not stopped:
             _requeue_after_failure(status, requeue_on_failure)
         return status
     finally:

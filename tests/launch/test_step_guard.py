@@ -112,6 +112,13 @@ def test_no_requeue_on_success_user_error_or_when_off(fake_scontrol: Path, tmp_p
     assert calls_of(fake_scontrol) == []
 
 
+def test_a_rank_that_reported_a_user_error_keeps_the_job_from_requeueing(fake_scontrol: Path, tmp_path: Path) -> None:
+    # srun exits 1 (the other ranks were killed), but rank 1's mark says 2: a rerun would fail alike.
+    command = [*STAND_IN, "2", "--outcomes", "0,2", "--linger", "0.3", "--exit", "1"]
+    assert guard(command, ranks=2, grace_s=30, marks=tmp_path / "m", poll_s=0.05, requeue_on_failure=3) == 1
+    assert calls_of(fake_scontrol) == []
+
+
 def test_no_requeue_outside_a_job(fake_scontrol: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SLURM_JOB_ID")
     assert guard([*STAND_IN, "1", "--linger", "0", "--exit", "3"], ranks=1, marks=tmp_path / "m", poll_s=0.05,
