@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import multiprocessing
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
@@ -189,6 +190,11 @@ class VllmEngine(RolloutEngine):
         if self._llm is None:
             return
         llm, self._llm = self._llm, None
+        # Started with stop signals blocked (sfhpc.runtime.preemption.ignored_in_children), the engine core
+        # would sit out vLLM's TERM for its 5 s grace: end it at once; its workers follow their parent.
+        for child in multiprocessing.active_children():
+            if child.name.startswith("EngineCore"):
+                child.kill()
         llm.shutdown()
         del llm
         gc.collect()

@@ -47,7 +47,11 @@ from sfhpc.runtime.slurm_env import current_job_id, restart_count
 MARKS_ENV = "SFHPC_STEP_MARKS"
 DEFAULT_GRACE_S = 30.0
 POLL_S = 1.0
-_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+# Passed on to srun: the job's own stop requests. Not TERM/INT/HUP: srun answers those by killing the
+# step at once ("forcing job termination"), which would take the ranks' checkpoint grace away; when Slurm
+# means TERM for the ranks (requeue, preemption, node shutdown) it sends it to them itself.
+_FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
+_HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # noted, never the guard's end
 USER_ERROR = SfhpcError.exit_code  # a rank's one-line user error: a rerun would fail the same way
 
 # What this rank will report in its mark: failure until the rank's program says it finished.
@@ -121,6 +125,7 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
     # Installed before srun starts and kept until the guard returns: a TERM that arrives meanwhile (the
     # one `scontrol requeue` sends, say) is passed on, never the guard's end.
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    previous |= {s: signal.signal(s, lambda signum, _frame: received.append(signum)) for s in _HELD}
     try:
         folder = marks or default_marks_folder()
         shutil.rmtree(folder, ignore_errors=True)  # a previous attempt of the same job left its marks

@@ -262,8 +262,7 @@ class Controller:
         assert self.stopping is not None and self.last_checkpoint is not None
         signal_name = self.stopping[1]
         self.event("stopped", signal=signal_name, step=self.step_done, checkpoint=str(self.last_checkpoint.path))
-        requeue = getattr(self.recipe.launch, "requeue", True)
-        if self.job_id is not None and requeue and preemption.asks_for_requeue(signal_name):
+        if self.job_id is not None and self.recipe.launch.requeue and preemption.asks_for_requeue(signal_name):
             from sfhpc.launch.jobs import requeue_job
 
             print(f"requeueing job {self.job_id} after {signal_name}", flush=True)

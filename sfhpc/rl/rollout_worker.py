@@ -18,7 +18,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.data.service import ManagerClient
-from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.rl import messages as msg
@@ -49,7 +49,10 @@ class RolloutWorker:
         # The engine starts on the endpoint's loop: vLLM's AsyncLLM binds to the loop that first uses it.
         placeholder = _Idle()
         self.endpoint = AgentEndpoint(placeholder, self.manager)
-        self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name)).start()
+        # A token of the run's own, demanded on every route (loopback too): another user on a shared node
+        # cannot add trajectories to this run. The run's HTTP agents send it.
+        self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name,
+                                               token=new_run_token())).start()
 
         async def start_engine() -> RolloutEngine:
             with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
@@ -58,7 +61,8 @@ class RolloutWorker:
             return engine
 
         self.engine: RolloutEngine = self.server.call(start_engine(), timeout=600)
-        self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name) if task.max_turns > 1
+        self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=self.server.token)
+                                     if task.max_turns > 1
                                      else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
         self.trainer = trainer  # colocated: this rank also trains, and loads its own weights
         self.receiver = None

@@ -88,16 +88,17 @@ class StopWatch:
 
 @contextlib.contextmanager
 def ignored_in_children() -> Iterator[None]:
-    """Start child processes (vLLM's engine core) that never act on USR1/USR2.
+    """Start child processes (vLLM's engine core and workers) that never act on stop signals.
 
-    Slurm signals every process of a step, children included, and USR1/USR2 end a process that has no
-    handler: the engine would die before the safe point. The signals are blocked in the calling thread
-    while the children start; a blocked mask is inherited by a child and kept across exec, so they stay
-    blocked there. This process still receives them in its other threads (its main thread sets the flag).
-    TERM is left alone: vLLM's engine core handles it itself (it shuts down), so the rank records what
-    was generated up to then and the trajectories continue after the restart.
+    Slurm signals every process of a step, children included: USR1/USR2 end a process that has no handler,
+    and vLLM's engine core shuts itself down on TERM. Either way the engine would die under the rank before
+    the safe point (a weight update in progress then fails). The signals are blocked in the calling thread
+    while the children start; a blocked mask is inherited by a child and kept across exec (installing a
+    handler does not unblock), so they stay blocked there. This process still receives them in its other
+    threads: its main thread sets the flag. The engine's owner must end such children with SIGKILL
+    (`sfhpc.engine.vllm_engine.VllmEngine.shutdown` does), since they ignore vLLM's own TERM.
     """
-    blocked = {signal.SIGUSR1, signal.SIGUSR2}
+    blocked = set(STOP_SIGNALS)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:
         yield

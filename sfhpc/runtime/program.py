@@ -37,7 +37,11 @@ class RankProgram:
         preemption.install()  # from the first moment: a stop signal during start-up is acted on, not lost
         identity = identify(self.plan, read_rank_environment())
         step_guard.arm(identity.rank)
-        result = self._run(identity)
+        try:
+            result = self._run(identity)
+        except SfhpcError as exc:  # a user error's mark keeps the step guard from requeueing the job
+            step_guard.finished(exc.exit_code)
+            raise
         step_guard.finished(0)
         return result
 

@@ -127,14 +127,18 @@ def test_no_requeue_outside_a_job(fake_scontrol: Path, tmp_path: Path, monkeypat
 
 
 def test_a_step_stopped_from_outside_is_not_requeued_by_the_guard(fake_scontrol: Path, tmp_path: Path) -> None:
-    # The guard is the batch shell (exec): TERM (cancel, requeue, preemption, time limit) is passed on to
-    # srun and the guard keeps waiting for it; Slurm or the ranks decide about a requeue then, not the guard.
+    # The guard is the batch shell (exec): TERM (cancel, requeue, preemption, time limit) is held, not passed
+    # on (srun would kill the step at once; Slurm sends the ranks their TERM itself), and the guard keeps
+    # waiting; Slurm or the ranks decide about a requeue then, not the guard.
     process = subprocess.Popen([sys.executable, "-m", "sfhpc.launch.step_guard", "--ranks", "9",
                                 "--requeue-on-failure", "3", "--", *STAND_IN, "1"], cwd=tmp_path,
                                stdout=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline().strip() == "ranks done"
-    process.send_signal(signal.SIGTERM)  # the stand-in dies of it; the guard reports that as 128 + 15
-    assert process.wait(timeout=30) == 128 + signal.SIGTERM
+    process.send_signal(signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        process.wait(timeout=2)  # neither the guard nor its srun ended
+    process.send_signal(signal.SIGUSR1)
+    assert process.wait(timeout=30) == 10
     process = subprocess.Popen([sys.executable, "-m", "sfhpc.launch.step_guard", "--ranks", "9",
                                 "--requeue-on-failure", "3", "--", *STAND_IN, "1"], cwd=tmp_path,
                                stdout=subprocess.PIPE, text=True)

@@ -35,13 +35,14 @@ def test_only_the_jobs_own_signals_ask_for_a_requeue() -> None:
     assert not preemption.asks_for_requeue("SIGTERM")  # Slurm requeues a preempted job itself
 
 
-def test_children_started_inside_the_block_do_not_die_of_usr1() -> None:
+def test_children_started_inside_the_block_do_not_die_of_stop_signals() -> None:
     import subprocess
     import sys
 
     with preemption.ignored_in_children():
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2); print('alive')"],
                                  stdout=subprocess.PIPE, text=True)
-    child.send_signal(signal.SIGUSR1)  # without the block the default action ends the child
+    for signum in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM):  # each would end an unprotected child
+        child.send_signal(signum)
     out, _ = child.communicate(timeout=10)
     assert child.returncode == 0 and out.strip() == "alive"
