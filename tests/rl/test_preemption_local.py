@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from sfhpc.bench._processes import rank_pids
 from sfhpc.data.store import open_store
 from tests.conftest import ROOT, assert_one_line_error, run_sfhpc
 
@@ -35,22 +36,6 @@ roles:
   trainer:    {tags: [train], nodes: 1}
   rollout:    {tags: [rollout], nodes: 1}
 """
-
-
-def rank_pids(run_dir: Path) -> list[int]:
-    """The rank processes of a local run (not mpiexec, not vLLM's engine processes)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        is_python = "python" in Path(argv[0].decode()).name
-        if is_python and b"sfhpc.runtime" in argv and str(run_dir).encode() in argv:
-            pids.append(int(entry.name))
-    return pids
 
 
 def start_run(recipe: Path, *extra: str) -> subprocess.Popen[str]:

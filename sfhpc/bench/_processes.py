@@ -1,0 +1,27 @@
+"""The rank processes of a run on this machine, found in /proc (for cutting a run with a signal).
+
+Slurm signals a step's tasks, not mpiexec and not vLLM's engine processes; a benchmark or test that plays
+Slurm on one machine signals the same processes: the Python interpreters running ``-m sfhpc.runtime``
+with the run folder on their command line.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def rank_pids(run_dir: Path) -> list[int]:
+    """The rank processes of a local run (``sfhpc run``) writing into `run_dir`."""
+    wanted = str(Path(run_dir).absolute()).encode()  # the ranks get the absolute path (--run-dir)
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        is_python = "python" in Path(argv[0].decode(errors="replace")).name
+        if is_python and b"sfhpc.runtime" in argv and wanted in argv:
+            pids.append(int(entry.name))
+    return sorted(pids)
