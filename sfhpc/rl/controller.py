@@ -46,6 +46,7 @@ HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every t
 # In sync mode a stop request lets the step in progress finish (its episodes were all handed out at once,
 # and a seeded run then resumes exactly) unless that takes longer than this.
 SYNC_STOP_WAIT_S = 10.0
+QUIESCE_TIMEOUT_S = 20.0  # a rollout rank that does not answer by then is being ended by Slurm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +254,13 @@ class Controller:
         rollouts = self.scheduler.rollout_ranks
         for rank in rollouts:
             msg.send(self.layout.world, msg.Quiesce(), rank)
-        replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG) for rank in rollouts]
+        try:
+            replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, timeout=QUIESCE_TIMEOUT_S)
+                       for rank in rollouts]
+        except TimeoutError:
+            log.warning("a rollout rank did not answer the quiesce within %.0f s", QUIESCE_TIMEOUT_S)
+            self.event("quiesced", interrupted=None)
+            return
         self.event("quiesced", interrupted=sum(r.interrupted for r in replies))
 
     def _after_stop(self) -> None:
@@ -333,8 +340,11 @@ class Controller:
         rank stops; a run stopped by USR1/USR2 under Slurm then requeues itself."""
         preempted = self.stopping is not None
         if preempted:
-            self.quiesce_rollouts()
+            # Checkpoint first: after a TERM, Slurm may end the step within seconds, and the trainers' state
+            # is what cannot be had again. The generations cut by the quiesce reach the store afterwards.
             self.checkpoint(f"stop:{self.stopping[1]}")
+            self.quiesce_rollouts()
+            self.manager.flush()
         elif self.last_checkpoint is None or self.last_checkpoint.step < self.step_done:
             self.checkpoint("final")
         for rank in range(1, self.layout.world.Get_size()):

@@ -28,7 +28,7 @@ from tests.conftest import run_sfhpc
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-STEPS = 16
+STEPS = 24
 RECIPE = f"""\
 name: outlive
 seed: 11
@@ -65,11 +65,15 @@ def steps_in(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def running_in_restart(run_dir: Path, restart: int, min_steps: int) -> bool:
-    """The allocation `restart` is training (it resumed, if a restart) and the run has `min_steps` steps."""
-    resumed = restart == 0 or any(e["event"] == "resumed" and e["restart"] == restart for e in read_events(run_dir))
-    stopped = any(e["event"] == "stop-requested" and e["restart"] == restart for e in read_events(run_dir))
-    return resumed and not stopped and steps_in(run_dir) >= min_steps
+def running_in_restart(run_dir: Path, restart: int, own_steps: int = 2) -> bool:
+    """Allocation `restart` trains (it resumed, if a restart) and has done `own_steps` steps of its own."""
+    events = read_events(run_dir)
+    if any(e["event"] == "stop-requested" and e["restart"] == restart for e in events):
+        return False
+    if restart == 0:
+        return steps_in(run_dir) >= own_steps
+    resumed = next((e for e in events if e["event"] == "resumed" and e["restart"] == restart), None)
+    return resumed is not None and steps_in(run_dir) >= resumed["step"] + own_steps
 
 
 def resumed_in(run_dir: Path, restart: int) -> dict | None:
@@ -92,8 +96,7 @@ def test_the_rl_run_survives_usr2_usr1_requeue_and_preemption(slurm_cluster: str
     ]
     try:
         for restart, command in enumerate(triggers):
-            wait_until(f"allocation {restart} to train", lambda r=restart: running_in_restart(
-                run_dir, r, min_steps=2 + 3 * r))
+            wait_until(f"allocation {restart} to train", lambda r=restart: running_in_restart(run_dir, r))
             subprocess.run(command, check=True, capture_output=True, text=True)
             wait_until(f"allocation {restart + 1} to resume", lambda r=restart: resumed_in(run_dir, r + 1))
         wait_until("the job to complete", lambda: job_status(job_id).state == "COMPLETED", timeout=600)

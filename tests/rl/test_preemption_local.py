@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -77,17 +78,24 @@ def test_a_cut_run_resumes_its_trajectories_and_trains_nothing_twice(tmp_path: P
     run_dir, out = cut_after(recipe, tmp_path / "runs", 2)
     assert "stop requested: SIGTERM" in out and f"--resume {run_dir}" in out
     before = events(run_dir)
-    assert [e["event"] for e in before] == ["stop-requested", "quiesced", "checkpoint", "stopped"]
+    assert [e["event"] for e in before] == ["stop-requested", "checkpoint", "quiesced", "stopped"]
     cut_time, stopped_at = before[0]["time"], before[-1]["step"]
-    assert stopped_at >= 2 and before[2]["reason"] == "stop:SIGTERM"
+    assert stopped_at >= 2 and before[1]["reason"] == "stop:SIGTERM"
     with open_store(run_dir / "trajectories.h5") as store:
         open_at_cut = {t.id for t in store.trajectories() if t.status in ("interrupted", "running")}
     assert open_at_cut, "nothing was in flight at the cut"
 
+    # A newer checkpoint whose weights were cut short (a write the kill interrupted, a damaged disk) is named
+    # and skipped, never deleted; the run resumes from the sound one before it.
+    damaged = run_dir / "checkpoints" / "step-000099"
+    shutil.copytree(before[1]["path"], damaged)
+    (damaged / "trainer.pt").write_bytes((damaged / "trainer.pt").read_bytes()[:1000])
     done = run_sfhpc("run", str(recipe), "--resume", str(run_dir), timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert f"checkpoint {damaged}: trainer.pt has 1000 bytes" in done.stderr + done.stdout
+    assert damaged.exists()
     resumed = [e for e in events(run_dir) if e["event"] == "resumed"]
-    assert len(resumed) == 1 and resumed[0]["step"] == stopped_at
+    assert len(resumed) == 1 and resumed[0]["step"] == stopped_at and resumed[0]["checkpoint"] == before[1]["path"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))  # continued, no step repeated
     assert [r["version"] for r in rows] == list(range(1, 7))
@@ -108,6 +116,7 @@ def test_a_cut_run_resumes_its_trajectories_and_trains_nothing_twice(tmp_path: P
 
     # Slurm may requeue a finished job: resuming a complete run changes nothing.
     listing = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert "step-000006" in listing
     metrics = (run_dir / "metrics.jsonl").read_bytes()
     again = run_sfhpc("run", str(recipe), "--resume", str(run_dir), timeout=300)
     assert again.returncode == 0 and "is complete" in again.stdout, again.stdout[-2000:] + again.stderr[-2000:]
