@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from sfhpc.bench import run_as_script
+from sfhpc.bench import read_recipe_mapping, run_as_script
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
 
@@ -137,12 +137,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        base = yaml.safe_load(args.recipe.read_text())
-    except OSError as exc:
-        raise SfhpcError(f"{args.recipe}: cannot read the recipe ({exc.strerror})") from None
-    if not isinstance(base, dict):
-        raise SfhpcError(f"{args.recipe}: expected a recipe (a YAML mapping)")
+    base = read_recipe_mapping(args.recipe)
     bench_dir = args.out.parent
     results = []
     for mode in args.modes:

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from sfhpc.bench import run_as_script
+from sfhpc.bench import read_recipe_mapping, run_as_script
 from sfhpc.bench._processes import rank_pids
 from sfhpc.data.trajectory import Status, Trajectory
 from sfhpc.errors import SfhpcError
@@ -349,12 +349,7 @@ def report(result: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        base = yaml.safe_load(args.recipe.read_text())
-    except OSError as exc:
-        raise SfhpcError(f"{args.recipe}: cannot read the recipe ({exc.strerror})") from None
-    if not isinstance(base, dict):
-        raise SfhpcError(f"{args.recipe}: expected a recipe (a YAML mapping)")
+    base = read_recipe_mapping(args.recipe)
     output_dir = (args.out.parent / "preemption").absolute()
     data = bench_recipe(base, args.steps, output_dir)
     recipe_path = output_dir / f"{data['name']}.yaml"

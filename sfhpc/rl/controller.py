@@ -180,7 +180,7 @@ class Controller:
         self.scheduler.set_state(trainers, RankState.TRAINING)
         for rank in trainers:
             msg.send(self.layout.world, command, rank)
-        reply = msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG)
+        reply = msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG, idle=self.stop_requested)
         self.scheduler.set_state(trainers, RankState.IDLE)
         return reply
 
@@ -192,7 +192,8 @@ class Controller:
         for rank in everyone:
             msg.send(self.layout.world, msg.SyncWeights(version), rank)
         answering = list(rollouts) + ([trainers[0]] if trainers[0] not in rollouts else [])
-        replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG) for rank in answering]
+        # A stop request is noted meanwhile (and acted on once every engine holds the new weights).
+        replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested) for rank in answering]
         self.scheduler.set_state(everyone, RankState.IDLE)
         self.version = version
         return max(r.seconds for r in replies if r.rank in rollouts)

@@ -99,7 +99,7 @@ def send(comm: Any, message: object, dest: int, tag: int = CONTROL_TAG) -> None:
 
 
 def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeout: float | None = None,
-            idle: Callable[[], None] | None = None) -> Any:
+            idle: Callable[[], object] | None = None) -> Any:
     """Receive one message, polling with a short sleep (a blocking receive in Open MPI spins a core);
     `idle` is called between polls (a worker passes on a stop signal while it waits)."""
     from mpi4py import MPI

@@ -91,7 +91,7 @@ def test_the_rl_run_survives_usr2_usr1_requeue_and_preemption(slurm_cluster: str
         ["scancel", "--signal=USR2", job_id],
         ["scancel", "--batch", "--signal=USR1", job_id],
         ["scontrol", "requeue", job_id],
-        ["sbatch", "--partition=urgent", "--nodes=4", "--time=1", "--job-name=urgent",
+        ["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
          f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 2"],
     ]
     try:
