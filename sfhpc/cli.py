@@ -7,7 +7,7 @@
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
-    sfhpc traj summary|export|plot RUN             a run's trajectory store, for analysts
+    sfhpc traj summary|export|plot RUN, show RUN ID a run's trajectory store, for analysts
 
 Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
 """
@@ -173,7 +173,8 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_traj_export(args: argparse.Namespace) -> int:
-    from sfhpc.analysis import locate_store, trajectory_rows, write_csv
+    from sfhpc.analysis import locate_store, open_run, trajectory_rows, write_csv
+    from sfhpc.analysis.export import write_frame
     from sfhpc.data import open_store
 
     out = Path(args.out)
@@ -181,19 +182,38 @@ def cmd_traj_export(args: argparse.Namespace) -> int:
         raise SfhpcError(f"{out} exists; choose another --out (nothing was written)")
     if not out.parent.is_dir():
         raise SfhpcError(f"{out.parent}: no such folder for --out")
-    with open_store(locate_store(args.store)) as store:
-        total, last = len(store), time.monotonic()
+    last = time.monotonic()
 
-        def progress(rows):  # a line every few seconds on stderr: large stores take a while
-            nonlocal last
-            for n, row in enumerate(rows, start=1):
-                if time.monotonic() - last > 3:
-                    print(f"  {n:,} / {total:,} trajectories", file=sys.stderr, flush=True)
-                    last = time.monotonic()
-                yield row
+    def report(done: int, total: int) -> None:  # a line every few seconds on stderr: large stores take a while
+        nonlocal last
+        if time.monotonic() - last > 3:
+            print(f"  {done:,} / {total:,} trajectories", file=sys.stderr, flush=True)
+            last = time.monotonic()
 
-        count = write_csv(progress(trajectory_rows(store)), out)
+    if args.format == "csv":  # today's columns, written as the rows come
+        with open_store(locate_store(args.store)) as store:
+            total = len(store)
+
+            def progress(rows):
+                for n, row in enumerate(rows, start=1):
+                    report(n, total)
+                    yield row
+
+            count = write_csv(progress(trajectory_rows(store)), out)
+    else:
+        with open_run(args.store, progress=report) as run:
+            count = write_frame(run.trajectories(), out, args.format)
     print(f"wrote {count:,} trajectories to {out}")
+    return 0
+
+
+def cmd_traj_show(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import open_run
+    from sfhpc.analysis.conversation import format_conversation
+
+    with open_run(args.store) as run:
+        trajectory = run.trajectory(args.id)
+        print(format_conversation(run, trajectory, run.consumed_by(args.id), tokens=args.tokens))
     return 0
 
 
@@ -305,10 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
                         description="counts by status, tokens, steps, mean reward")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
     p.set_defaults(func=cmd_traj_summary)
-    p = traj.add_parser("export", help="one CSV row per trajectory", description="one CSV row per trajectory")
+    p = traj.add_parser("export", help="one row per trajectory (CSV, Parquet or JSON lines)",
+                        description="one row per trajectory (CSV, Parquet or JSON lines)")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
-    p.add_argument("--out", required=True, help="CSV file to create (an existing file is never overwritten)")
+    p.add_argument("--out", required=True, help="file to create (an existing file is never overwritten)")
+    p.add_argument("--format", choices=("csv", "parquet", "jsonl"), default="csv",
+                   help="csv (default; today's columns), parquet (typed, more columns) or jsonl (as parquet)")
     p.set_defaults(func=cmd_traj_export)
+    p = traj.add_parser("show", help="one trajectory as a conversation: roles, text, policy versions, cuts",
+                        description="one trajectory as a conversation: roles, text, policy versions, cuts")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("id", help="the trajectory id (sfhpc traj export lists them)")
+    p.add_argument("--tokens", action="store_true", help="also a row per token: id, text, logprob, version")
+    p.set_defaults(func=cmd_traj_show)
     p = traj.add_parser("plot", help="reward, reply length and staleness over the training steps",
                         description="reward, reply length and staleness over the training steps")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")

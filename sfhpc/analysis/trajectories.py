@@ -12,7 +12,9 @@ Columns: the record's id, task, GRPO group, status and reward; its number of tur
 reported per reply); tokens on its current branch and how many the policy generated; the oldest and
 newest policy version among those tokens; the training step that consumed it and the trainer's version
 then (empty if none did), hence the staleness it was trained at; creation and last-change times (Unix s);
-why it failed (status failed; empty otherwise).
+why it failed (status failed; empty otherwise). The data frames (`sfhpc.analysis.open_run`) add the
+policy's replies, how many policy versions wrote it, and its interruptions (generations cut by a weight
+update or a restart and continued).
 """
 
 from __future__ import annotations
@@ -22,13 +24,17 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from sfhpc.data.store import StoreView
+import numpy as np
+
+from sfhpc.data.store import ConsumptionMark, StoreView
+from sfhpc.data.trajectory import Trajectory
 from sfhpc.errors import SfhpcError
 
 STORE_FILE = "trajectories.h5"
 TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
                       "min_version", "max_version", "consumed_step", "trained_version", "staleness",
                       "created", "updated", "fail_reason")
+EXTRA_COLUMNS = ("replies", "versions", "interruptions")  # in the data frames and Parquet/JSONL, not the CSV
 
 
 def locate_store(path: str | Path) -> Path:
@@ -44,30 +50,40 @@ def locate_store(path: str | Path) -> Path:
 
 
 def trajectory_rows(store: StoreView) -> Iterator[dict[str, Any]]:
-    """One dict per trajectory, in the order they were started."""
+    """One dict per trajectory, in the order they were started (`trajectory_row`'s keys)."""
     consumed = {mark.trajectory_id: mark for mark in store.marks()}
     for trajectory in store.trajectories():
-        versions = trajectory.token_versions()[trajectory.generated_mask()]
-        mark = consumed.get(trajectory.id)
-        newest = int(versions.max()) if len(versions) else None
-        yield {
-            "id": trajectory.id, "task": trajectory.task, "group": trajectory.group or "",
-            "status": str(trajectory.status.value), "reward": trajectory.reward,
-            "turns": len(trajectory.turn_rewards), "tokens": trajectory.num_tokens,
-            "generated_tokens": trajectory.num_generated,
-            "min_version": int(versions.min()) if len(versions) else None, "max_version": newest,
-            "consumed_step": mark.step if mark else None, "trained_version": mark.policy_version if mark else None,
-            # How many versions behind the trainer its oldest token was when it was trained on.
-            "staleness": mark.policy_version - int(versions.min()) if mark and len(versions) else None,
-            "created": trajectory.created, "updated": trajectory.updated, "fail_reason": trajectory.fail_reason,
-        }
+        yield trajectory_row(trajectory, consumed.get(trajectory.id))
+
+
+def trajectory_row(trajectory: Trajectory, mark: ConsumptionMark | None) -> dict[str, Any]:
+    """The TRAJECTORY_COLUMNS of one trajectory (given the step that consumed it, if any), then the
+    EXTRA_COLUMNS: replies, distinct policy versions, interruptions."""
+    versions = trajectory.token_versions()[trajectory.generated_mask()]
+    newest = int(versions.max()) if len(versions) else None
+    # A generation cut by a weight update or a restart ends with "abort"; another segment continues it.
+    interruptions = sum(1 for i, _ in trajectory.branch()
+                        if trajectory.segments[i].generated and trajectory.segments[i].finish_reason == "abort")
+    return {
+        "id": trajectory.id, "task": trajectory.task, "group": trajectory.group or "",
+        "status": str(trajectory.status.value), "reward": trajectory.reward,
+        "turns": len(trajectory.turn_rewards), "tokens": trajectory.num_tokens,
+        "generated_tokens": trajectory.num_generated,
+        "min_version": int(versions.min()) if len(versions) else None, "max_version": newest,
+        "consumed_step": mark.step if mark else None, "trained_version": mark.policy_version if mark else None,
+        # How many versions behind the trainer its oldest token was when it was trained on.
+        "staleness": mark.policy_version - int(versions.min()) if mark and len(versions) else None,
+        "created": trajectory.created, "updated": trajectory.updated, "fail_reason": trajectory.fail_reason,
+        "replies": len(trajectory.reply_spans()), "versions": len(np.unique(versions)),
+        "interruptions": interruptions,
+    }
 
 
 def write_csv(rows: Iterable[dict[str, Any]], out: Path) -> int:
     """Write `rows` as CSV with a header (empty cells for missing values); returns the number of rows."""
     count = 0
     with out.open("x", newline="", encoding="utf-8") as handle:  # "x": never overwrite a user's file
-        writer = csv.DictWriter(handle, fieldnames=TRAJECTORY_COLUMNS)
+        writer = csv.DictWriter(handle, fieldnames=TRAJECTORY_COLUMNS, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
             writer.writerow({k: "" if v is None else v for k, v in row.items()})

@@ -256,24 +256,30 @@ class Trajectory:
         versions = versions[versions != NO_VERSION]
         return int(versions.min()) if len(versions) else None
 
-    def replies(self) -> list[tuple[np.ndarray, bool]]:
-        """The policy's replies along the current branch, one per turn: (its tokens, whether it was cut
-        short: its last engine run ended with ``abort``). Consecutive generated segments are one reply
-        (a weight update or a restart split it); a prompt or observation segment ends a reply."""
-        out: list[tuple[list[np.ndarray], bool]] = []
+    def reply_spans(self) -> list[list[tuple[int, int]]]:
+        """The policy's replies along the current branch, one per turn, each as its (segment index, tokens
+        used) pairs. Consecutive generated segments are one reply (a weight update or a restart split it);
+        a prompt or observation segment ends a reply."""
+        spans: list[list[tuple[int, int]]] = []
         previous_generated = False
         for index, used in self.branch():
-            segment = self.segments[index]
-            if not segment.generated:
-                previous_generated = False
-                continue
-            if not previous_generated:
-                out.append(([], False))
-            parts, _ = out[-1]
-            parts.append(segment.tokens[:used])
-            out[-1] = (parts, segment.finish_reason == "abort" or used < len(segment))
-            previous_generated = True
-        return [(np.concatenate(parts), cut) for parts, cut in out]
+            generated = self.segments[index].generated
+            if generated and not previous_generated:
+                spans.append([])
+            if generated:
+                spans[-1].append((index, used))
+            previous_generated = generated
+        return spans
+
+    def replies(self) -> list[tuple[np.ndarray, bool]]:
+        """The policy's replies along the current branch (see `reply_spans`): (its tokens, whether it was
+        cut short: its last engine run ended with ``abort``)."""
+        out = []
+        for span in self.reply_spans():
+            last, used = span[-1]
+            cut = self.segments[last].finish_reason == "abort" or used < len(self.segments[last])
+            out.append((np.concatenate([self.segments[i].tokens[:n] for i, n in span]), cut))
+        return out
 
     def staleness(self, policy_version: int) -> int:
         """How many versions the oldest generated token lags `policy_version` (0 if nothing generated)."""

@@ -1,0 +1,306 @@
+"""A run's trajectories as pandas data frames, for the people who study the policy.
+
+    from sfhpc.analysis import open_run
+
+    with open_run("runs/demo-20261129-132650") as run:      # a run folder, or its trajectories.h5
+        df = run.trajectories(steps=(100, 200), status="consumed", max_reward=0.0)
+        turns, segments, steps = run.turns(), run.segments(), run.steps()
+        print(run.decode(run.trajectory(df.id[0]).context()))
+
+Everything is read through the store's own reader (`sfhpc.data.open_store`), which is SWMR: a run that
+is still writing can be read, and `refresh()` catches up with what it committed since. The frames are
+built in one pass over the store and kept until a refresh brings something new.
+
+Frames (columns typed; missing values are <NA>):
+
+- `trajectories()`: one row per trajectory, `trajectory_row`'s columns (TRAJECTORY_COLUMNS + EXTRA_COLUMNS).
+- `turns()`: one row per policy reply along the current branch: the segments a weight update or a restart
+  split it into count as one reply, its versions are every version that wrote it.
+- `segments()`: one row per recorded segment, every branch; `used` is how many of its tokens the current
+  branch uses (0: off the branch).
+- `steps()`: one row per training step, from the store's consumption marks (`policy_version`: the
+  trainer's version when it took the batch), joined with the run folder's ``metrics.jsonl`` when there is
+  one (its `version` is the version the step produced; its columns that clash with the store's get a
+  ``metrics_`` prefix). A step number a restart trained again counts the trajectories of both tries.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store, trajectory_row
+from sfhpc.data import open_store
+from sfhpc.data.store import ConsumptionMark, StoreReader
+from sfhpc.data.trajectory import NO_VERSION, Trajectory
+from sfhpc.engine.tokenizer import ByteTokenizer
+from sfhpc.errors import SfhpcError
+
+METRICS_FILE = "metrics.jsonl"
+
+# Column -> dtype. Nullable types (Int64, Float64, string) so that "none" stays <NA> and survives Parquet.
+STR, INT, OPT_INT, FLOAT, OPT_FLOAT, BOOL = "string", "int64", "Int64", "float64", "Float64", "bool"
+TRAJECTORY_DTYPES: dict[str, str] = {
+    "id": STR, "task": STR, "group": STR, "status": STR, "reward": OPT_FLOAT, "turns": INT, "tokens": INT,
+    "generated_tokens": INT, "min_version": OPT_INT, "max_version": OPT_INT, "consumed_step": OPT_INT,
+    "trained_version": OPT_INT, "staleness": OPT_INT, "created": FLOAT, "updated": FLOAT, "fail_reason": STR,
+    "replies": INT, "versions": INT, "interruptions": INT,
+}
+assert tuple(TRAJECTORY_DTYPES) == TRAJECTORY_COLUMNS + EXTRA_COLUMNS
+TURN_DTYPES: dict[str, str] = {
+    "trajectory": STR, "turn": INT, "tokens": INT, "segments": INT, "min_version": OPT_INT,
+    "max_version": OPT_INT, "versions": INT, "interruptions": INT, "finish_reason": STR, "engines": STR,
+    "turn_reward": OPT_FLOAT, "t_start": FLOAT, "t_end": FLOAT,
+}
+SEGMENT_DTYPES: dict[str, str] = {
+    "trajectory": STR, "index": INT, "kind": STR, "parent": INT, "fork_at": INT, "tokens": INT, "used": INT,
+    "min_version": OPT_INT, "max_version": OPT_INT, "versions": INT, "engine": STR, "t_start": FLOAT,
+    "t_end": FLOAT, "finish_reason": STR,
+}
+STEP_DTYPES: dict[str, str] = {
+    "step": INT, "policy_version": INT, "trajectories": INT, "reward_mean": OPT_FLOAT, "tokens": INT,
+    "generated_tokens": INT, "mean_staleness": OPT_FLOAT, "max_staleness": OPT_INT, "time": FLOAT,
+}
+
+Range = int | tuple[int | None, int | None]  # one value, or an inclusive (low, high), either end open
+
+
+def frame(rows: Sequence[dict[str, Any]], dtypes: dict[str, str]) -> pd.DataFrame:
+    """A data frame with exactly these columns and types; an empty one when there are no rows."""
+    return pd.DataFrame({name: pd.Series([row[name] for row in rows], dtype=dtype)
+                         for name, dtype in dtypes.items()})
+
+
+class Run:
+    """A run's store (and metrics), read-only. Build with `open_run`; close it (or use `with`)."""
+
+    def __init__(self, store: StoreReader, folder: Path | None,
+                 progress: Callable[[int, int], None] | None = None) -> None:
+        self.store, self.folder, self._progress = store, folder, progress
+        self._tokenizer = ByteTokenizer()  # the run's vocabulary: today every sfhpc model uses the byte one
+        self._frames: dict[str, pd.DataFrame] | None = None
+        self._versions: dict[str, frozenset[int]] = {}
+
+    @property
+    def path(self) -> Path:
+        return self.store.path
+
+    # -- text ------------------------------------------------------------------------------------------
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of token ids in the run's vocabulary, markers (``<|user|>``) written out: what the model saw."""
+        return self._tokenizer.decode([int(i) for i in ids], skip_special=False)
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, for per-token listings (a byte inside a character is shown as its code)."""
+        try:
+            return self._tokenizer.token_text(int(token_id))
+        except ValueError:
+            return f"<|{int(token_id)}|>"  # outside the vocabulary: shown, not refused (a reader's tool)
+
+    # -- records ---------------------------------------------------------------------------------------
+
+    def trajectory(self, trajectory_id: str) -> Trajectory:
+        """One trajectory as last committed; unknown ids raise `UnknownTrajectory` (a one-line error)."""
+        return self.store.get(trajectory_id)
+
+    def consumed_by(self, trajectory_id: str) -> ConsumptionMark | None:
+        """The training step that consumed this trajectory (its mark), or None."""
+        return next((m for m in self.store.marks() if m.trajectory_id == trajectory_id), None)
+
+    def refresh(self) -> bool:
+        """Catch up with a run that is still writing; True (and the frames rebuilt on demand) when new."""
+        changed = self.store.refresh()
+        if changed:
+            self._frames = None
+        return changed
+
+    # -- frames ----------------------------------------------------------------------------------------
+
+    def trajectories(self, *, steps: Range | None = None, status: str | Iterable[str] | None = None,
+                     min_reward: float | None = None, max_reward: float | None = None,
+                     version: int | None = None, staleness: Range | None = None) -> pd.DataFrame:
+        """One row per trajectory, in start order, optionally filtered (all filters must hold):
+        `steps`: trained at a step in that range; `status`: one status or several; `min_reward` /
+        `max_reward`: rewarded within them (inclusive); `version`: some token of it was generated by that
+        policy version; `staleness`: trained at a staleness in that range."""
+        df = self._frame("trajectories")
+        keep = pd.Series(True, index=df.index)
+        if steps is not None:
+            keep &= _in_range(df["consumed_step"], steps)
+        if status is not None:
+            keep &= df["status"].isin([status] if isinstance(status, str) else list(status))
+        if min_reward is not None:
+            keep &= (df["reward"] >= min_reward).fillna(False)
+        if max_reward is not None:
+            keep &= (df["reward"] <= max_reward).fillna(False)
+        if version is not None:
+            keep &= df["id"].map(lambda tid: version in self._versions[tid]).astype(bool)
+        if staleness is not None:
+            keep &= _in_range(df["staleness"], staleness)
+        return df[keep.astype(bool)].reset_index(drop=True)
+
+    def turns(self) -> pd.DataFrame:
+        return self._frame("turns")
+
+    def segments(self) -> pd.DataFrame:
+        return self._frame("segments")
+
+    def steps(self) -> pd.DataFrame:
+        return self._frame("steps")
+
+    def _frame(self, name: str) -> pd.DataFrame:
+        if self._frames is None:
+            self._frames = self._collect()
+        return self._frames[name].copy()  # a copy: a caller's edits never leak into the next call
+
+    def _collect(self) -> dict[str, pd.DataFrame]:
+        """Every frame in one pass over the store (each trajectory is assembled once)."""
+        marks = {mark.trajectory_id: mark for mark in self.store.marks()}
+        rows: list[dict[str, Any]] = []
+        turns: list[dict[str, Any]] = []
+        segments: list[dict[str, Any]] = []
+        self._versions = {}
+        total = len(self.store)
+        for n, trajectory in enumerate(self.store.trajectories(), start=1):
+            rows.append(trajectory_row(trajectory, marks.get(trajectory.id)))
+            turns.extend(_turn_rows(trajectory))
+            segments.extend(_segment_rows(trajectory))
+            written = trajectory.token_versions()
+            self._versions[trajectory.id] = frozenset(np.unique(written[written != NO_VERSION]).tolist())
+            if self._progress is not None:
+                self._progress(n, total)
+        return {"trajectories": frame(rows, TRAJECTORY_DTYPES), "turns": frame(turns, TURN_DTYPES),
+                "segments": frame(segments, SEGMENT_DTYPES), "steps": self._steps(rows, marks)}
+
+    def _steps(self, rows: list[dict[str, Any]], marks: dict[str, Any]) -> pd.DataFrame:
+        by_step: dict[int, list[dict[str, Any]]] = {}
+        for row in rows:
+            if row["consumed_step"] is not None:
+                by_step.setdefault(row["consumed_step"], []).append(row)
+        step_rows = []
+        for step in sorted(by_step):
+            members = by_step[step]
+            rewards = [r["reward"] for r in members if r["reward"] is not None]
+            stale = [r["staleness"] for r in members if r["staleness"] is not None]
+            step_rows.append({
+                "step": step, "policy_version": max(r["trained_version"] for r in members),
+                "trajectories": len(members), "reward_mean": float(np.mean(rewards)) if rewards else None,
+                "tokens": sum(r["tokens"] for r in members),
+                "generated_tokens": sum(r["generated_tokens"] for r in members),
+                "mean_staleness": float(np.mean(stale)) if stale else None,
+                "max_staleness": max(stale) if stale else None,
+                "time": max(marks[r["id"]].time for r in members),
+            })
+        steps = frame(step_rows, STEP_DTYPES)
+        metrics = self._metrics()
+        if metrics is None:
+            return steps
+        metrics = metrics.rename(columns={c: f"metrics_{c}" for c in metrics.columns if c in STEP_DTYPES
+                                          and c != "step"})
+        # Outer: a step the store has no marks for (or metrics lack) still shows, with <NA> where unknown.
+        merged = steps.merge(metrics, on="step", how="outer", sort=True)
+        for name, dtype in STEP_DTYPES.items():  # the store's columns keep their types; <NA> where unknown
+            missing = bool(merged[name].isna().any())
+            merged[name] = merged[name].astype(OPT_INT if missing and dtype == INT else dtype)
+        return merged
+
+    def _metrics(self) -> pd.DataFrame | None:
+        """The run's ``metrics.jsonl`` (one JSON object per trained step), or None without one."""
+        path = None if self.folder is None else self.folder / METRICS_FILE
+        if path is None or not path.is_file():
+            return None
+        lines = path.read_text(encoding="utf-8").splitlines()
+        records = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                if number == len(lines):  # the run is writing its last line right now
+                    break
+                raise SfhpcError(f"{path}: line {number} is not JSON; the file is damaged") from None
+            if isinstance(record, dict) and "step" in record:
+                records.append(record)
+        if not records:
+            return None
+        metrics = pd.DataFrame.from_records(records)
+        metrics["step"] = metrics["step"].astype("int64")
+        return metrics
+
+    # -- lifetime --------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_run(path: str | Path, *, progress: Callable[[int, int], None] | None = None) -> Run:
+    """Open a run folder (or its ``trajectories.h5``) for reading; the run may still be writing it.
+    `progress(done, total)` is called per trajectory while the frames are built (large stores are slow)."""
+    store_path = locate_store(path)
+    store = open_store(store_path)
+    return Run(store, store_path.parent, progress)
+
+
+def _versions_of(values: np.ndarray) -> tuple[int | None, int | None, int]:
+    """(oldest, newest, how many distinct) policy versions among `values`, ignoring non-generated tokens."""
+    present = np.unique(values[values != NO_VERSION])
+    if not len(present):
+        return None, None, 0
+    return int(present[0]), int(present[-1]), len(present)
+
+
+def _turn_rows(trajectory: Trajectory) -> list[dict[str, Any]]:
+    rows = []
+    for turn, span in enumerate(trajectory.reply_spans()):
+        parts = [trajectory.segments[i] for i, _ in span]
+        versions = np.concatenate([seg.versions[:used] for seg, (_, used) in zip(parts, span)])
+        oldest, newest, count = _versions_of(versions)
+        engines = list(dict.fromkeys(seg.engine for seg in parts if seg.engine))  # in order, once each
+        rewards = trajectory.turn_rewards
+        rows.append({
+            "trajectory": trajectory.id, "turn": turn, "tokens": sum(used for _, used in span),
+            "segments": len(span), "min_version": oldest, "max_version": newest, "versions": count,
+            "interruptions": sum(seg.finish_reason == "abort" for seg in parts),
+            "finish_reason": parts[-1].finish_reason, "engines": ",".join(engines),
+            "turn_reward": rewards[turn] if turn < len(rewards) else None,
+            "t_start": parts[0].t_start, "t_end": parts[-1].t_end,
+        })
+    return rows
+
+
+def _segment_rows(trajectory: Trajectory) -> list[dict[str, Any]]:
+    used = dict(trajectory.branch())
+    rows = []
+    for index, seg in enumerate(trajectory.segments):
+        oldest, newest, count = _versions_of(seg.versions)
+        rows.append({
+            "trajectory": trajectory.id, "index": index, "kind": seg.kind.value, "parent": seg.parent,
+            "fork_at": seg.fork_at, "tokens": len(seg), "used": used.get(index, 0), "min_version": oldest,
+            "max_version": newest, "versions": count, "engine": seg.engine, "t_start": seg.t_start,
+            "t_end": seg.t_end, "finish_reason": seg.finish_reason,
+        })
+    return rows
+
+
+def _in_range(values: pd.Series, spec: Range) -> pd.Series:
+    """Where `values` is `spec` (one value) or within `spec` = (low, high), inclusive; <NA> is never in."""
+    low, high = (spec, spec) if isinstance(spec, int | np.integer) else spec
+    keep = values.notna()
+    if low is not None:
+        keep &= (values >= low).fillna(False)
+    if high is not None:
+        keep &= (values <= high).fillna(False)
+    return keep.astype(bool)
