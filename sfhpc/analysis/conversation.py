@@ -48,7 +48,7 @@ def _header(trajectory: Trajectory, mark: ConsumptionMark | None) -> str:
     lines = ["  ".join(parts)]
     generated = trajectory.token_versions()[trajectory.generated_mask()]
     versions = sorted(set(generated.tolist()))
-    by = f" by {_plural(len(versions), 'version')} {_join(versions)}" if versions else ""
+    by = f" by {'version' if len(versions) == 1 else 'versions'} {_join(versions)}" if versions else ""
     detail = (f"{_plural(len(trajectory.segments), 'segment')}; current branch "
               f"{_plural(trajectory.num_tokens, 'token')}, {trajectory.num_generated} generated{by}")
     if mark is not None:

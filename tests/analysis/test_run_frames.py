@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 from sfhpc.analysis import open_run
+from sfhpc.analysis.conversation import format_conversation
 from sfhpc.data.errors import StoreError, UnknownTrajectory
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.errors import SfhpcError
 from tests.analysis.runs import IDS, PROMPT_TEXT, TOKENIZER, write_run
+from tests.data.records import make_trajectory
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +123,30 @@ def test_paths_that_are_not_runs(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(StoreError, match="not an HDF5 file"):
         open_run(tmp_path / "notes.txt")
+
+
+def test_a_forked_trajectory_keeps_both_branches(tmp_path: Path) -> None:
+    trajectory = make_trajectory(3)  # a fork inside reply 1: segments 2 and 3 are off the current branch
+    with TrajectoryStore.create(tmp_path / "trajectories.h5") as store:
+        store.write(trajectory)
+    with open_run(tmp_path) as run:
+        segments = run.segments()
+        first = len(trajectory.segments[1])
+        assert list(segments["used"]) == [len(trajectory.segments[0]), first // 2, 0, 0, 5,
+                                          len(trajectory.segments[5])]
+        assert list(run.turns()["tokens"]) == [first // 2, len(trajectory.segments[5])]
+        text = format_conversation(run, run.trajectory(trajectory.id), tokens=True)
+    assert "[2] user observation" in text and text.count("off the current branch") == 2
+    assert f"forks from [1] at token {first // 2} of {first}" in text
+    assert f"current branch uses its first {first // 2}" in text
+    assert f"<|{int(trajectory.segments[0].tokens[0])}|>" in text  # ids outside the vocabulary are shown
+
+
+def test_metrics_of_steps_the_store_has_no_marks_for(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path / "run", metrics=False)
+    lines = [json.dumps({"step": s, "version": s + 2, "loss": 0.1}) for s in (0, 1, 2)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "ver')  # a line being written
+    with open_run(run_dir) as run:
+        steps = run.steps()
+    assert list(steps["step"]) == [0, 1, 2] and list(steps["version"]) == [2, 3, 4]
+    assert str(steps["trajectories"].dtype) == "Int64" and pd.isna(steps["trajectories"].iloc[2])
