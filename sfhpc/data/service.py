@@ -47,6 +47,7 @@ REQUEST_TAG = 0x5F10
 REPLY_TAG = 0x5F11
 GOODBYE = "__goodbye__"
 ONE_WAY = frozenset({"add_generated", "interrupt", "finish", "fail"})
+EPISODE_ENDS = frozenset({"finish", "fail"})  # the calls that end an episode, one per episode
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
@@ -91,6 +92,7 @@ class ManagerServer:
         self.failed_one_way = 0
         self.first_one_way_failure: OneWayFailure | None = None
         self.last_seen: dict[int, float] = {}  # client rank -> time.monotonic() of its latest request
+        self.episodes_ended: dict[int, int] = {}  # client rank -> episodes it reported as ended (finish, fail)
 
     def _handle(self, source: int, request: Any) -> None:
         self.last_seen[source] = time.monotonic()
@@ -113,6 +115,8 @@ class ManagerServer:
             log.exception("trajectory manager failed on %s from rank %d", method, source)
             reply = ("error", "ServiceError", f"{method} failed on the controller: {type(exc).__name__}: {exc}")
         self.served += 1
+        if method in EPISODE_ENDS:
+            self.episodes_ended[source] = self.episodes_ended.get(source, 0) + 1
         if wants_reply:
             self.comm.send(reply, dest=source, tag=REPLY_TAG)
         elif reply[0] == "error":

@@ -112,7 +112,7 @@ class Controller:
         self.hand_out(episodes)
 
     def hand_out(self, episodes: list[msg.Episode]) -> None:
-        for rank, share in self.scheduler.assign(episodes).items():
+        for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended).items():
             msg.send(self.layout.world, msg.Play(tuple(share)), rank)
 
     def wait_for_batch(self, step: int) -> Batch | None:

@@ -1,7 +1,7 @@
 """The controller's table of ranks and the assignment of work by tag.
 
 Every rank of the plan has a row: its roles, its node's capability tags, its state and the episodes it
-holds. Episodes go to ranks with the ``rollout`` role, least loaded first; training goes to ranks with the
+holds. Episodes go to ranks with the ``rollout`` role, fewest episodes in flight first; training goes to ranks with the
 ``trainer`` role. States make the timeline of a run readable (and, in ``seamless`` mode, say which trainer
 ranks may be lent to rollout while they wait).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.rl.messages import Episode
@@ -37,6 +37,7 @@ class RankEntry:
 class Scheduler:
     def __init__(self, plan: LaunchPlan) -> None:
         self.entries = {s.rank: RankEntry(s.rank, s.roles, s.tags) for s in plan.ranks()}
+        self._handed = dict.fromkeys(self.entries, 0)  # episodes sent by this process (an allocation)
 
     def ranks_with(self, role: str) -> tuple[int, ...]:
         return tuple(r for r, e in self.entries.items() if role in e.roles)
@@ -49,12 +50,20 @@ class Scheduler:
     def trainer_ranks(self) -> tuple[int, ...]:
         return self.ranks_with("trainer")
 
-    def assign(self, episodes: Iterable[Episode]) -> dict[int, list[Episode]]:
-        """Spread episodes over the rollout ranks, each to the rank that has been given the fewest so far."""
+    def in_flight(self, rank: int, ended: Mapping[int, int]) -> int:
+        """Episodes handed to `rank` by this process that have not ended (`ended`: rank -> episodes that
+        reported their end, finished or failed, as the trajectory manager's server counts them)."""
+        return self._handed[rank] - ended.get(rank, 0)
+
+    def assign(self, episodes: Iterable[Episode], ended: Mapping[int, int] | None = None) -> dict[int, list[Episode]]:
+        """Spread episodes over the rollout ranks, each to the rank with the fewest episodes in flight (ties:
+        the lower rank). A rank whose episodes run long (long replies, many turns) gets fewer new ones."""
+        ended = ended or {}
         plan: dict[int, list[Episode]] = {}
         for episode in episodes:
-            rank = min(self.rollout_ranks, key=lambda r: (self.entries[r].assigned, r))
+            rank = min(self.rollout_ranks, key=lambda r: (self.in_flight(r, ended), r))
             self.entries[rank].assigned += 1
+            self._handed[rank] += 1
             plan.setdefault(rank, []).append(episode)
         for rank in plan:
             self.entries[rank].state = RankState.GENERATING
