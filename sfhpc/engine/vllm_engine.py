@@ -196,8 +196,16 @@ class VllmEngine(RolloutEngine):
             if child.name.startswith("EngineCore"):
                 child.kill()
         llm.shutdown()
+        # Something of vLLM's (a paused request's future, the output task) may keep the object past this point;
+        # its finaliser would then shut down again at interpreter exit, when module globals are gone, and
+        # print a traceback. It has been shut down: make the second call a no-op.
+        llm.shutdown = _already_shut_down
         del llm
         gc.collect()
+
+
+def _already_shut_down(*_args: object, **_kwargs: object) -> None:
+    return None
 
 
 def _finish_reason(reason: str | None) -> str:
