@@ -2,7 +2,8 @@
 
     sfhpc launch RECIPE [--cluster MAP] [--wait]   submit one heterogeneous Slurm job
     sfhpc render RECIPE [--cluster MAP] [--template] print the batch script without submitting
-    sfhpc run RECIPE [--cluster MAP]               run on this machine with mpiexec (no Slurm)
+    sfhpc run RECIPE [--cluster MAP] [--resume RUN_DIR]  run on this machine with mpiexec (no Slurm);
+                                                   --resume continues a stopped run (exit 75: stopped)
     sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
