@@ -237,18 +237,15 @@ class Controller:
         return info
 
     def _state(self) -> ControllerState:
-        live = set(self.manager.live_groups())
-        # Groups every member of which is closed (consumed, stale, aborted) are done with.
-        self.open_groups = {g: e for g, e in self.open_groups.items()
-                            if g in live or not self.manager.group_members(g) and not self._closed_group(g)}
+        live, closed = set(self.manager.live_groups()), self.manager.closed_groups()
+        # Groups every member of which is closed (consumed, stale, aborted) are done with; a group with no
+        # trajectory yet is still out (its episodes are played again after a restart).
+        self.open_groups = {g: e for g, e in self.open_groups.items() if g in live or g not in closed}
         task_state = getattr(self.task, "state", None)
         return ControllerState(step=self.step_done, version=self.version, rng=self.rng.getstate(),
                                next_group=self.next_group, open_groups=dict(self.open_groups),
                                task_state=task_state() if callable(task_state) else None,
                                assigned={r: e.assigned for r, e in self.scheduler.entries.items()})
-
-    def _closed_group(self, group: str) -> bool:
-        return group in self.manager.closed_groups()
 
     def quiesce_rollouts(self) -> None:
         """Every generation in flight ends and is recorded as a partial rollout (engines stay paused)."""

@@ -105,8 +105,9 @@ class RolloutWorker:
         assert episode.resume_id is not None
         trajectory = await asyncio.to_thread(self.manager.trajectory, episode.resume_id)
         tokenizer = self.server.api.tokenizer
-        replies = [list(tokens) for tokens, _ in trajectory.replies()]
-        cut = bool(trajectory.replies()) and trajectory.replies()[-1][1]
+        recorded = trajectory.replies()
+        replies = [list(tokens) for tokens, _ in recorded]
+        cut = bool(recorded) and recorded[-1][1]
         remaining = reply_budget(self.task, self.recipe.budgets.max_new_tokens) - (len(replies[-1]) if cut else 0)
         if cut and remaining > 0:
             request = TurnRequest(tuple(int(t) for t in trajectory.context()), trajectory_id=trajectory.id,
