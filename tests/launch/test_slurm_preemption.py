@@ -135,10 +135,13 @@ def test_the_rl_run_survives_usr2_usr1_requeue_and_preemption(slurm_cluster: str
     # Every step consumed one whole batch; a step trained after the last checkpoint of a killed allocation
     # (its weights lost) keeps its marks, so its trajectories are never trained again either.
     assert len(consumed) % (4 * 4) == 0 and len(consumed) >= (STEPS + redone) * 4 * 4
-    # Trajectories that went on across a stop: segments before the cut and generated tokens after it.
+    # Trajectories that went on across a restart: a segment from before a stop request, and generated tokens
+    # from after the next allocation started resuming (an async run keeps generating between the request and
+    # its safe point, so the request's own time is not the cut).
+    restarts = [(cut, next(r["time"] - r["seconds"] for r in resumes if r["time"] > cut)) for cut in cut_times]
     across = [t for t in trajectories if any(
-        any(s.t_end < cut for s in t.segments) and any(s.generated and s.t_start > cut + 1 for s in t.segments)
-        for cut in cut_times)]
+        any(s.t_end < cut for s in t.segments) and any(s.generated and s.t_start > back for s in t.segments)
+        for cut, back in restarts)]
     assert sum(e["resumed"] for e in resumes) >= len(across)
     for t in trajectories:  # nothing is left open but the look-ahead of the last allocation
         if t.created < resumes[-1]["time"] - resumes[-1]["seconds"]:
