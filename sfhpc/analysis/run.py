@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store, trajectory_row
+from sfhpc.analysis.columns import columns_frame, store_columns
+from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store
 from sfhpc.data import open_store
 from sfhpc.data.store import ConsumptionMark, StoreReader
 from sfhpc.data.trajectory import NO_VERSION, Trajectory
@@ -84,7 +85,8 @@ class Run:
         self.store, self.folder, self._progress = store, folder, progress
         self._tokenizer = ByteTokenizer()  # the run's vocabulary: today every sfhpc model uses the byte one
         self._frames: dict[str, pd.DataFrame] | None = None
-        self._versions: dict[str, frozenset[int]] = {}
+        self._version_pairs = np.zeros((0, 2), np.int64)  # (trajectory row, version) pairs, unique
+        self._tokens_by_version: dict[int, int] = {}
 
     @property
     def path(self) -> Path:
@@ -140,7 +142,9 @@ class Run:
         if max_reward is not None:
             keep &= (df["reward"] <= max_reward).fillna(False)
         if version is not None:
-            keep &= df["id"].map(lambda tid: version in self._versions[tid]).astype(bool)
+            written = np.zeros(len(df), bool)
+            written[self._version_pairs[self._version_pairs[:, 1] == version, 0]] = True
+            keep &= written
         if staleness is not None:
             keep &= _in_range(df["staleness"], staleness)
         return df[keep.astype(bool)].reset_index(drop=True)
@@ -156,48 +160,54 @@ class Run:
 
     def _frame(self, name: str) -> pd.DataFrame:
         if self._frames is None:
-            self._frames = self._collect()
+            self._frames = {}
+        if name not in self._frames:
+            if name in ("turns", "segments"):
+                self._frames.update(self._collect_replies())
+            elif name == "trajectories":
+                columns = store_columns(self.store)
+                self._frames["trajectories"] = columns_frame(columns.columns, TRAJECTORY_DTYPES)
+                self._version_pairs, self._tokens_by_version = columns.version_pairs, columns.tokens_by_version
+            else:
+                self._frames["steps"] = self._steps(self._frame("trajectories"))
         return self._frames[name].copy()  # a copy: a caller's edits never leak into the next call
 
-    def _collect(self) -> dict[str, pd.DataFrame]:
-        """Every frame in one pass over the store (each trajectory is assembled once)."""
-        marks = {mark.trajectory_id: mark for mark in self.store.marks()}
-        rows: list[dict[str, Any]] = []
+    def tokens_by_version(self) -> dict[int, int]:
+        """Generated tokens on the current branches of every trajectory, per policy version that wrote them."""
+        self._frame("trajectories")
+        return dict(self._tokens_by_version)
+
+    def _collect_replies(self) -> dict[str, pd.DataFrame]:
+        """The turn and segment frames, in one pass over the store (each trajectory is assembled once)."""
         turns: list[dict[str, Any]] = []
         segments: list[dict[str, Any]] = []
-        self._versions = {}
         total = len(self.store)
         for n, trajectory in enumerate(self.store.trajectories(), start=1):
-            rows.append(trajectory_row(trajectory, marks.get(trajectory.id)))
             turns.extend(_turn_rows(trajectory))
             segments.extend(_segment_rows(trajectory))
-            written = trajectory.token_versions()
-            self._versions[trajectory.id] = frozenset(np.unique(written[written != NO_VERSION]).tolist())
             if self._progress is not None:
                 self._progress(n, total)
-        return {"trajectories": frame(rows, TRAJECTORY_DTYPES), "turns": frame(turns, TURN_DTYPES),
-                "segments": frame(segments, SEGMENT_DTYPES), "steps": self._steps(rows, marks)}
+        return {"turns": frame(turns, TURN_DTYPES), "segments": frame(segments, SEGMENT_DTYPES)}
 
-    def _steps(self, rows: list[dict[str, Any]], marks: dict[str, Any]) -> pd.DataFrame:
-        by_step: dict[int, list[dict[str, Any]]] = {}
-        for row in rows:
-            if row["consumed_step"] is not None:
-                by_step.setdefault(row["consumed_step"], []).append(row)
-        step_rows = []
-        for step in sorted(by_step):
-            members = by_step[step]
-            rewards = [r["reward"] for r in members if r["reward"] is not None]
-            stale = [r["staleness"] for r in members if r["staleness"] is not None]
-            step_rows.append({
-                "step": step, "policy_version": max(r["trained_version"] for r in members),
-                "trajectories": len(members), "reward_mean": float(np.mean(rewards)) if rewards else None,
-                "tokens": sum(r["tokens"] for r in members),
-                "generated_tokens": sum(r["generated_tokens"] for r in members),
-                "mean_staleness": float(np.mean(stale)) if stale else None,
-                "max_staleness": max(stale) if stale else None,
-                "time": max(marks[r["id"]].time for r in members),
-            })
-        steps = frame(step_rows, STEP_DTYPES)
+    def _steps(self, trajectories: pd.DataFrame) -> pd.DataFrame:
+        trained = trajectories[trajectories["consumed_step"].notna()]
+        marks = self.store.table("marks")
+        mark_time = pd.Series(marks["time"]).groupby(marks["step"]).max()
+        by_step = trained.groupby(trained["consumed_step"].astype("int64"), sort=True)
+        steps = pd.DataFrame({
+            "step": np.asarray(list(by_step.groups), dtype=np.int64) if len(trained) else np.zeros(0, np.int64),
+        })
+        if len(trained):
+            steps["policy_version"] = by_step["trained_version"].max().to_numpy(np.int64)
+            steps["trajectories"] = by_step.size().to_numpy(np.int64)
+            steps["reward_mean"] = by_step["reward"].mean().astype(OPT_FLOAT).to_numpy()
+            steps["tokens"] = by_step["tokens"].sum().to_numpy(np.int64)
+            steps["generated_tokens"] = by_step["generated_tokens"].sum().to_numpy(np.int64)
+            steps["mean_staleness"] = by_step["staleness"].mean().astype(OPT_FLOAT).to_numpy()
+            steps["max_staleness"] = by_step["staleness"].max().astype(OPT_INT).to_numpy()
+            steps["time"] = mark_time.reindex(steps["step"]).to_numpy(np.float64)
+        steps = pd.DataFrame({name: pd.Series(steps.get(name, []), dtype=dtype)
+                              for name, dtype in STEP_DTYPES.items()})
         metrics = self._metrics()
         if metrics is None:
             return steps

@@ -263,6 +263,23 @@ class StoreView:
                     continue
             yield self._assemble(row)
 
+    # -- whole tables, for analyses over every record at once (sfhpc.analysis) --------------------------
+
+    def table(self, name: str) -> np.ndarray:
+        """Every committed row of `trajectories`, `segments`, `statuses` or `marks`, read-only."""
+        rows = self._tables[name].view()
+        rows.flags.writeable = False
+        return rows
+
+    def latest_status_rows(self) -> np.ndarray:
+        """Per trajectory row: the row of its latest record in ``table("statuses")``; -1 for none yet."""
+        return self._index()["latest"]
+
+    def data(self, name: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Committed elements [start, stop) of a data array (``tokens/versions``, ``blobs/metadata`` ...)."""
+        stop = self._counts[name] if stop is None else min(stop, self._counts[name])
+        return self._read(name, start, stop)
+
     def resumable(self) -> list[Trajectory]:
         """Trajectories a restarted run must continue: running (the writer died under them) or interrupted."""
         return list(self.trajectories((Status.RUNNING, Status.INTERRUPTED)))

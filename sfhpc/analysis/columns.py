@@ -1,0 +1,201 @@
+"""The per-trajectory columns of a whole store at once: numpy over whole tables, not a loop over records.
+
+Assembling one `Trajectory` costs tens of microseconds, so a store of a million takes minutes that way;
+an analyst's summary should take seconds. `store_columns` reads each table once and derives every
+column of `trajectory_row` (the definition these columns must equal) with array operations.
+
+A trajectory whose segments form one chain (each segment continues the previous one in full) has every
+segment on its current branch: the fast path covers it. One with a fork (an earlier context taken up
+again) is assembled and goes through `trajectory_row` itself; runs have few of those.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pandas as pd
+
+from sfhpc.analysis.trajectories import trajectory_row
+from sfhpc.data.store import ConsumptionMark, StoreView
+from sfhpc.data.trajectory import NO_VERSION, SegmentKind, Status
+
+GENERATED = SegmentKind.GENERATED.code
+FAILED = Status.FAILED.code
+STATUS_NAMES = np.array([s.value for s in Status], dtype=object)
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreColumns:
+    """What `store_columns` computes: the columns, and who wrote which tokens."""
+
+    columns: dict[str, np.ndarray | list]  # TRAJECTORY_DTYPES' names; NaN / -1 / None where missing
+    version_pairs: np.ndarray  # unique (trajectory row, policy version): versions that wrote its branch
+    tokens_by_version: dict[int, int]  # generated tokens on the current branches, per policy version
+
+
+def store_columns(store: StoreView) -> StoreColumns:
+    n = len(store)
+    records = store.table("trajectories")
+    segs = store.table("segments")
+    order = np.lexsort((segs["index"], segs["trajectory"]))  # by trajectory, then segment index
+    segs = segs[order]
+    owner, index, count = segs["trajectory"], segs["index"].astype(np.int64), segs["token_count"]
+    generated = segs["kind"] == GENERATED
+
+    # A chain: segment 0 is the root; segment i > 0 has parent i - 1 and forks at the parent's end.
+    same = np.r_[False, owner[1:] == owner[:-1]]
+    prev_index, prev_count = np.r_[-1, index[:-1]], np.r_[0, count[:-1]]
+    chain = np.where(index == 0, (segs["parent"] == -1) & (segs["fork_at"] == 0),
+                     same & (index == prev_index + 1) & (segs["parent"] == index - 1) & (segs["fork_at"] == prev_count))
+    forked = np.zeros(n, bool)
+    forked[owner[~chain]] = True
+    keep = ~forked[owner]
+
+    def per_trajectory(mask: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        w = None if weights is None else weights[mask].astype(np.float64)
+        return np.bincount(owner[mask], weights=w, minlength=n).astype(np.int64)
+
+    tokens = per_trajectory(keep, count)
+    generated_tokens = per_trajectory(keep & generated, count)
+    interruptions = per_trajectory(keep & generated & (segs["finish_reason"] == b"abort"))
+    prev_generated = np.r_[False, generated[:-1]] & same
+    replies = per_trajectory(keep & generated & ~prev_generated)
+
+    oldest, newest, pairs, by_version = _versions(store, segs[keep & generated & (count > 0)], n)
+    for row in np.flatnonzero(forked):  # the few forked ones: by the definition
+        written = store.get(_text(records["id"][row])).token_versions()
+        written = written[written != NO_VERSION]
+        if len(written):
+            oldest[row], newest[row] = written.min(), written.max()
+            pairs.append(np.stack([np.full(len(np.unique(written)), row), np.unique(written)], 1))
+            by_version.append(np.bincount(written))
+    pairs_array = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
+    versions = np.bincount(pairs_array[:, 0].astype(np.int64), minlength=n).astype(np.int64)
+    total = np.zeros(max((len(b) for b in by_version), default=0), np.int64)
+    for part in by_version:
+        total[:len(part)] += part.astype(np.int64)
+    tokens_by_version = {int(v): int(c) for v, c in enumerate(total) if c}
+
+    # Status: the latest record of each trajectory (none yet: running).
+    statuses = store.table("statuses")
+    latest = store.latest_status_rows()
+    has = latest >= 0
+    current = statuses[latest[has]]
+    status_code = np.full(n, Status.RUNNING.code, np.int64)
+    status_code[has] = current["status"]
+    reward = np.full(n, np.nan)
+    reward[has] = current["reward"]
+    created = records["created"].astype(np.float64)
+    updated = created.copy()
+    updated[has] = current["time"]
+    turns = np.zeros(n, np.int64)
+    turns[has] = np.where(current["status"] == FAILED, 0, current["rewards_count"])
+    fail_reason = _fail_reasons(store, status_code, latest, statuses)
+
+    # Consumption: the trajectory's last mark, as `trajectory_rows` reads them.
+    marks = store.table("marks")
+    last_mark = np.full(n, -1, np.int64)
+    np.maximum.at(last_mark, marks["trajectory"], np.arange(len(marks), dtype=np.int64))
+    marked = last_mark >= 0
+    step = np.full(n, -1, np.int64)
+    trained = np.full(n, -1, np.int64)
+    step[marked] = marks["step"][last_mark[marked]]
+    trained[marked] = marks["policy_version"][last_mark[marked]]
+    has_versions = oldest >= 0
+    staleness = np.where(marked & has_versions, trained - oldest, -1)
+
+    columns: dict[str, np.ndarray | list] = {
+        "id": [v.decode("utf-8") for v in records["id"].tolist()], "task": _texts(records["task"]),
+        "group": _texts(np.where(records["has_group"].astype(bool), records["group"], b"")),
+        "status": STATUS_NAMES[status_code], "reward": reward, "turns": turns, "tokens": tokens,
+        "generated_tokens": generated_tokens, "min_version": oldest, "max_version": newest,
+        "consumed_step": step, "trained_version": trained, "staleness": staleness, "created": created,
+        "updated": updated, "fail_reason": fail_reason, "replies": replies, "versions": versions,
+        "interruptions": interruptions,
+    }
+    for row in np.flatnonzero(forked):
+        mark = None if not marked[row] else _mark(store, marks[last_mark[row]], records)
+        exact = trajectory_row(store.get(_text(records["id"][row])), mark)
+        for name in ("tokens", "generated_tokens", "replies", "interruptions"):
+            columns[name][row] = exact[name]  # type: ignore[index]
+    return StoreColumns(columns, pairs_array, tokens_by_version)
+
+
+def columns_frame(columns: dict[str, np.ndarray | list], dtypes: dict[str, str]) -> pd.DataFrame:
+    """The columns as typed pandas columns: -1 (a version, a step) and NaN (a reward) become <NA>."""
+    data = {}
+    for name, dtype in dtypes.items():
+        values = columns[name]
+        if dtype == "Int64":
+            values = np.asarray(values)
+            data[name] = pd.arrays.IntegerArray(values.astype(np.int64), values < 0)
+        elif dtype == "Float64":
+            values = np.asarray(values, np.float64)
+            data[name] = pd.arrays.FloatingArray(values, np.isnan(values))
+        else:
+            data[name] = pd.array(values, dtype=dtype) if dtype == "string" else np.asarray(values).astype(dtype)
+    return pd.DataFrame(data)
+
+
+def _versions(store: StoreView, gen: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, list, list]:
+    """Oldest and newest version per trajectory (-1: none), (row, version) pairs and tokens per version,
+    from the generated segments `gen` (chain trajectories, non-empty) and the token versions under them."""
+    oldest = np.full(n, -1, np.int64)
+    newest = np.full(n, -1, np.int64)
+    if not len(gen):
+        return oldest, newest, [], []
+    written = store.data("tokens/versions")
+    gen = gen[np.argsort(gen["token_start"], kind="stable")]
+    starts = gen["token_start"]
+    ends = starts + gen["token_count"]
+    # reduceat over [start, end) pairs: the even results are each segment's own span (the odd ones, the
+    # gaps between segments, are dropped). A last end at the array's end is implied.
+    edges = np.stack([starts, ends], 1).ravel()
+    if edges[-1] >= len(written):
+        edges = edges[:-1]
+    seg_min = np.minimum.reduceat(written, edges)[::2].astype(np.int64)
+    seg_max = np.maximum.reduceat(written, edges)[::2].astype(np.int64)
+    owners = gen["trajectory"]
+    low = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(low, owners, seg_min)
+    np.maximum.at(newest, owners, seg_max)
+    oldest = np.where(newest >= 0, low, -1)
+    one = seg_min == seg_max  # a segment of one version (every generation that no weight update split)
+    pairs = [np.stack([owners[one], seg_min[one]], 1)]
+    by_version = [np.bincount(seg_min[one], weights=gen["token_count"][one].astype(np.float64))]
+    for i in np.flatnonzero(~one):  # a generation that spans a weight update: its tokens one by one
+        values = written[starts[i]:ends[i]].astype(np.int64)
+        present = np.unique(values)
+        pairs.append(np.stack([np.full(len(present), owners[i]), present], 1))
+        by_version.append(np.bincount(values))
+    return oldest, newest, pairs, by_version
+
+
+def _fail_reasons(store: StoreView, status_code: np.ndarray, latest: np.ndarray, statuses: np.ndarray) -> list:
+    """Why each failed trajectory failed ("" for the others); a failed record points into the metadata blob."""
+    reasons = [""] * len(status_code)
+    failed = np.flatnonzero(status_code == FAILED)
+    if not len(failed):
+        return reasons
+    recs = statuses[latest[failed]]
+    low = int(recs["rewards_start"].min())
+    blob = store.data("blobs/metadata", low, int((recs["rewards_start"] + recs["rewards_count"]).max())).tobytes()
+    for row, start, count in zip(failed, recs["rewards_start"] - low, recs["rewards_count"]):
+        reasons[row] = blob[start:start + count].decode("utf-8")
+    return reasons
+
+
+def _mark(store: StoreView, mark: np.void, records: np.ndarray) -> ConsumptionMark:
+    return ConsumptionMark(int(mark["step"]), _text(records["id"][mark["trajectory"]]), int(mark["policy_version"]),
+                           float(mark["time"]))
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8")
+
+
+def _texts(values: np.ndarray) -> np.ndarray:
+    """Fixed-width UTF-8 fields that repeat (tasks, groups) as Python strings, each distinct one decoded once."""
+    unique, inverse = np.unique(values, return_inverse=True)
+    return np.array([v.decode("utf-8") for v in unique.tolist()], dtype=object)[inverse.ravel()]
