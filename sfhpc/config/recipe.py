@@ -154,10 +154,14 @@ class Budgets:
 
 @dataclasses.dataclass(frozen=True)
 class TaskSpec:
-    """The environment the agents act in; ``options`` are passed to it as they are."""
+    """The environment the agents act in: a built-in task's name, or user code by import path
+    (``package.module:Name``, ``file.py:Name``); ``options`` are passed to it as they are. Relative files
+    the task names (a ``.py`` file, a data file) are read from `base_dir`, the recipe's folder, which
+    `load_recipe` makes absolute (a rank may run in another working folder)."""
 
     name: str = "launch-report"
     options: Any = None
+    base_dir: str | None = dataclasses.field(default=None, compare=False, metadata={"yaml": False})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,4 +268,6 @@ class Recipe:
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe; raises ConfigError naming file, line and key."""
     data = read_yaml(path)
-    return dataclasses.replace(build(Recipe, data, Where(str(path), "", data.line)), source=str(path))
+    recipe = build(Recipe, data, Where(str(path), "", data.line))
+    task = dataclasses.replace(recipe.task, base_dir=str(Path(path).parent.resolve()))
+    return dataclasses.replace(recipe, source=str(path), task=task)

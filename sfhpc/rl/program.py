@@ -12,7 +12,7 @@ from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.runtime.comm_layout import build_comm_layout
 from sfhpc.runtime.identity import RankIdentity
-from sfhpc.tasks.base import Task, get_task
+from sfhpc.tasks import Task, get_task
 
 log = logging.getLogger("sfhpc")
 
@@ -25,7 +25,9 @@ def check_runnable(recipe: Recipe) -> None:
         raise SfhpcError(f"{recipe.source}: pipeline.mode: 'seamless' is not available yet; use 'async' "
                          "(overlapped, bounded staleness) or 'sync'")
     if recipe.task.name != "launch-report":
-        get_task(recipe.task, recipe.source)  # unknown task or bad options: ConfigError now, not in the job
+        # An unknown task, user code that does not import, bad options or a bad data file: ConfigError now,
+        # not on every rank of the job.
+        get_task(recipe.task, recipe.source).check()
         if recipe.model.path is not None:
             # A folder the engines cannot load would hang or fail on every rank, after the job started.
             from sfhpc.model.folder import model_folder_problem

@@ -5,6 +5,8 @@ endpoint), and hands the reply to `Episode.step`. The episode answers with the n
 environment's observation) or ends with a reward. Single-turn tasks end after the first reply;
 multi-turn ones decide themselves how long an episode runs (the number of turns may be long-tailed).
 Rewards are verifiable: computed from the reply text, never from a model.
+
+Which tasks exist (the built-in names, user code by import path) is `sfhpc.tasks.registry`'s business.
 """
 
 from __future__ import annotations
@@ -12,11 +14,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import random
-from collections.abc import Callable
+from pathlib import Path
 from typing import Any
-
-from sfhpc.config.recipe import TaskSpec
-from sfhpc.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,29 +70,22 @@ class Task(abc.ABC):
         answers are not the solutions, so reward still has to be learned by RL). Empty: no warm start."""
         return []
 
+    def check(self) -> None:
+        """Find what is wrong with the task's input before any job starts (a data file: missing, empty,
+        without the named keys), as a `ConfigError`. Construction stays cheap, since every rank builds the
+        task and only the controller samples problems; the default has nothing to read."""
+        return None
 
-_REGISTRY: dict[str, Callable[[dict[str, Any]], Task]] = {}
+    def state(self) -> Any:
+        """The sampler's position, saved with each checkpoint (None: the controller's RNG is all there is)."""
+        return None
 
+    def restore(self, state: Any) -> None:
+        """Continue from a `state` this task's `state` returned."""
+        return None
 
-def register(name: str) -> Callable[[Callable[..., Task]], Callable[..., Task]]:
-    def add(factory: Callable[..., Task]) -> Callable[..., Task]:
-        _REGISTRY[name] = factory
-        return factory
-    return add
-
-
-def get_task(spec: TaskSpec, source: str = "recipe") -> Task:
-    """The task a recipe names, built with its options; ConfigError for an unknown name or bad options."""
-    import sfhpc.tasks.guess_number  # noqa: F401  (registers the shipped tasks)
-    import sfhpc.tasks.letters  # noqa: F401
-
-    if spec.name not in _REGISTRY:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ConfigError(source, "task.name", f"unknown task '{spec.name}' (known: {known})")
-    options = spec.options or {}
-    if not isinstance(options, dict):
-        raise ConfigError(source, "task.options", "expected a mapping of option names to values")
-    try:
-        return _REGISTRY[spec.name](**options)
-    except TypeError as exc:
-        raise ConfigError(source, "task.options", f"bad options for task '{spec.name}': {exc}") from None
+    @classmethod
+    def from_options(cls, options: dict[str, Any], *, source: str, base_dir: Path | None) -> Task:
+        """The task a recipe's ``task.options`` describe. A task whose options name files overrides this
+        to read them relative to `base_dir` (the recipe's folder) and name a bad option's key."""
+        return cls(**options)

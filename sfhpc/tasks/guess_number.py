@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from sfhpc.tasks.base import Episode, Problem, StepResult, Task, register
+from sfhpc.tasks.base import Episode, Problem, StepResult, Task
 
 
 class _GuessEpisode(Episode):
@@ -36,7 +36,6 @@ class _GuessEpisode(Episode):
         return StepResult(done=False, observation=hint)
 
 
-@register("guess-number")
 class GuessNumberTask(Task):
     name = "guess-number"
     max_reply_tokens = 3

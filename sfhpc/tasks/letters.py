@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import string
 
-from sfhpc.tasks.base import Episode, Problem, StepResult, Task, register
+from sfhpc.tasks.base import Episode, Problem, StepResult, Task
 
 LETTERS = string.ascii_lowercase[:-1]  # 'z' has no next letter
 
@@ -27,7 +27,6 @@ class _NextLetterEpisode(Episode):
         return StepResult(done=True, reward=1.0 if reply.strip() == expected else 0.0)
 
 
-@register("next-letter")
 class NextLetterTask(Task):
     """Options: ``letters``, the letters questions are drawn from (default a-y; fewer letters learn faster)."""
 

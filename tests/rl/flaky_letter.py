@@ -1,12 +1,11 @@
-"""Python imports this at start-up in every process of a test run whose PYTHONPATH names this folder
-(the sfhpc command, every MPI rank, vLLM's children): it registers ``flaky-letter`` through the task
-registry, the way a user's own task would be. It is ``next-letter`` with the faults of real user code:
-an episode of letter 'a' cannot even open (before its trajectory exists), one of letter 'b' raises on
+"""A user's own task, named in a recipe by its file (``.../flaky_letter.py:FlakyLetterTask``) and imported
+from it on every rank that builds the task, as any user code is. It is ``next-letter`` with the faults of
+real user code: an episode of letter 'a' cannot even open (before its trajectory exists), one of letter 'b' raises on
 the policy's reply (after its first turn)."""
 
 from __future__ import annotations
 
-from sfhpc.tasks.base import Episode, Problem, StepResult, register
+from sfhpc.tasks.base import Episode, Problem, StepResult
 from sfhpc.tasks.letters import NextLetterTask
 
 
@@ -25,7 +24,6 @@ class _FlakyEpisode(Episode):
         return self.inner.step(reply)
 
 
-@register("flaky-letter")
 class FlakyLetterTask(NextLetterTask):
     name = "flaky-letter"
 

@@ -1,0 +1,204 @@
+"""``dataset``: single-turn problems from a data file (JSON lines or Parquet), judged by a verifiable reward.
+
+    task:
+      name: dataset
+      options:
+        path: data/train.jsonl     # .jsonl or .parquet; relative to the recipe's folder
+        prompt: question           # the row's key holding the prompt text, or a list of chat messages
+        answer: answer             # the row's key holding the reference answer, given to the reward
+        reward: numeric            # exact | numeric | package.module:function | file.py:function
+        system: "Answer with #### and the number."   # optional system message before every prompt
+        max_reply_tokens: 32
+
+Problems are drawn without repeats within an epoch: each epoch visits every row once, in an order
+shuffled with a seed drawn from the controller's seeded RNG, and the sampler's position (`state`) is saved
+with every checkpoint, so a resumed run continues its epoch. Rows are read only where problems are drawn
+(the controller) and where `check` runs (the command line, before any job starts); the rollout ranks get
+each problem's messages and answer with the episode.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from sfhpc.errors import ConfigError
+from sfhpc.tasks.base import Episode, Problem, StepResult, Task
+from sfhpc.tasks.rewards import BUILTIN_REWARDS, Reward, final_number, get_reward
+
+SUFFIXES = (".jsonl", ".parquet")
+OPTIONS = ("path", "prompt", "answer", "reward", "system", "max_reply_tokens")
+
+
+class _DatasetEpisode(Episode):
+    def __init__(self, messages: list[dict[str, str]], answer: Any, reward: Reward) -> None:
+        self.messages, self.answer, self.reward = messages, answer, reward
+
+    def opening(self) -> list[dict[str, str]]:
+        return [dict(m) for m in self.messages]
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(done=True, reward=float(self.reward(reply, self.answer)))
+
+
+class DatasetTask(Task):
+    name = "dataset"
+    max_turns = 1
+
+    def __init__(self, path: Path, *, prompt: str, answer: str, reward: Reward, numeric_answers: bool = False,
+                 system: str | None = None, max_reply_tokens: int = 32, source: str = "recipe") -> None:
+        self.path, self.prompt_key, self.answer_key, self.reward = path, prompt, answer, reward
+        self.numeric_answers, self.system, self.max_reply_tokens, self.source = (
+            numeric_answers, system, max_reply_tokens, source)
+        self._rows: list[tuple[list[dict[str, str]], Any]] | None = None
+        self._epoch, self._seed, self._position = 0, None, 0  # the sampler (see `state`)
+        self._order: list[int] = []
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any], *, source: str, base_dir: Path | None) -> DatasetTask:
+        def key(name: str) -> str:
+            return f"task.options.{name}"
+
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(source, key(unknown[0]), f"unknown option (the dataset task takes {', '.join(OPTIONS)})")
+        for name in ("path", "prompt", "answer"):
+            if not isinstance(options.get(name), str) or not options[name]:
+                raise ConfigError(source, key(name), "required: " + {
+                    "path": "the data file (.jsonl or .parquet, relative to the recipe's folder)",
+                    "prompt": "the key of each row that holds the prompt (text, or a list of chat messages)",
+                    "answer": "the key of each row that holds the reference answer"}[name])
+        path = Path(options["path"])
+        if not path.is_absolute():
+            path = (base_dir or Path.cwd()) / path
+        if path.suffix not in SUFFIXES:
+            raise ConfigError(source, key("path"), f"{path} is not a {' or '.join(SUFFIXES)} file")
+        reward_name = options.get("reward", "exact")
+        reward = get_reward(reward_name, source=source, key=key("reward"), base_dir=base_dir)
+        system = options.get("system")
+        if system is not None and not isinstance(system, str):
+            raise ConfigError(source, key("system"), "expected text (the system message before every prompt)")
+        max_reply_tokens = options.get("max_reply_tokens", 32)
+        if not isinstance(max_reply_tokens, int) or max_reply_tokens < 1:
+            raise ConfigError(source, key("max_reply_tokens"), f"must be a whole number of at least 1, found "
+                                                               f"{max_reply_tokens!r}")
+        return cls(path.resolve(), prompt=options["prompt"], answer=options["answer"], reward=reward,
+                   numeric_answers=reward is BUILTIN_REWARDS["numeric"], system=system,
+                   max_reply_tokens=max_reply_tokens, source=source)
+
+    # -- the rows ---------------------------------------------------------------------------------------
+    def check(self) -> None:
+        self.rows  # noqa: B018 - reading them is the check
+
+    @property
+    def rows(self) -> list[tuple[list[dict[str, str]], Any]]:
+        """Every row as (opening messages, answer), read on first use."""
+        if self._rows is None:
+            self._rows = [self._row(i, row) for i, row in enumerate(self._read())]
+            if not self._rows:
+                raise ConfigError(self.source, "task.options.path", f"{self.path} holds no rows")
+        return self._rows
+
+    def _read(self) -> list[Any]:
+        where = "task.options.path"
+        if not self.path.is_file():
+            raise ConfigError(self.source, where, f"{self.path} does not exist" if not self.path.exists()
+                              else f"{self.path} is not a file")
+        if self.path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            try:
+                return pq.read_table(self.path).to_pylist()
+            except Exception as exc:  # pyarrow's errors have no common base: any of them means unreadable
+                message = " ".join(str(exc).split())
+                raise ConfigError(self.source, where, f"{self.path} is not a readable Parquet file: {message}") \
+                    from None
+        rows = []
+        with open(self.path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ConfigError(self.source, where, f"{self.path} line {number} is not JSON: {exc.msg}") \
+                        from None
+        return rows
+
+    def _row(self, index: int, row: Any) -> tuple[list[dict[str, str]], Any]:
+        def bad(problem: str) -> ConfigError:
+            return ConfigError(self.source, "task.options", f"row {index + 1} of {self.path} {problem}")
+
+        if not isinstance(row, dict):
+            raise bad(f"is a {type(row).__name__}, not an object with keys")
+        for name, key in (("prompt", self.prompt_key), ("answer", self.answer_key)):
+            if key not in row:
+                keys = ", ".join(map(str, row)) or "none"
+                raise bad(f"has no key '{key}' (task.options.{name}; the row's keys: {keys})")
+        prompt = row[self.prompt_key]
+        if isinstance(prompt, str):
+            messages = [{"role": "user", "content": prompt}]
+        elif (isinstance(prompt, list) and prompt
+              and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                      for m in prompt)):
+            messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
+        else:
+            raise bad(f"'{self.prompt_key}' is neither text nor a list of chat messages ({{role, content}})")
+        if self.system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system})
+        return messages, row[self.answer_key]
+
+    # -- sampling without repeats per epoch -----------------------------------------------------------
+    def sample(self, rng: random.Random) -> Problem:
+        rows = self.rows
+        if self._seed is None or self._position >= len(rows):
+            if self._seed is not None:
+                self._epoch += 1
+            self._seed, self._position = rng.randrange(2**63), 0
+            self._order = self._shuffled(len(rows), self._seed)
+        index = self._order[self._position]
+        self._position += 1
+        messages, answer = rows[index]
+        return Problem(key=str(index), data={"messages": messages, "answer": answer})
+
+    @staticmethod
+    def _shuffled(count: int, seed: int) -> list[int]:
+        order = list(range(count))
+        random.Random(seed).shuffle(order)
+        return order
+
+    def state(self) -> dict[str, Any]:
+        # The order is its seed: a checkpoint stays small whatever the size of the file.
+        return {"rows": len(self.rows), "epoch": self._epoch, "seed": self._seed, "position": self._position}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        if state["rows"] != len(self.rows):
+            raise ConfigError(self.source, "task.options.path",
+                              f"{self.path} has {len(self.rows)} rows, the checkpoint's sampler had {state['rows']}; "
+                              "resume with the data file the run started with")
+        self._epoch, self._seed, self._position = state["epoch"], state["seed"], state["position"]
+        self._order = self._shuffled(len(self.rows), self._seed) if self._seed is not None else []
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def episode(self, problem: Problem) -> Episode:
+        return _DatasetEpisode(problem.data["messages"], problem.data["answer"], self.reward)
+
+    def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
+        # Format only: each prompt gets another row's answer, so the replies look like answers and are
+        # right only by chance. With the numeric reward the reply is the short form ``#### N`` of that
+        # answer (what the verifier reads), not its worked solution.
+        rows = self.rows
+        examples = []
+        for _ in range(count):
+            messages, _ = rows[rng.randrange(len(rows))]
+            _, other = rows[rng.randrange(len(rows))]
+            reply = str(other)
+            if self.numeric_answers and (number := final_number(reply)) is not None:
+                reply = f"#### {int(number) if number.is_integer() else number}"
+            examples.append([*messages, {"role": "assistant", "content": reply}])
+        return examples
