@@ -61,7 +61,7 @@ def load_object(text: str, *, source: str, key: str, base_dir: Path | None = Non
 def check_callable(obj: Any, args: tuple[str, ...], *, text: str, source: str, key: str) -> Callable[..., Any]:
     """`obj` when it can be called with the positional arguments named in `args`; a ConfigError otherwise."""
     if not callable(obj):
-        raise ConfigError(source, key, f"'{text}' is a {type(obj).__name__}, not a function")
+        raise ConfigError(source, key, f"'{text}' is of type {type(obj).__name__}, not a function")
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):  # some builtins have none: take them on trust

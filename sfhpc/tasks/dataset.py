@@ -145,7 +145,8 @@ class DatasetTask(Task):
                       for m in prompt)):
             messages = [{"role": m["role"], "content": m["content"]} for m in prompt]
         else:
-            raise bad(f"'{self.prompt_key}' is neither text nor a list of chat messages ({{role, content}})")
+            raise bad(f"has a '{self.prompt_key}' that is neither text nor a list of chat messages "
+                      "({role, content})")
         if self.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system})
         return messages, row[self.answer_key]

@@ -55,10 +55,10 @@ def get_task(spec: TaskSpec, source: str = "recipe") -> Task:
         _check_options(factory, options, spec.name, source)
         task = _call_user_code(factory, options, spec.name, source)
     else:
-        raise ConfigError(source, "task.name", f"'{spec.name}' is a {_kind(factory)}, not a Task subclass "
+        raise ConfigError(source, "task.name", f"'{spec.name}' is {_kind(factory)}, not a Task subclass "
                                                "(sfhpc.tasks.Task) or a function that returns a Task")
     if not isinstance(task, Task):
-        raise ConfigError(source, "task.name", f"'{spec.name}' returned a {_kind(task)}, not a Task "
+        raise ConfigError(source, "task.name", f"'{spec.name}' returned {_kind(task)}, not a Task "
                                                "(sfhpc.tasks.Task)")
     return task
 
@@ -87,4 +87,4 @@ def _call_user_code(factory: Any, options: dict[str, Any], name: str, source: st
 
 
 def _kind(obj: Any) -> str:
-    return f"class {obj.__name__}" if isinstance(obj, type) else type(obj).__name__
+    return f"the class {obj.__name__}" if isinstance(obj, type) else f"an object of type {type(obj).__name__}"

@@ -35,7 +35,9 @@ roles:
 
 def test_a_run_with_failing_episodes_completes_and_records_why(tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(FLAKY.replace("FLAKY", str(FLAKY_TASK)) + f"output_dir: {tmp_path / 'runs'}\n")
+    # The file beside the recipe, named relative to it: each rank (whatever its working folder) finds it.
+    (tmp_path / FLAKY_TASK.name).write_text(FLAKY_TASK.read_text())
+    recipe.write_text(FLAKY.replace("FLAKY", FLAKY_TASK.name) + f"output_dir: {tmp_path / 'runs'}\n")
     done = run_sfhpc("run", str(recipe), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]

@@ -1,0 +1,148 @@
+"""The dataset task: rows of a JSON-lines or Parquet file, drawn without repeats per epoch, the sampler's
+position kept across a checkpoint, and every bad input named (file, row, key) before a job starts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config.recipe import TaskSpec
+from sfhpc.errors import ConfigError
+from sfhpc.rl.resume import ControllerState
+from sfhpc.tasks import get_task
+from sfhpc.tasks.dataset import DatasetTask
+
+
+def write_jsonl(path: Path, rows: list[object]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dataset(tmp_path: Path, rows: list[object] | None = None, **options: object) -> DatasetTask:
+    if rows is not None:
+        write_jsonl(tmp_path / "train.jsonl", rows)
+    spec = TaskSpec("dataset", {"path": "train.jsonl", "prompt": "q", "answer": "a", **options},
+                    base_dir=str(tmp_path))
+    task = get_task(spec, "r.yaml")
+    assert isinstance(task, DatasetTask)
+    return task
+
+
+def numbered(count: int) -> list[dict[str, object]]:
+    return [{"q": f"what is {i}?", "a": f"#### {i}"} for i in range(count)]
+
+
+def test_rows_become_episodes_judged_by_the_reward(tmp_path: Path) -> None:
+    rows = [{"q": "2 + 2?", "a": "#### 4"},
+            {"q": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "3 + 3?"}], "a": 6}]
+    task = dataset(tmp_path, rows, reward="numeric", system="Answer with #### N.", max_reply_tokens=6)
+    assert task.max_reply_tokens == 6 and task.max_turns == 1
+    problems = {p.key: p for p in (task.sample(random.Random(0)) for _ in range(2))}
+    first, second = task.episode(problems["0"]), task.episode(problems["1"])
+    assert first.opening() == [{"role": "system", "content": "Answer with #### N."},
+                               {"role": "user", "content": "2 + 2?"}]
+    assert second.opening() == rows[1]["q"]  # its own system message is kept, the option's not added
+    assert first.step("#### 4").reward == 1.0 and first.step("#### 5").reward == 0.0
+    assert second.step("it is 6").reward == 1.0 and second.step("#### 6").done
+
+
+def test_parquet_rows(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"q": [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]],
+                             "a": ["hello", "hey"]}), tmp_path / "train.parquet")
+    task = get_task(TaskSpec("dataset", {"path": "train.parquet", "prompt": "q", "answer": "a"},
+                             base_dir=str(tmp_path)))
+    task.check()
+    episodes = {p.key: task.episode(p) for p in (task.sample(random.Random(1)) for _ in range(2))}
+    assert episodes["1"].opening() == [{"role": "user", "content": "yo"}]
+    assert episodes["1"].step(" hey ").reward == 1.0 and episodes["0"].step("hey").reward == 0.0  # exact
+
+
+def test_each_epoch_visits_every_row_once_in_a_new_order(tmp_path: Path) -> None:
+    task = dataset(tmp_path, numbered(7))
+    rng = random.Random(5)
+    keys = [task.sample(rng).key for _ in range(7 * 3)]
+    epochs = [keys[i:i + 7] for i in range(0, 21, 7)]
+    assert all(sorted(e, key=int) == [str(i) for i in range(7)] for e in epochs)
+    assert len({tuple(e) for e in epochs}) == 3 and task.epoch == 2
+    again = dataset(tmp_path)  # the same seed draws the same problems
+    assert [again.sample(random.Random(5)).key for _ in range(1)] == keys[:1]
+
+
+@pytest.mark.parametrize("cut", [0, 3, 7, 9])
+def test_a_resumed_sampler_continues_its_epoch(tmp_path: Path, cut: int) -> None:
+    """Cut after `cut` problems, the state saved as the controller saves it (`controller.pt`) and restored
+    into a fresh task and RNG: the problems after the cut are the uninterrupted run's, so the epoch neither
+    repeats nor skips a row."""
+    whole = dataset(tmp_path, numbered(7))
+    rng = random.Random(11)
+    uninterrupted = [whole.sample(rng).key for _ in range(14)]
+
+    before = dataset(tmp_path)
+    rng = random.Random(11)
+    head = [before.sample(rng).key for _ in range(cut)]
+    ControllerState(step=1, version=1, rng=rng.getstate(), next_group=cut, open_groups={},
+                    task_state=before.state()).save(tmp_path / "controller.pt")
+    saved = ControllerState.load(tmp_path / "controller.pt")
+    after, rng = dataset(tmp_path), random.Random()
+    after.restore(saved.task_state)
+    rng.setstate(saved.rng)
+    tail = [after.sample(rng).key for _ in range(14 - cut)]
+    assert head + tail == uninterrupted
+    assert sorted(uninterrupted[:7], key=int) == sorted(uninterrupted[7:], key=int) == [str(i) for i in range(7)]
+
+
+def test_a_checkpoint_of_another_file_is_refused(tmp_path: Path) -> None:
+    task = dataset(tmp_path, numbered(5))
+    task.sample(random.Random(0))
+    state = task.state()
+    write_jsonl(tmp_path / "train.jsonl", numbered(6))
+    with pytest.raises(ConfigError, match=r"train.jsonl has 6 rows, the checkpoint's sampler had 5"):
+        dataset(tmp_path).restore(state)
+
+
+def test_warm_start_replies_have_the_answer_format_not_the_answer(tmp_path: Path) -> None:
+    rows = [{"q": f"{i} + 0?", "a": f"{i} + 0 = {i}\n#### {i}"} for i in range(10)]
+    examples = dataset(tmp_path, rows, reward="numeric").warm_start_examples(random.Random(0), 200)
+    replies = [e[-1]["content"] for e in examples]
+    assert {r[:5] for r in replies} == {"#### "} and {int(r[5:]) for r in replies} == set(range(10))
+    right = sum(e[-1]["content"] == f"#### {e[0]['content'].split()[0]}" for e in examples)
+    assert right < 50  # about 1 in 10: the content is another row's answer
+    exact = dataset(tmp_path, rows).warm_start_examples(random.Random(0), 5)  # exact: another row's answer
+    assert all(e[-1]["content"] in {r["a"] for r in rows} for e in exact)
+
+
+@pytest.mark.parametrize(("rows", "options", "expected"), [
+    (None, {}, "r.yaml: task.options.path: {dir}/train.jsonl does not exist"),
+    ([], {}, "r.yaml: task.options.path: {dir}/train.jsonl holds no rows"),
+    ([{"q": "x", "a": 1}, {"q": "y"}], {},
+     "r.yaml: task.options: row 2 of {dir}/train.jsonl has no key 'a' (task.options.answer; the row's keys: q)"),
+    ([{"question": "x", "a": 1}], {},
+     "row 1 of {dir}/train.jsonl has no key 'q' (task.options.prompt; the row's keys: question, a)"),
+    ([{"q": 3, "a": 1}], {}, "row 1 of {dir}/train.jsonl has a 'q' that is neither text nor a list of chat messages"),
+    ([[1, 2]], {}, "row 1 of {dir}/train.jsonl is a list, not an object with keys"),
+    ("not json\n", {}, "r.yaml: task.options.path: {dir}/train.jsonl line 1 is not JSON"),
+    ("PAR1 garbage", {"path": "train.parquet"}, "{dir}/train.parquet is not a readable Parquet file"),
+    ([{"q": "x", "a": 1}], {"path": "train.csv"}, "task.options.path: {dir}/train.csv is not a .jsonl or .parquet"),
+    ([{"q": "x", "a": 1}], {"prompt": None}, "task.options.prompt: required: the key of each row"),
+    ([{"q": "x", "a": 1}], {"reward": "close"}, "task.options.reward: unknown reward 'close'"),
+    ([{"q": "x", "a": 1}], {"reward": "scorers.py:score"}, "task.options.reward: cannot import 'scorers.py'"),
+    ([{"q": "x", "a": 1}], {"shuffle": True}, "task.options.shuffle: unknown option (the dataset task takes path,"),
+    ([{"q": "x", "a": 1}], {"max_reply_tokens": 0}, "task.options.max_reply_tokens: must be a whole number"),
+])
+def test_bad_input_is_named(tmp_path: Path, rows: object, options: dict[str, object], expected: str) -> None:
+    if isinstance(rows, str):
+        (tmp_path / options.get("path", "train.jsonl")).write_text(rows)  # type: ignore[operator]
+    elif rows is not None:
+        write_jsonl(tmp_path / "train.jsonl", rows)  # type: ignore[arg-type]
+    spec = TaskSpec("dataset", {"path": "train.jsonl", "prompt": "q", "answer": "a", **options},
+                    base_dir=str(tmp_path))
+    with pytest.raises(ConfigError) as caught:
+        get_task(spec, "r.yaml").check()
+    assert expected.format(dir=tmp_path) in str(caught.value), str(caught.value)
+    assert "\n" not in str(caught.value)
