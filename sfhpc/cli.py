@@ -8,7 +8,7 @@
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
-    sfhpc traj summary|export|plot RUN, show RUN ID a run's trajectory store, for analysts
+    sfhpc traj summary|export|plot|report RUN, show RUN ID, compare A B  a run's trajectory store
 
 Errors a user can fix come out as one line on stderr and exit code 2; nothing is written then.
 """
@@ -165,11 +165,25 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_traj_summary(args: argparse.Namespace) -> int:
-    from sfhpc.analysis import locate_store
-    from sfhpc.data import open_store
+    from sfhpc.analysis import open_run
+    from sfhpc.analysis.summary import run_finished, summarize, update_line
 
-    with open_store(locate_store(args.store)) as store:
-        print(store.summary().format())
+    with open_run(args.store) as run:
+        summary = summarize(run)
+        print(summary.format(), flush=True)
+        if not args.follow:
+            return 0
+        print(f"following {run.path} every {args.interval:g} s (Ctrl-C ends)", flush=True)
+        try:
+            while not run_finished(run.folder):
+                time.sleep(args.interval)
+                if run.refresh():
+                    summary, previous = summarize(run), summary
+                    print(update_line(run, previous, summary), flush=True)
+            run.refresh()
+            print(f"the run finished\n\n{summarize(run).format()}", flush=True)
+        except KeyboardInterrupt:
+            print("stopped following", flush=True)
     return 0
 
 
@@ -219,17 +233,56 @@ def cmd_traj_show(args: argparse.Namespace) -> int:
 
 
 def cmd_traj_plot(args: argparse.Namespace) -> int:
-    from sfhpc.analysis import locate_store, plot_rows, trajectory_rows
-    from sfhpc.data import open_store
+    from sfhpc.analysis import locate_store, open_run
+    from sfhpc.analysis.plots import PlotData, draw
 
     path = locate_store(args.store)
-    out = Path(args.out) if args.out else path.parent / "trajectories.png"
+    out = _new_file(Path(args.out) if args.out else path.parent / "trajectories.png")
+    with open_run(path) as run:
+        data = PlotData.of(run)
+    try:
+        with out.open("xb") as handle:  # "x": never overwrite, even a file that appeared meanwhile
+            panels = draw(data, handle, title=str(path.parent.name))
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    print(f"wrote {out} ({', '.join(panels)})")
+    return 0
+
+
+def cmd_traj_report(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import locate_store, open_run
+    from sfhpc.analysis.report import write_report
+
+    path = locate_store(args.store)
+    out = _new_file(Path(args.out) if args.out else path.parent / "report.html")
+    with open_run(path) as run:
+        write_report(run, out)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_traj_compare(args: argparse.Namespace) -> int:
+    from sfhpc.analysis import open_run
+    from sfhpc.analysis.compare import compare, plot_rewards
+
+    out = _new_file(Path(args.out)) if args.out else None
+    with open_run(args.a) as a, open_run(args.b) as b:
+        comparison = compare(a, b)
+    print(comparison.format())
+    if out is not None:
+        plot_rewards(comparison, out)
+        print(f"wrote {out}")
+    return 0
+
+
+def _new_file(out: Path) -> Path:
+    """`out`, a file to create: one line and nothing written when it exists or its folder does not."""
     if out.exists():
         raise SfhpcError(f"{out} exists; choose another --out (nothing was written)")
-    with open_store(path) as store:
-        rows = list(trajectory_rows(store))
-    print(f"wrote {plot_rows(rows, out, title=str(path.parent.name))}")
-    return 0
+    if not out.parent.is_dir():
+        raise SfhpcError(f"{out.parent}: no such folder for --out")
+    return out
 
 
 def cmd_tags_show(args: argparse.Namespace) -> int:
@@ -322,9 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     traj = sub.add_parser("traj", help="a run's trajectory store (for analysts)").add_subparsers(
         dest="traj_command", required=True, metavar="SUBCOMMAND")
-    p = traj.add_parser("summary", help="counts by status, tokens, steps, mean reward",
-                        description="counts by status, tokens, steps, mean reward")
+    p = traj.add_parser("summary", help="counts by status, reward and length per step range, staleness, partial "
+                        "rollouts", description="counts by status, reward and length per step range, staleness "
+                        "distribution, partial rollouts and how many versions wrote them")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("--follow", action="store_true",
+                   help="keep reading a live run: a line per change, until it finishes (or Ctrl-C)")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between reads with --follow (default 5)")
     p.set_defaults(func=cmd_traj_summary)
     p = traj.add_parser("export", help="one row per trajectory (CSV, Parquet or JSON lines)",
                         description="one row per trajectory (CSV, Parquet or JSON lines)")
@@ -339,11 +396,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id", help="the trajectory id (sfhpc traj export lists them)")
     p.add_argument("--tokens", action="store_true", help="also a row per token: id, text, logprob, version")
     p.set_defaults(func=cmd_traj_show)
-    p = traj.add_parser("plot", help="reward, reply length and staleness over the training steps",
-                        description="reward, reply length and staleness over the training steps")
+    p = traj.add_parser("plot", help="reward and length over the steps, staleness, tokens per policy version",
+                        description="reward and reply length over the training steps, staleness histogram, "
+                        "tokens per policy version (one PNG)")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
     p.add_argument("--out", help="PNG file to create (default: trajectories.png beside the store)")
     p.set_defaults(func=cmd_traj_plot)
+    p = traj.add_parser("report", help="one self-contained HTML file: tables, plots, sample conversations",
+                        description="one self-contained HTML file: tables, plots, sample conversations "
+                        "(best and worst reward)")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("-o", "--out", help="HTML file to create (default: report.html beside the store)")
+    p.set_defaults(func=cmd_traj_report)
+    p = traj.add_parser("compare", help="two runs side by side: throughput, bubble fraction, reward curves",
+                        description="two runs side by side: throughput, bubble fraction, reward curves")
+    p.add_argument("a", help="a run folder, or its trajectories.h5")
+    p.add_argument("b", help="another run folder, or its trajectories.h5")
+    p.add_argument("--out", help="also draw both reward curves into this PNG file (created, never overwritten)")
+    p.set_defaults(func=cmd_traj_compare)
 
     tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
         dest="tags_command", required=True, metavar="SUBCOMMAND")

@@ -39,7 +39,7 @@ from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locat
 from sfhpc.data import open_store
 from sfhpc.data.store import ConsumptionMark, StoreReader
 from sfhpc.data.trajectory import NO_VERSION, Trajectory
-from sfhpc.engine.tokenizer import ByteTokenizer
+from sfhpc.engine.tokenizer import run_tokenizer
 from sfhpc.errors import SfhpcError
 
 METRICS_FILE = "metrics.jsonl"
@@ -83,7 +83,7 @@ class Run:
     def __init__(self, store: StoreReader, folder: Path | None,
                  progress: Callable[[int, int], None] | None = None) -> None:
         self.store, self.folder, self._progress = store, folder, progress
-        self._tokenizer = ByteTokenizer()  # the run's vocabulary: today every sfhpc model uses the byte one
+        self._tokenizer = run_tokenizer(store.run_metadata, folder)  # the vocabulary of the run's model
         self._frames: dict[str, pd.DataFrame] | None = None
         self._version_pairs = np.zeros((0, 2), np.int64)  # (trajectory row, version) pairs, unique
         self._tokens_by_version: dict[int, int] = {}
@@ -91,6 +91,10 @@ class Run:
     @property
     def path(self) -> Path:
         return self.store.path
+
+    @property
+    def schema(self) -> int:
+        return self.store.schema
 
     # -- text ------------------------------------------------------------------------------------------
 

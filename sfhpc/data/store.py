@@ -206,6 +206,11 @@ class StoreView:
     def session(self) -> int:
         return self._session
 
+    @property
+    def schema(self) -> int:
+        """The layout version the file was written with."""
+        return int(self._file.attrs[layout.SCHEMA_ATTR])
+
     def _index(self) -> dict[str, Any]:
         """Lookups rebuilt after a refresh: segments per trajectory, latest status per trajectory."""
         if self._derived is None:
