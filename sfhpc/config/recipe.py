@@ -15,6 +15,8 @@ A colocated recipe runs rollout on the trainer's own ranks: ``rollout: {colocate
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
 from pathlib import Path
 from typing import Any, Literal
 
@@ -165,6 +167,51 @@ class TaskSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentSpec:
+    """An agent program of the user's own, started once per episode on the rollout ranks (see
+    `sfhpc.rollout.agent_process`): ``command`` is its argv, at most ``workers`` run at once per rollout rank,
+    and one still running after ``timeout_s`` (default: ``budgets.episode_timeout_s``) is killed, its episode
+    failed. The program reaches the endpoint at ``OPENAI_BASE_URL``; ``host`` is the address the endpoint
+    binds (``0.0.0.0`` for programs on other nodes) and ``advertise_host`` the name that URL gives (default:
+    the bound address, or the node's host name for ``0.0.0.0``). A relative program path is read from the
+    recipe's folder, a bare name from ``PATH``; the program runs in the recipe's folder."""
+
+    command: tuple[str, ...] = ()
+    workers: int = 4
+    timeout_s: float | None = None
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    port: int = 0
+
+    def program(self, recipe_source: str) -> Path | str:
+        """The executable `command` starts: a path, or the problem with it (a string)."""
+        name = self.command[0]
+        if "/" not in name:
+            found = shutil.which(name)
+            return Path(found) if found else f"program '{name}' is not on PATH"
+        path = Path(name) if Path(name).is_absolute() else Path(recipe_source).resolve().parent / name
+        if not path.is_file():
+            return f"program {path} does not exist"
+        if not os.access(path, os.X_OK):
+            return f"program {path} is not executable (chmod +x it, or start it with its interpreter)"
+        return path
+
+    def validate(self, where: Where) -> None:
+        if not self.command or not self.command[0]:
+            raise where.child("command").error("must name the agent program, e.g. [python3, agent.py]")
+        program = self.program(where.source)
+        if isinstance(program, str):
+            raise where.child("command").error(f"{program}; give a path (relative to the recipe's folder) or a "
+                                               "command on PATH")
+        if self.workers < 1:
+            raise where.child("workers").error(f"must be at least 1, found {self.workers}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise where.child("timeout_s").error(f"must be more than 0 seconds, found {self.timeout_s}")
+        if not 0 <= self.port <= 65535:
+            raise where.child("port").error(f"must be a TCP port (0: a free one), found {self.port}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchSpec:
     """Slurm job settings that are not placement (placement comes from roles and the tag map).
 
@@ -214,6 +261,7 @@ class Recipe:
     pipeline: PipelineSpec = PipelineSpec()
     budgets: Budgets = Budgets()
     task: TaskSpec = TaskSpec()
+    agent: AgentSpec | None = None     # an agent program of the user's own plays the episodes
     launch: LaunchSpec = LaunchSpec()
     seed: int = 0
     output_dir: str = "runs"

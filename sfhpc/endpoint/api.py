@@ -7,22 +7,30 @@ validation, trajectory bookkeeping, responses and errors whichever way it connec
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from sfhpc.endpoint.episodes import Episode, Episodes, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
-from sfhpc.endpoint.service import AgentEndpoint, Turn
+from sfhpc.endpoint.service import AgentEndpoint, Turn, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ByteTokenizer
 
 
 class Call:
     """One accepted request: its trajectory is known, the turn is open, the answer not yet produced."""
 
-    def __init__(self, request: ApiRequest, turn: Turn, builder: ResponseBuilder) -> None:
+    def __init__(self, request: ApiRequest, turn: Turn, builder: ResponseBuilder,
+                 on_result: Callable[[TurnResult], None] | None = None) -> None:
         self.request = request
         self._turn = turn
         self._builder = builder
+        self._on_result = on_result
+
+    def _done(self, result: TurnResult) -> None:
+        if self._on_result is not None:
+            self._on_result(result)
 
     @property
     def trajectory_id(self) -> str:
@@ -37,6 +45,7 @@ class Call:
         async for _ in self._turn.stream():
             pass
         assert self._turn.result is not None
+        self._done(self._turn.result)
         return self._builder.full(self._turn.result)
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
@@ -46,6 +55,7 @@ class Call:
             yield self._builder.delta_chunk(delta)
         result = self._turn.result
         assert result is not None
+        self._done(result)
         yield self._builder.last_chunk(result)
         if self.request.include_usage:
             yield self._builder.usage_chunk(result)
@@ -55,7 +65,8 @@ class OpenAIApi:
     """Routes of the OpenAI API over one `AgentEndpoint`, serving one model name.
 
     `token` is the bearer token every HTTP transport of this API demands (`EndpointServer`,
-    `start_site`); the in-process client calls the API directly and needs none.
+    `start_site`); the in-process client calls the API directly and needs none. `episodes` are the open
+    per-episode URLs (see `sfhpc.endpoint.episodes`).
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ByteTokenizer | None = None,
@@ -65,6 +76,7 @@ class OpenAIApi:
         self.token = token
         self.tokenizer = tokenizer or ByteTokenizer()
         self.created = int(time.time())
+        self.episodes = Episodes()
 
     def models(self) -> dict[str, Any]:
         return models_body(self.model_name, self.created)
@@ -77,7 +89,39 @@ class OpenAIApi:
     @contextlib.asynccontextmanager
     async def call(self, route: Route, body: Any, identity: Identity | None = None) -> AsyncIterator[Call]:
         """Validate `body` and open its turn; raises `EndpointError` before anything is generated."""
-        request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer,
-                        identity=identity or Identity())
-        async with self.endpoint.turn(request.turn) as turn:
-            yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id))
+        identity = identity or Identity()
+        episode = None if identity.episode is None else self.episodes.get(identity.episode)
+        request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity)
+        if episode is None:
+            async with self.endpoint.turn(request.turn) as turn:
+                yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id))
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            turn = await self._episode_turn(episode, request.turn, stack)
+            yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
+                       on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)))
+
+    async def _episode_turn(self, episode: Episode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
+        """Open the turn of a call on an episode's URL: the episode's first call starts its trajectory (under
+        the client's own id, if it named one), every later one continues it."""
+        chosen = request.trajectory_id
+        if episode.trajectory_id is None:
+            # Calls that arrive together must not start two trajectories: the first one starts it, the others
+            # wait here and then continue it.
+            async with episode.starting:
+                if episode.trajectory_id is None:
+                    first = dataclasses.replace(request, trajectory_id=None, start_id=chosen, task=episode.task,
+                                                group=episode.group, metadata=episode.metadata)
+                    turn = await stack.enter_async_context(self.endpoint.turn(first))
+                    episode.started(turn.trajectory_id)
+                    return turn
+        episode.check_id(chosen)
+        assert episode.trajectory_id is not None
+        return await stack.enter_async_context(
+            self.endpoint.turn(dataclasses.replace(request, trajectory_id=episode.trajectory_id)))
+
+    def post_reward(self, episode_id: str, body: Any) -> dict[str, Any]:
+        """``POST /episodes/<id>/reward``: the program's own reward for its episode (the latest one counts)."""
+        episode = self.episodes.get(episode_id)
+        episode.reward = parse_reward(body)
+        return {"episode": episode.id, "reward": episode.reward}

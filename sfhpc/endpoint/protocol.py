@@ -47,6 +47,7 @@ class Identity:
     trajectory_id: str | None = None
     task: str = ""
     group: str | None = None
+    episode: str | None = None  # the episode of a per-episode URL (``/episodes/<id>/v1``): it owns the trajectory
 
 
 def parse(route: Route, body: Any, *, model_name: str, tokenizer: ByteTokenizer, identity: Identity) -> ApiRequest:

@@ -5,10 +5,18 @@ The trajectory id travels in the ``X-Trajectory-Id`` header (or the body's ``use
 back in the same header and in the body's ``trajectory_id``; ``X-Task`` / ``X-Group`` label a new
 trajectory.
 
+Per-episode routes, for agent programs that know nothing of trajectories (`sfhpc.endpoint.episodes`): the
+same three OpenAI routes under ``/episodes/<id>/v1/``, every call of which is a turn of that episode's
+trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}``.
+
 Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
-bearer token. With a token (a run always gives one: `sfhpc.endpoint.new_run_token`), every request, on
-every route and on loopback too, needs ``Authorization: Bearer <token>``; one without it or with another
-gets a 401 in OpenAI's error shape.
+bearer token. Agents on other nodes reach it when it binds an address they can route to (``0.0.0.0``: all
+of the node's); the URLs it hands out name `advertise_host` (by default the bound address, or the node's
+host name when bound to all addresses).
+
+With a token (a run always gives one: `sfhpc.endpoint.new_run_token`), every request, on every route and on
+loopback too, needs ``Authorization: Bearer <token>``; one without it or with another gets a 401 in OpenAI's
+error shape.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import asyncio
 import ipaddress
 import json
 import logging
+import socket
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -37,6 +46,7 @@ from sfhpc.endpoint.errors import (
 from sfhpc.endpoint.protocol import Identity, Route
 
 DEFAULT_HOST = "127.0.0.1"
+EPISODE_PREFIX = "/episodes/{episode}"
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 TASK_HEADER = "X-Task"
 GROUP_HEADER = "X-Group"
@@ -53,6 +63,12 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name other than localhost may resolve to anything
         return False
+
+
+def advertised(host: str) -> str:
+    """The host name that clients use for a server bound to `host`: the node's name for an address that
+    stands for all of them (``0.0.0.0``, ``::``), else `host` itself."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
 
 
 def check_exposure(host: str, token: str | None) -> None:
@@ -92,13 +108,10 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
             return _error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))
 
     async def completion(request: web.Request, route: Route) -> web.StreamResponse:
-        raw = await request.read()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+        body = await _json_body(request)
         identity = Identity(trajectory_id=request.headers.get(TRAJECTORY_HEADER) or None,
-                            task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER))
+                            task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER),
+                            episode=request.match_info.get("episode"))
         async with api.call(route, body, identity) as call:
             headers = {TRAJECTORY_HEADER: call.trajectory_id}
             if not call.stream:
@@ -125,7 +138,12 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
         return await completion(request, "completions")
 
     async def models(request: web.Request) -> web.StreamResponse:
+        if "episode" in request.match_info:
+            api.episodes.get(request.match_info["episode"])  # an ended episode's URL serves nothing
         return web.json_response(api.models())
+
+    async def reward(request: web.Request) -> web.StreamResponse:
+        return web.json_response(api.post_reward(request.match_info["episode"], await _json_body(request)))
 
     async def health(request: web.Request) -> web.StreamResponse:
         return web.json_response(api.health())
@@ -135,7 +153,19 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_post(f"{EPISODE_PREFIX}/v1/chat/completions", chat)
+    app.router.add_post(f"{EPISODE_PREFIX}/v1/completions", completions)
+    app.router.add_get(f"{EPISODE_PREFIX}/v1/models", models)
+    app.router.add_post(f"{EPISODE_PREFIX}/reward", reward)
     return app
+
+
+async def _json_body(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -176,11 +206,13 @@ class EndpointServer:
     every request must carry it; agents pass `token` as their ``api_key``.
     """
 
-    def __init__(self, api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0, token: str | None = None) -> None:
+    def __init__(self, api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0, token: str | None = None,
+                 advertise_host: str | None = None) -> None:
         token = _token(api, token)
         check_exposure(host, token)
         self.api = api
         self.host, self.port, self.token = host, port, token
+        self.advertise_host = advertise_host or advertised(host)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sfhpc-endpoint", daemon=True)
         self._runner: web.AppRunner | None = None
@@ -188,8 +220,15 @@ class EndpointServer:
     @property
     def url(self) -> str:
         """Base URL of the OpenAI API (what an agent passes as ``base_url``)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/v1"
+        return f"{self._origin()}/v1"
+
+    def episode_url(self, episode_id: str) -> str:
+        """The base URL of one episode (an agent program's ``OPENAI_BASE_URL``)."""
+        return f"{self._origin()}/episodes/{episode_id}/v1"
+
+    def _origin(self) -> str:
+        host = f"[{self.advertise_host}]" if ":" in self.advertise_host else self.advertise_host
+        return f"http://{host}:{self.port}"
 
     def start(self) -> EndpointServer:
         self._thread.start()

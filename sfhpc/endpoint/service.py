@@ -52,11 +52,14 @@ class Sampling:
 
 @dataclasses.dataclass(frozen=True)
 class TurnRequest:
-    """One agent call. ``prompt_param`` names the request field the prompt came from (for error messages)."""
+    """One agent call. ``trajectory_id`` names the existing trajectory it continues; without one, the call
+    starts a new trajectory, under ``start_id`` if given (a client's own session id). ``prompt_param`` names
+    the request field the prompt came from (for error messages)."""
 
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling = Sampling()
     trajectory_id: str | None = None
+    start_id: str | None = None
     task: str = ""
     group: str | None = None
     metadata: dict[str, Any] | None = None
@@ -232,6 +235,18 @@ class Turn:
         # More max_tokens than the context has room for is not an error: the turn ends with 'length'.
         self._max_new = room if req.sampling.max_tokens is None else min(req.sampling.max_tokens, room)
         tid = req.trajectory_id
+        if tid is None and req.start_id is not None:
+            # The client's own id may clash with a trajectory the run holds: the manager's answer is awaited
+            # (a round trip to another rank), from a worker thread so that the loop keeps serving.
+            try:
+                self.trajectory_id = await asyncio.to_thread(
+                    ep.sink.start, list(req.prompt_token_ids), task=req.task, group=req.group,
+                    metadata=req.metadata, trajectory_id=req.start_id)
+            except SfhpcError as exc:
+                raise from_sink_error(exc, req.start_id) from exc
+            await ep._lock(self.trajectory_id)
+            self._locked = True
+            return self
         if tid is None:
             self.trajectory_id = ep._sink_call("", ep.sink.start, list(req.prompt_token_ids), task=req.task,
                                                group=req.group, metadata=req.metadata)

@@ -32,6 +32,7 @@ from sfhpc.rollout.agent import (
     play_episode,
     reply_budget,
 )
+from sfhpc.rollout.agent_process import AgentProgramFailed, AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.runtime import preemption
 from sfhpc.runtime.comm_layout import CommLayout
@@ -52,7 +53,11 @@ class RolloutWorker:
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name,
-                                               token=new_run_token())).start()
+                                               token=new_run_token()), **_endpoint_address(recipe)).start()
+        # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
+        self.programs = None if recipe.agent is None else AgentPrograms(
+            recipe.agent, recipe_source=recipe.source, episodes=self.server.api.episodes,
+            url_of=self.server.episode_url, token=self.server.token, model=recipe.model.name)
 
         async def start_engine() -> RolloutEngine:
             with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
@@ -82,6 +87,8 @@ class RolloutWorker:
     async def _play(self, episode: Episode) -> None:
         # An agent or task that raises, or outlives budgets.episode_timeout_s, fails its trajectory with the
         # reason (the controller replaces its group): one episode's fault never takes the rank down.
+        if self.programs is not None:
+            return await self._play_program(episode, self.programs)
         async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
             if episode.resume_id is not None:
                 on_trajectory(episode.resume_id)
@@ -92,6 +99,24 @@ class RolloutWorker:
 
         await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
                            timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
+
+    async def _play_program(self, episode: Episode, programs: AgentPrograms) -> None:
+        """An episode of the recipe's agent program; its timeout counts from the program's start, not from
+        the wait for one of the rank's ``agent.workers`` slots."""
+        async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+            if episode.resume_id is not None:
+                on_trajectory(episode.resume_id)
+                raise AgentProgramFailed("an agent program's episode cannot continue after a restart (the "
+                                         "program's state died with it); its group is played anew")
+            return await programs.play(self.task, episode.problem, group=episode.group,
+                                       max_tokens=reply_budget(self.task, self.recipe.budgets.max_new_tokens),
+                                       on_trajectory=on_trajectory)
+
+        assert self.recipe.agent is not None
+        async with programs.slots:
+            await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
+                               timeout_s=self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s,
+                               stopping=self._stopping)
 
     def _stopping(self) -> bool:
         """A stop is under way on this rank (a signal reached it, or the controller quiesced it)."""
@@ -189,6 +214,12 @@ class RolloutWorker:
             self.server.call(stop_engine(), timeout=120)
         self.server.stop()
         self.manager.close()
+
+
+def _endpoint_address(recipe: Recipe) -> dict[str, Any]:
+    """Where the endpoint listens: loopback, unless the recipe's agent programs reach it from elsewhere."""
+    agent = recipe.agent
+    return {} if agent is None else {"host": agent.host, "port": agent.port, "advertise_host": agent.advertise_host}
 
 
 def _engine_dtype(recipe: Recipe) -> Any:

@@ -1,0 +1,211 @@
+"""Agent programs: the user's own executable plays an episode, knowing nothing of sfhpc but the OpenAI API.
+
+Per episode the rollout rank opens an episode URL on its endpoint (`sfhpc.endpoint.episodes`) and starts
+the recipe's ``agent.command`` in a process group of its own, with
+
+- ``OPENAI_BASE_URL`` = ``http://HOST:PORT/episodes/<id>/v1`` and ``OPENAI_API_KEY`` = the run's token, which
+  every OpenAI client reads by itself: every call it makes is a turn of the episode's trajectory;
+- the episode's input, one JSON object, on stdin and in ``SFHPC_EPISODE``: ``episode_id``, ``task``,
+  ``model`` (the name to send), ``messages`` (the task's opening messages), ``problem`` (``key`` and
+  ``data``: the task instance) and ``max_tokens`` (the reply budget).
+
+The program drives the conversation: for a multi-turn task it sends a follow-up message after a reply and
+asks again, as an agent with its own tools or environment would. Its reward is, in this order: the last
+line of its stdout that is a JSON object with a numeric ``"reward"``, else the last reward it posted to
+``.../episodes/<id>/reward``, else the task's verifier on its final reply (the latest reply of the episode,
+judged as the answer to the task's problem: `Episode.step` of a fresh episode; not done counts 0).
+
+An exit status other than 0, a death by signal, or a program that made no call at all fails the episode
+with the reason (and the last line of stderr); at the timeout the whole process group is killed. Either
+way the run goes on (`sfhpc.rollout.supervise`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import math
+import os
+import signal
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from sfhpc.config.recipe import AgentSpec
+from sfhpc.endpoint.episodes import Episodes
+from sfhpc.rollout.agent import EpisodeOutcome
+from sfhpc.tasks.base import Problem, Task
+
+log = logging.getLogger("sfhpc")
+
+EPISODE_VAR = "SFHPC_EPISODE"
+ENV_INPUT_LIMIT = 96 * 1024  # Linux refuses one environment string over 128 KiB: larger inputs go on stdin only
+STDERR_LINES = 20            # kept for the failure reason and the rank's log
+LINE_LIMIT = 1 << 20         # longer stdout lines are not read as a reward
+
+
+class AgentProgramFailed(Exception):
+    """The agent program ended its episode without an answer (the message is the reason recorded)."""
+
+
+def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int) -> dict[str, Any]:
+    """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``)."""
+    return {"episode_id": episode_id, "task": task.name, "model": model,
+            "messages": task.episode(problem).opening(), "problem": {"key": problem.key, "data": problem.data},
+            "max_tokens": max_tokens}
+
+
+def reward_line(line: str) -> float | None:
+    """The reward of a stdout line like ``{"reward": 1.0}``; None for any other line."""
+    line = line.strip()
+    if not line.startswith("{"):
+        return None
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    reward = value.get("reward") if isinstance(value, dict) else None
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return None
+    return float(reward)
+
+
+class ProgramRun:
+    """What one run of the program left: its exit status, the reward it printed, its last stderr lines."""
+
+    def __init__(self) -> None:
+        self.returncode: int | None = None
+        self.reward: float | None = None
+        self.stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+
+    def failure(self) -> str | None:
+        """Why the exit is a failure (None for status 0)."""
+        code = self.returncode
+        if code == 0:
+            return None
+        if code is not None and code < 0:
+            try:
+                what = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                what = f"was killed by signal {-code}"
+        else:
+            what = f"exited with status {code}"
+        last = next((line for line in reversed(self.stderr) if line.strip()), "")
+        return f"the agent program {what}" + (f"; its stderr ends: {last.strip()}" if last else "")
+
+
+async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin: str, cwd: str | None) -> ProgramRun:
+    """Run `command` to its end in a new process group; cancelling (a timeout, the rank closing) kills the
+    whole group. Whatever the program leaves behind in its group is killed when it exits."""
+    run = ProgramRun()
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT)
+
+    async def feed() -> None:
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a program need not read its input
+            process.stdin.write(stdin.encode())
+            await process.stdin.drain()
+            process.stdin.close()
+
+    async def read_stdout() -> None:
+        assert process.stdout is not None
+        while True:
+            try:
+                line = await process.stdout.readline()
+            except ValueError:  # a line over LINE_LIMIT: not a reward line; skip what is buffered
+                continue
+            if not line:
+                return
+            reward = reward_line(line.decode(errors="replace"))
+            if reward is not None:
+                run.reward = reward
+
+    async def read_stderr() -> None:
+        assert process.stderr is not None
+        async for line in process.stderr:
+            run.stderr.append(line.decode(errors="replace").rstrip("\n"))
+
+    readers = [asyncio.ensure_future(f()) for f in (feed, read_stdout, read_stderr)]
+    try:
+        run.returncode = await process.wait()
+    finally:
+        _kill_group(process.pid)
+        if run.returncode is None:  # cancelled: reap the killed program before giving up the slot
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(process.wait())
+        # The pipes close once the group is gone; a child that left the group may hold them: stop reading.
+        _, pending = await asyncio.wait(readers, timeout=5)
+        for reader in pending:
+            reader.cancel()
+    return run
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class AgentPrograms:
+    """Plays episodes with the recipe's agent program, at most ``workers`` at once (one rank's share).
+
+    `url_of` gives an episode's base URL (the endpoint server's `episode_url`); `token` is the run's.
+    Methods run on the endpoint's event loop, where `episodes` are served.
+    """
+
+    def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
+                 token: str | None, model: str, extra_env: Mapping[str, str] | None = None) -> None:
+        program = spec.program(recipe_source)
+        if isinstance(program, str):  # checked when the recipe was read; this rank's node may differ
+            raise AgentProgramFailed(program)
+        self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
+        self.command = (str(program), *spec.command[1:])
+        self.cwd = str(Path(recipe_source).resolve().parent)
+        self.extra_env = dict(extra_env or {})
+        self._slots: asyncio.Semaphore | None = None
+
+    @property
+    def slots(self) -> asyncio.Semaphore:
+        if self._slots is None:  # made on the loop that uses it
+            self._slots = asyncio.Semaphore(self.spec.workers)
+        return self._slots
+
+    def environment(self, url: str, episode_json: str) -> dict[str, str]:
+        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none"}
+        if len(episode_json) <= ENV_INPUT_LIMIT:
+            env[EPISODE_VAR] = episode_json
+        else:
+            env.pop(EPISODE_VAR, None)
+        # A cluster's HTTP proxy must not carry calls to the endpoint away from the cluster.
+        host = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
+        for var in ("NO_PROXY", "no_proxy"):
+            env[var] = ",".join(p for p in (env.get(var, ""), host) if p)
+        return env
+
+    async def play(self, task: Task, problem: Problem, *, group: str, max_tokens: int,
+                   on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+        """One episode: run the program against its episode URL, then take its reward (see the module)."""
+        episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory)
+        try:
+            payload = json.dumps(episode_input(episode.id, task, problem, model=self.model, max_tokens=max_tokens),
+                                 default=str)
+            run = await run_program(self.command, env=self.environment(self.url_of(episode.id), payload),
+                                    stdin=payload + "\n", cwd=self.cwd)
+        finally:
+            self.episodes.close(episode.id)
+        failure = run.failure()
+        if failure is not None:
+            log.warning("agent program of group %s: %s\n%s", group, failure, "\n".join(run.stderr))
+            raise AgentProgramFailed(failure)
+        if episode.trajectory_id is None or episode.last_reply is None:
+            raise AgentProgramFailed("the agent program exited without a reply from the endpoint: it must call "
+                                     "the OpenAI API at $OPENAI_BASE_URL")
+        reward = run.reward if run.reward is not None else episode.reward
+        if reward is None:
+            result = task.episode(problem).step(episode.last_reply)
+            reward = result.reward if result.done else 0.0
+        return EpisodeOutcome(episode.trajectory_id, reward, episode.calls, ())

@@ -1,0 +1,63 @@
+"""An agent program as a user would write it: the `openai` package and the environment, nothing of sfhpc.
+
+It plays guess-the-digit by itself: it asks the model, reads the guess, compares it with the secret in its
+episode input and, while the guess is wrong, tells the model "higher" or "lower" and asks again (at most
+--turns times). The task's verifier then judges its final reply, unless --report says how to give a reward.
+
+Faults for tests, by the problem's key (the secret digit): --crash-on KEYS raises after the first reply,
+--hang-on KEYS sleeps forever (with a child process in its group) after the first reply.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import openai
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--turns", type=int, default=4)
+parser.add_argument("--report", choices=["verifier", "stdout", "post"], default="verifier")
+parser.add_argument("--crash-on", default="")
+parser.add_argument("--hang-on", default="")
+parser.add_argument("--pid-file")
+args = parser.parse_args()
+
+episode = json.load(sys.stdin)
+assert json.loads(os.environ["SFHPC_EPISODE"]) == episode
+secret = str(episode["problem"]["data"])
+client = openai.OpenAI(max_retries=0, timeout=120)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
+messages = list(episode["messages"])
+found = False
+for turn in range(args.turns):
+    reply = client.chat.completions.create(model=episode["model"], messages=messages,
+                                           max_tokens=episode["max_tokens"], temperature=1.0)
+    guess = (reply.choices[0].message.content or "").strip()
+    print(f"turn {turn + 1}: guessed {guess!r}", file=sys.stderr)
+    if episode["problem"]["key"] in args.crash_on.split(","):
+        raise RuntimeError(f"agent crashed on purpose after guessing {guess!r}")
+    if episode["problem"]["key"] in args.hang_on.split(","):
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        if args.pid_file:
+            with open(args.pid_file, "w") as f:
+                f.write(f"{os.getpid()} {child.pid}\n")
+        time.sleep(600)
+    if guess == secret:
+        found = True
+        break
+    hint = "higher" if guess.isdigit() and int(guess) < int(secret) else "lower" if guess.isdigit() else "?"
+    messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
+                 {"role": "user", "content": hint}]
+
+reward = 1.0 if found else 0.0
+if args.report == "stdout":
+    print("some chatter that is not a reward")
+    print(json.dumps({"reward": reward + 10}))  # offset: tells the program's reward from the verifier's
+elif args.report == "post":
+    import httpx
+
+    base = os.environ["OPENAI_BASE_URL"].removesuffix("/v1")
+    httpx.post(f"{base}/reward", json={"reward": reward + 20},
+               headers={"Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}"}).raise_for_status()

@@ -1,0 +1,198 @@
+"""Agent programs against a live endpoint: real subprocesses that use only the `openai` package, a real
+HTTP server with the run's token, the deterministic test engine and the real trajectory manager."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sfhpc.config.recipe import AgentSpec
+from sfhpc.data.manager import TrajectoryManager
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
+from sfhpc.engine.scripted import ScriptedEngine
+from sfhpc.engine.tokenizer import ByteTokenizer
+from sfhpc.rollout.agent_process import AgentPrograms, reward_line
+from sfhpc.rollout.supervise import play_or_fail
+from sfhpc.tasks.base import Problem
+from sfhpc.tasks.guess_number import GuessNumberTask
+from tests.conftest import assert_one_line_error, run_sfhpc
+
+AGENT = Path(__file__).parent / "agents" / "guess_agent.py"
+MODEL = "tiny-test"
+TASK = GuessNumberTask(max_turns=4)
+
+
+@pytest.fixture
+def manager() -> TrajectoryManager:
+    return TrajectoryManager()
+
+
+@pytest.fixture
+def server(manager: TrajectoryManager) -> Iterator[EndpointServer]:
+    # Digits only, so that the model's replies are guesses; the test engine is seeded and deterministic.
+    engine = ScriptedEngine(seed=3, vocab=tuple(range(ord("0"), ord("9") + 1)), max_model_len=256)
+    api = OpenAIApi(AgentEndpoint(engine, manager), model_name=MODEL, token=new_run_token())
+    with EndpointServer(api) as running:
+        yield running
+
+
+def programs(server: EndpointServer, *args: str, workers: int = 4) -> AgentPrograms:
+    spec = AgentSpec(command=(sys.executable, str(AGENT), *args), workers=workers)
+    return AgentPrograms(spec, recipe_source=str(AGENT), episodes=server.api.episodes, url_of=server.episode_url,
+                         token=server.token, model=MODEL)
+
+
+def play(server: EndpointServer, manager: TrajectoryManager, runner: AgentPrograms, secret: int, *,
+         timeout_s: float = 60, group: str = "g", heard: list[str] | None = None) -> Any:
+    """One supervised episode on the server's loop, as a rollout rank plays it; `heard` gets its trajectory id."""
+    def on_trajectory(tid: str, tell: Callable[[str], None]) -> None:
+        tell(tid)
+        if heard is not None:
+            heard.append(tid)
+
+    async def supervised() -> Any:
+        async with runner.slots:
+            return await play_or_fail(
+                lambda tell: runner.play(TASK, Problem(str(secret), secret), group=group, max_tokens=1,
+                                         on_trajectory=lambda tid: on_trajectory(tid, tell)),
+                manager, task=TASK.name, group=group, timeout_s=timeout_s)
+    return server.call(supervised(), timeout=timeout_s + 30)
+
+
+def test_a_multi_turn_program_records_every_turn_and_the_verifier_judges_its_last_reply(
+        server: EndpointServer, manager: TrajectoryManager) -> None:
+    tokenizer = ByteTokenizer()
+    outcomes = {secret: play(server, manager, programs(server), secret) for secret in (2, 7)}
+    for secret, outcome in outcomes.items():
+        assert outcome is not None
+        record = manager.trajectory(outcome.trajectory_id)
+        assert record.status == "finished" and record.task == "guess-number"
+        replies = [tokenizer.decode(s.tokens) for s in record.segments if s.generated]
+        # One generated segment per call, the program's hints between them: every turn is on one branch.
+        assert len(replies) == outcome.turns >= 1
+        assert [s.kind for s in record.segments] == ["prompt"] + ["generated", "observation"] * (outcome.turns - 1) \
+            + ["generated"]
+        assert len(record.branch()) == len(record.segments)
+        found = replies[-1] == str(secret)
+        assert outcome.turns == (replies.index(str(secret)) + 1 if found else 4)
+        assert record.reward == outcome.reward == (1.0 if found else 0.0)
+    assert len(manager.ids()) == 2 and not server.api.episodes  # both episodes closed
+
+
+def test_the_programs_own_reward_wins_over_the_verifier(server: EndpointServer, manager: TrajectoryManager) -> None:
+    printed = play(server, manager, programs(server, "--report", "stdout"), 5)
+    posted = play(server, manager, programs(server, "--report", "post"), 5)
+    assert printed.reward in (10.0, 11.0) and posted.reward in (20.0, 21.0)
+    assert manager.trajectory(printed.trajectory_id).reward == printed.reward
+
+
+def test_a_crashing_program_fails_its_episode_with_the_reason(server: EndpointServer,
+                                                               manager: TrajectoryManager) -> None:
+    heard: list[str] = []
+    assert play(server, manager, programs(server, "--crash-on", "4"), 4, heard=heard) is None
+    (tid,) = heard  # the trajectory its first call started is the one failed
+    assert manager.status(tid) == "failed" and manager.counts()["failed"] == 1
+    reason = manager.fail_reasons()[0]
+    assert reason.startswith("AgentProgramFailed: the agent program exited with status 1; its stderr ends: "
+                             "RuntimeError: agent crashed on purpose after guessing"), reason
+
+
+def test_a_hanging_program_is_killed_with_its_process_group(server: EndpointServer, manager: TrajectoryManager,
+                                                            tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    start = time.monotonic()
+    heard: list[str] = []
+    assert play(server, manager, programs(server, "--hang-on", "6", "--pid-file", str(pids)), 6,
+                timeout_s=4, heard=heard) is None
+    assert time.monotonic() - start < 15
+    assert manager.fail_reasons() == ["timed out after 4 s"]
+    (tid,) = heard
+    assert manager.status(tid) == "failed"
+    for pid in map(int, pids.read_text().split()):  # the program and the child it started are gone
+        assert not alive(pid)
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a killed child nobody has reaped yet is a zombie: dead)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_program_that_never_calls_fails_and_workers_bound_concurrency(server: EndpointServer,
+                                                                       manager: TrajectoryManager,
+                                                                       tmp_path: Path) -> None:
+    log = tmp_path / "spans"
+    script = tmp_path / "idle.py"
+    script.write_text(f"import time\nstart = time.time()\ntime.sleep(0.5)\n"
+                      f"open({str(log)!r}, 'a').write(f'{{start}} {{time.time()}}\\n')\n")
+    spec = AgentSpec(command=(sys.executable, str(script)), workers=2)
+    runner = AgentPrograms(spec, recipe_source=str(script), episodes=server.api.episodes,
+                           url_of=server.episode_url, token=server.token, model=MODEL)
+
+    async def four() -> list[Any]:
+        async def one(i: int) -> Any:
+            async with runner.slots:
+                return await play_or_fail(
+                    lambda cb: runner.play(TASK, Problem("1", 1), group=f"g{i}", max_tokens=1, on_trajectory=cb),
+                    manager, task=TASK.name, group=f"g{i}", timeout_s=30)
+        return list(await asyncio.gather(*(one(i) for i in range(4))))
+
+    assert server.call(four(), timeout=60) == [None] * 4
+    assert manager.counts()["failed"] == 4
+    assert manager.fail_reasons() == ["AgentProgramFailed: the agent program exited without a reply from the "
+                                      "endpoint: it must call the OpenAI API at $OPENAI_BASE_URL"]
+    spans = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
+    assert len(spans) == 4
+    running = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert running == 2  # at most `workers` at once, and the slots were used
+
+
+def test_reward_lines() -> None:
+    assert reward_line('{"reward": 1}') == 1.0 and reward_line(' {"reward": -0.5, "why": "x"}\n') == -0.5
+    for line in ("reward: 1", '{"reward": true}', '{"reward": "1"}', '{"reward": NaN}', "[1]", "{"):
+        assert reward_line(line) is None
+
+
+def test_an_agent_command_that_does_not_exist_is_one_line_before_any_job(tmp_path: Path) -> None:
+    body = ("name: bad-agent\ntask: {name: guess-number}\nagent: {command: [%s]}\n"
+            "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train], nodes: 1}\n"
+            "  rollout: {tags: [rollout], nodes: 1}\n" f"output_dir: {tmp_path / 'runs'}\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(body % "./missing-agent.py")
+    line = assert_one_line_error(run_sfhpc("run", str(recipe)), "agent.command",
+                                 f"program {tmp_path / 'missing-agent.py'} does not exist")
+    assert str(recipe) in line
+    (tmp_path / "plain.py").write_text("print(1)\n")
+    recipe.write_text(body % "./plain.py")
+    assert_one_line_error(run_sfhpc("run", str(recipe)), "is not executable")
+    recipe.write_text(body % "no-such-agent-program")
+    assert_one_line_error(run_sfhpc("run", str(recipe)), "program 'no-such-agent-program' is not on PATH")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, manager: TrajectoryManager,
+                                                      tmp_path: Path) -> None:
+    dump = tmp_path / "input.json"
+    script = tmp_path / "dump.py"
+    script.write_text(f"import sys, os\nopen({str(dump)!r}, 'w').write(sys.stdin.read())\n"
+                      f"open({str(dump)!r} + '.env', 'w').write(os.environ['OPENAI_BASE_URL'] + ' ' + "
+                      f"os.environ['OPENAI_API_KEY'])\n")
+    runner = AgentPrograms(AgentSpec(command=(sys.executable, str(script))), recipe_source=str(script),
+                           episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model=MODEL)
+    play(server, manager, runner, 3)
+    data = json.loads(dump.read_text())
+    assert data["task"] == "guess-number" and data["model"] == MODEL and data["max_tokens"] == 1
+    assert data["messages"] == [{"role": "user", "content": "guess 0-9"}]
+    assert data["problem"] == {"key": "3", "data": 3}
+    url, key = Path(str(dump) + ".env").read_text().split()
+    assert url == f"http://127.0.0.1:{server.port}/episodes/{data['episode_id']}/v1" and key == server.token
