@@ -15,7 +15,7 @@ from typing import Any
 from sfhpc.endpoint.episodes import Episode, Episodes, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
 from sfhpc.endpoint.service import AgentEndpoint, Turn, TurnRequest, TurnResult
-from sfhpc.engine.tokenizer import ByteTokenizer
+from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
 
 class Call:
@@ -69,12 +69,14 @@ class OpenAIApi:
     per-episode URLs (see `sfhpc.endpoint.episodes`).
     """
 
-    def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ByteTokenizer | None = None,
+    def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
                  token: str | None = None) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.token = token
-        self.tokenizer = tokenizer or ByteTokenizer()
+        # The served model's own tokenizer (`sfhpc.engine.tokenizer.load_tokenizer`); the byte-level one
+        # when none is given (sfhpc's tiny model and the tests' scripted engines speak it).
+        self.tokenizer: ChatTokenizer = tokenizer or ByteTokenizer()
         self.created = int(time.time())
         self.episodes = Episodes()
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from sfhpc.endpoint.errors import BadRequest, ModelNotFound
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
-from sfhpc.engine.tokenizer import ByteTokenizer, ChatFormatError
+from sfhpc.engine.tokenizer import ChatFormatError, ChatTokenizer
 
 Route = Literal["chat", "completions"]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -50,7 +50,7 @@ class Identity:
     episode: str | None = None  # the episode of a per-episode URL (``/episodes/<id>/v1``): it owns the trajectory
 
 
-def parse(route: Route, body: Any, *, model_name: str, tokenizer: ByteTokenizer, identity: Identity) -> ApiRequest:
+def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer, identity: Identity) -> ApiRequest:
     """Validate `body` (already decoded JSON) for `route`; raises `BadRequest` / `ModelNotFound`."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
@@ -109,7 +109,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ByteTokenizer,
                       logprobs=want_logprobs)
 
 
-def _chat_prompt(fields: _Fields, tokenizer: ByteTokenizer) -> list[int]:
+def _chat_prompt(fields: _Fields, tokenizer: ChatTokenizer) -> list[int]:
     messages = fields.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -134,7 +134,7 @@ def _chat_prompt(fields: _Fields, tokenizer: ByteTokenizer) -> list[int]:
         raise BadRequest(str(exc), param="messages") from exc
 
 
-def _text_prompt(fields: _Fields, tokenizer: ByteTokenizer) -> list[int]:
+def _text_prompt(fields: _Fields, tokenizer: ChatTokenizer) -> list[int]:
     prompt = fields.body.get("prompt")
     # OpenAI allows a batch of prompts; one trajectory turn is one prompt, so a batch must hold one.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -194,7 +194,7 @@ class _Fields:
             raise BadRequest(f"'{key}' must be in {bracket}{low}, {high}], found {value}", param=key)
         return float(value)
 
-    def token_list(self, key: str, tokenizer: ByteTokenizer) -> list[int] | None:
+    def token_list(self, key: str, tokenizer: ChatTokenizer) -> list[int] | None:
         value = self.body.get(key)
         if value is None:
             return None
@@ -210,7 +210,7 @@ class _Fields:
         for key, values in allowed.items():
             if key in self.body and self.body[key] not in values:
                 raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported by this endpoint "
-                                 f"(it serves one sampled completion of a byte-level model); leave it out",
+                                 f"(it serves one sampled completion per request); leave it out",
                                  param=key)
 
 
@@ -220,7 +220,7 @@ class ResponseBuilder:
     Text is decoded incrementally, so a character split across chunks is sent once, whole.
     """
 
-    def __init__(self, request: ApiRequest, tokenizer: ByteTokenizer, trajectory_id: str) -> None:
+    def __init__(self, request: ApiRequest, tokenizer: ChatTokenizer, trajectory_id: str) -> None:
         self.request = request
         self.tokenizer = tokenizer
         self.trajectory_id = trajectory_id

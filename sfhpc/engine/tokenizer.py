@@ -1,7 +1,13 @@
-"""The byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, a few ids above them are markers.
+"""The tokenizer interface (`ChatTokenizer`), the byte-level tokenizer, and `load_tokenizer`, which picks
+the tokenizer of a model folder.
 
-The project's own small model uses this vocabulary, so every component (engine, endpoint, trainer)
-agrees on token ids without a tokenizer file. Any text encodes losslessly; there are no merges.
+Every component that turns text into token ids (the endpoint, the warm start, the analysis) goes through
+`ChatTokenizer`, so the ids an agent's messages become are the ones the model reads. A Hugging Face folder
+brings its own tokenizer and chat template (`sfhpc.engine.hf_tokenizer`); a folder built by
+`sfhpc.model.tiny` uses the byte-level one below (its ``sfhpc_model.json`` says so).
+
+Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, a few ids above them are markers. Any text
+encodes losslessly; there are no merges.
 
 Chat format. A conversation is the BOS marker, then one block per message, then the generation prompt:
 
@@ -17,7 +23,10 @@ from __future__ import annotations
 
 import codecs
 import dataclasses
+import json
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Protocol
 
 BYTE_VOCAB = 256
 PAD = 256
@@ -39,6 +48,90 @@ ROLE_MARKERS: Mapping[str, int] = {"system": SYSTEM, "user": USER, "assistant": 
 
 class ChatFormatError(ValueError):
     """A message list that the chat format cannot encode (the caller turns it into a user-facing error)."""
+
+
+class TextDecoder(Protocol):
+    """Incremental decoding: `feed` new ids, get the text they complete; `flush` what is held back."""
+
+    def feed(self, ids: Iterable[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+class ChatTokenizer(Protocol):
+    """What the endpoint, the warm start and the analysis need of a model's tokenizer.
+
+    ``vocab_size`` bounds the ids the model may read or write (the embedding's rows); ``chat_stop_ids`` end
+    an assistant reply (the end-of-turn token of the chat template and the model's EOS); ``eos_id`` ends a
+    plain completion; ``pad_id`` fills batches.
+    """
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def chat_stop_ids(self) -> tuple[int, ...]: ...
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str: ...
+
+    def stream_decoder(self, *, skip_special: bool = True) -> TextDecoder: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def token_text(self, token_id: int) -> str: ...
+
+    def token_bytes(self, token_id: int) -> list[int]: ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
+                            add_generation_prompt: bool = True) -> list[int]: ...
+
+
+BYTE_MARKER_KEY = "tokenizer"  # in sfhpc_model.json: "byte" names this module's tokenizer
+MODEL_MARKER = "sfhpc_model.json"  # written by sfhpc.model.tiny next to the weights
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer builds from
+
+
+def tokenizer_kind(model_dir: str | Path) -> str | None:
+    """``"hf"`` for a folder with Hugging Face tokenizer files, ``"byte"`` for one sfhpc built with the byte
+    vocabulary, None when the folder holds neither (no tokenizer to speak to the model with)."""
+    folder = Path(model_dir)
+    if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
+        return "hf"
+    marker = folder / MODEL_MARKER
+    if marker.is_file():
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, ValueError):
+            return None
+        # Folders built before the key existed were all byte-level: sfhpc had no other tokenizer then.
+        if isinstance(info, dict) and info.get(BYTE_MARKER_KEY, "byte") == "byte":
+            return "byte"
+    return None
+
+
+def load_tokenizer(model_dir: str | Path) -> ChatTokenizer:
+    """The tokenizer of a model folder: its own (Hugging Face) one, or the byte-level one of sfhpc's tiny
+    model. A folder with neither is refused before any job starts (`sfhpc.model.folder`); here it raises."""
+    kind = tokenizer_kind(model_dir)
+    if kind == "hf":
+        from sfhpc.engine.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer.from_folder(model_dir)
+    if kind == "byte":
+        return ByteTokenizer()
+    raise ValueError(f"{model_dir} holds no tokenizer (no {' or '.join(HF_TOKENIZER_FILES)}, no byte-level "
+                     f"{MODEL_MARKER})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,3 +223,16 @@ class StreamDecoder:
 
     def flush(self) -> str:
         return self._bytes.decode(b"", final=True)
+
+
+def run_tokenizer(run_metadata: Mapping[str, object], run_folder: Path | None) -> ChatTokenizer:
+    """The tokenizer a run's trajectories are in: that of the model folder the run's store names (``model``
+    in its run metadata), else of the model a run builds in its folder; the byte-level one for runs whose
+    model folder is not here (runs from before the store named it were all byte-level)."""
+    candidates = [Path(str(run_metadata["model"]))] if run_metadata.get("model") else []
+    if run_folder is not None:
+        candidates.append(run_folder / "model")
+    for folder in candidates:
+        if tokenizer_kind(folder) is not None:
+            return load_tokenizer(folder)
+    return ByteTokenizer()

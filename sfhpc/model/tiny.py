@@ -55,5 +55,7 @@ def build_tiny_model(spec: ModelSpec, out_dir: str | Path, seed: int = 0) -> Pat
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**llama_config(spec)))
     model.to(getattr(torch, spec.dtype)).save_pretrained(out)
-    (out / "sfhpc_model.json").write_text(json.dumps({"seed": seed, "spec": spec.__dict__}, indent=2) + "\n")
+    # The marker that tells `sfhpc.engine.tokenizer.load_tokenizer` this folder speaks the byte vocabulary.
+    marker = {tok.BYTE_MARKER_KEY: "byte", "seed": seed, "spec": spec.__dict__}
+    (out / tok.MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return out

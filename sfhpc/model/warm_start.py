@@ -11,20 +11,29 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from sfhpc.engine.tokenizer import ASSISTANT, END, ByteTokenizer
+from sfhpc.engine.tokenizer import ChatTokenizer, load_tokenizer
 from sfhpc.tasks.base import Task
 
 
-def encode_with_targets(conversation: list[dict[str, str]], tokenizer: ByteTokenizer) -> tuple[list[int], list[bool]]:
-    """Token ids of a conversation and, per token, whether it is part of an assistant reply (a target)."""
+def encode_with_targets(conversation: list[dict[str, str]], tokenizer: ChatTokenizer) -> tuple[list[int], list[bool]]:
+    """Token ids of a conversation and, per token, whether it is part of an assistant reply (a target).
+
+    A reply is what the model writes after the chat template's generation prompt, up to and including the
+    first stop token: the tokens between the rendering of the messages before it (with the generation
+    prompt) and its first stop id. Whatever the template puts after the stop token (ChatML's newline) is
+    the template's, not the model's, so it is no target.
+    """
     ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
-    targets, in_reply = [], False
-    for token in ids:
-        targets.append(in_reply)
-        if token == ASSISTANT:
-            in_reply = True
-        elif token == END:
-            in_reply = False
+    targets = [False] * len(ids)
+    stops = set(tokenizer.chat_stop_ids)
+    for index, message in enumerate(conversation):
+        if message.get("role") != "assistant":
+            continue
+        start = len(tokenizer.apply_chat_template(conversation[:index], add_generation_prompt=True))
+        end = start
+        while end < len(ids) and ids[end] not in stops:
+            end += 1
+        targets[start:end + 1] = [True] * (min(end + 1, len(ids)) - start)
     return ids, targets
 
 
@@ -32,12 +41,12 @@ def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int
                seed: int = 0, save_dtype: str = "bfloat16") -> float:
     """Train the model in `model_dir` on the task's format examples and save it in place; returns the last loss."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    tokenizer = ByteTokenizer()
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     loss_value = float("nan")

@@ -15,8 +15,11 @@ import numpy as np
 import torch
 
 from sfhpc.data.trajectory import Trajectory
-from sfhpc.engine import tokenizer as tok
 from sfhpc.trainer.errors import BatchError
+
+# What fills a row after its end. Masked out of attention and of the loss, so any id the embedding has will
+# do; 0 is one in every vocabulary.
+PAD_ID = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +42,7 @@ class TrainBatch:
     within ``groups`` and PPO-clip subtracts the batch mean.
     """
 
-    tokens: torch.Tensor  # int64 [B, T], PAD after each row's length
+    tokens: torch.Tensor  # int64 [B, T], PAD_ID after each row's length
     lengths: torch.Tensor  # int64 [B]
     generated: torch.Tensor  # bool [B, T]: the loss mask
     behaviour_logprobs: torch.Tensor  # float32 [B, T]: the engine's sampling logprob, 0 where not generated
@@ -76,7 +79,7 @@ class TrainBatch:
         return int(self.generated.sum())
 
     @classmethod
-    def from_rows(cls, rows: Iterable[TrainRow], *, pad_id: int = tok.PAD,
+    def from_rows(cls, rows: Iterable[TrainRow], *, pad_id: int = PAD_ID,
                   advantages: Sequence[float] | None = None) -> TrainBatch:
         """Pad plain rows into a batch."""
         rows = list(rows)
@@ -104,7 +107,7 @@ class TrainBatch:
                    advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32))
 
     @classmethod
-    def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = tok.PAD) -> TrainBatch:
+    def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
         """A batch of finished trajectories: each row is the current branch, grouped by ``group_key``."""
         rows = []
         for traj in trajectories:

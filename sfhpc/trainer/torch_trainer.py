@@ -1,4 +1,8 @@
-"""The torch training backend: a Hugging Face ``LlamaForCausalLM`` trained with GRPO or PPO-clip.
+"""The torch training backend: a Hugging Face causal LM (``AutoModelForCausalLM``) trained with GRPO or PPO-clip.
+
+Any architecture transformers builds is trained as it is (Llama, Qwen2 with its q/k/v biases, Mistral, ...);
+the weights go out under the model's own parameter names, which vLLM's loaders take as they are (it
+stacks q/k/v and gate/up itself). A tied output layer is one parameter, published once as the embedding.
 
 Master weights are float32 even when the engines run bf16: the small updates of RL would be rounded away
 in bf16, so the trainer keeps full precision and the weight stream casts on the way out
@@ -98,7 +102,7 @@ class TorchTrainer:
 
     def __init__(self, model_dir: str | Path, config: TrainerConfig = TrainerConfig(), *,
                  dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0) -> None:
-        from transformers import LlamaForCausalLM
+        from transformers import AutoModelForCausalLM
 
         self.config = config
         self.dist = dist or DistSpec.single()
@@ -107,7 +111,7 @@ class TorchTrainer:
             raise TrainerError(f"{self.model_dir}: no config.json; build the model first (sfhpc.model.tiny) "
                                "or point model.path at a Hugging Face folder")
         torch.manual_seed(seed)
-        model = LlamaForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         model.config.use_cache = False
         self.model = model.train()
         self.reference = None

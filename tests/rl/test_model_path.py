@@ -1,7 +1,11 @@
-"""A recipe's model.path that cannot be a policy is refused before any job starts, in one line."""
+"""A recipe's model.path that cannot be a policy is refused before any job starts, in one line: a folder
+that is not a Hugging Face model folder, one without a tokenizer or chat template, and an architecture that
+transformers, vLLM or the training backend cannot take."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -9,11 +13,46 @@ import pytest
 from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
 
 
-def _recipe(tmp_path: Path, model_path: Path) -> Path:
+def _recipe(tmp_path: Path, model_path: Path, extra: str = "") -> Path:
     recipe = tmp_path / "demo.yaml"
     text = (RECIPES / "demo.yaml").read_text().replace("  warm_start_steps: 60\n", f"  path: {model_path}\n")
-    recipe.write_text(text + f"output_dir: {tmp_path / 'runs'}\n")
+    recipe.write_text(text + extra + f"output_dir: {tmp_path / 'runs'}\n")
     return recipe
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from sfhpc.model.hf_folder import build_hf_model
+
+    return build_hf_model(tmp_path_factory.mktemp("qwen2") / "model", "qwen2")
+
+
+def _spoiled(qwen2: Path, tmp_path: Path, *, remove: tuple[str, ...] = (), config: dict | None = None) -> Path:
+    folder = Path(shutil.copytree(qwen2, tmp_path / "model"))
+    for name in remove:
+        (folder / name).unlink()
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                        **config}))
+    return folder
+
+
+@pytest.mark.parametrize(("remove", "config", "extra", "what"), [
+    (("tokenizer.json", "tokenizer_config.json"), None, "", "has no tokenizer (tokenizer.json"),
+    (("chat_template.jinja",), None, "", "has a tokenizer without a chat template"),
+    ((), {"model_type": "no-such-model", "architectures": ["NoSuchForCausalLM"]}, "",
+     "holds a NoSuchForCausalLM model (model_type 'no-such-model'), which transformers cannot load"),
+    ((), {"model_type": "xlnet", "architectures": ["XLNetLMHeadModel"]}, "",
+     "holds a XLNetLMHeadModel model, which vLLM cannot serve"),
+    ((), {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}, "training: {backend: megatron}\n",
+     "holds a MistralForCausalLM model; the megatron backend trains llama and qwen2 models only"),
+], ids=["no-tokenizer", "no-chat-template", "unknown-to-transformers", "unknown-to-vllm", "megatron-mistral"])
+def test_run_refuses_a_folder_without_tokenizer_or_of_an_unsupported_architecture(  # type: ignore[no-untyped-def]
+        qwen2: Path, tmp_path: Path, remove, config, extra: str, what: str) -> None:
+    model = _spoiled(qwen2, tmp_path, remove=remove, config=config)
+    done = run_sfhpc("run", str(_recipe(tmp_path, model, extra)), timeout=120)
+    assert_one_line_error(done, f"model.path: {model} {what}")
+    assert not (tmp_path / "runs").exists()
 
 
 def _folder(tmp_path: Path, *files: str) -> Path:
@@ -44,8 +83,11 @@ def test_launch_refuses_it_too_before_touching_slurm(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_model_folder_with_config_and_weights_passes(tmp_path: Path) -> None:
+def test_a_hugging_face_folder_passes(qwen2: Path, tmp_path: Path) -> None:
     from sfhpc.config import load_recipe
     from sfhpc.rl.program import check_runnable
 
-    check_runnable(load_recipe(_recipe(tmp_path, _folder(tmp_path, "config.json", "model.safetensors"))))
+    check_runnable(load_recipe(_recipe(tmp_path, qwen2)))
+    check_runnable(load_recipe(_recipe(tmp_path, qwen2, "training: {backend: megatron}\n")))
+    mistral = _spoiled(qwen2, tmp_path, config={"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    check_runnable(load_recipe(_recipe(tmp_path, mistral)))  # the torch backend trains any causal LM

@@ -12,7 +12,7 @@ import torch
 from sfhpc.config.recipe import AlgorithmSpec
 from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
 from sfhpc.trainer import checkpoint as ckpt
-from sfhpc.trainer.batch import TrainBatch, TrainRow
+from sfhpc.trainer.batch import PAD_ID, TrainBatch, TrainRow
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
 from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
 from tests.trainer.conftest import toy_batch
@@ -116,7 +116,7 @@ def test_batch_from_trajectory_records() -> None:
     assert batch.generated[0].tolist() == [False] * 6 + [True, True, False, False, True]
     assert batch.versions[0, 6:].tolist() == [3, 4, -1, -1, 4]
     assert batch.behaviour_logprobs[0, 10].item() == -0.125
-    assert batch.tokens[1, 8:].tolist() == [256, 256, 256]  # padding
+    assert batch.tokens[1, 8:].tolist() == [PAD_ID] * 3  # padding (an id every vocabulary has)
     assert batch.attention_mask[1].tolist() == [1] * 8 + [0] * 3
     assert batch.groups == ("g", "g") and batch.rewards.tolist() == [1.0, 0.0]
     with pytest.raises(BatchError, match="no reward"):

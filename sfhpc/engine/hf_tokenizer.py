@@ -1,0 +1,219 @@
+"""A Hugging Face model's own tokenizer and chat template, behind `ChatTokenizer`.
+
+The prompt of a chat request is exactly ``tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+tokenize=True)``: the template's special tokens (BOS, role headers) included, nothing added or dropped, so
+the policy reads what it was trained to read.
+
+Where a reply ends. The model's EOS (``eos_token_id`` of the tokenizer, ``config.json`` and
+``generation_config.json``) and the template's end-of-turn token. The latter is found by rendering a short
+conversation and taking the special token that follows the assistant's text: ``<|im_end|>`` for ChatML,
+``<|eot_id|>`` for Llama 3, ``</s>`` for Mistral. Both are stop tokens, and the stop token is kept at the
+end of the reply, so a re-rendered history holds the same token there.
+
+Multi-turn. A chat template re-encodes earlier replies from their *text*; a BPE tokenizer may spell that
+text with other tokens than the model sampled (or a template may rewrite it, e.g. drop reasoning). The
+trajectory manager then records the new prompt as a branch that forks where the two differ
+(`sfhpc.data.manager.TrajectoryManager.observe`): the trajectory keeps both, the current branch is what the
+policy actually read last, and only the replies on it are trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from sfhpc.engine.tokenizer import ChatFormatError
+
+_PROBE_REPLY = "sfhpc probe reply"  # the assistant text of the conversation that finds the end-of-turn token
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's printable stand-ins for bytes (what byte-level BPE vocabularies spell tokens with) -> byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class HFStreamDecoder:
+    """Decodes a reply as its tokens arrive: text is sent once a character is whole (a byte-level token may
+    hold half of one), and never taken back."""
+
+    def __init__(self, tokenizer: Any, *, skip_special: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._ids: list[int] = []
+        self._sent = 0
+
+    def feed(self, ids: Iterable[int]) -> str:
+        self._ids.extend(int(t) for t in ids)
+        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the token that completes it
+            return ""
+        return self._take(text)
+
+    def flush(self) -> str:
+        return self._take(self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special))
+
+    def _take(self, text: str) -> str:
+        new = text[self._sent:]
+        self._sent = max(self._sent, len(text))
+        return new
+
+
+class HFTokenizer:
+    """`ChatTokenizer` over a ``transformers`` tokenizer loaded from a model folder."""
+
+    def __init__(self, tokenizer: Any, *, model_vocab_size: int | None = None,
+                 eos_ids: Sequence[int] = ()) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        self._tok = tokenizer
+        self._model_vocab_size = model_vocab_size
+        self._extra_eos = tuple(int(t) for t in eos_ids)
+        # Named specials (BOS, EOS, pad) and every added token marked special (role headers, end-of-turn).
+        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        self._special = frozenset([int(t) for t in tokenizer.all_special_ids]
+                                  + [int(i) for i, token in added.items() if getattr(token, "special", False)])
+
+    @classmethod
+    def from_folder(cls, model_dir: str | Path) -> HFTokenizer:
+        """``AutoTokenizer.from_pretrained(model_dir)``, with the EOS ids of the folder's configs."""
+        from transformers import AutoTokenizer
+
+        folder = Path(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        vocab, eos = None, []
+        for name in ("config.json", "generation_config.json"):
+            path = folder / name
+            if path.is_file():
+                config = json.loads(path.read_text())
+                vocab = vocab or config.get("vocab_size")
+                eos += _ids(config.get("eos_token_id"))
+        return cls(tokenizer, model_vocab_size=vocab, eos_ids=eos)
+
+    @property
+    def backend(self) -> Any:
+        """The ``transformers`` tokenizer itself."""
+        return self._tok
+
+    # -- ids -----------------------------------------------------------------------------------------
+    @cached_property
+    def vocab_size(self) -> int:
+        # The model's embedding may have more rows than the tokenizer has tokens (padded for speed).
+        return max(len(self._tok), int(self._model_vocab_size or 0))
+
+    @property
+    def eos_id(self) -> int:
+        eos = self._tok.eos_token_id
+        if eos is None:
+            eos = self._extra_eos[0] if self._extra_eos else self.chat_stop_ids[0]
+        return int(eos)
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = self._tok.bos_token_id
+        return None if bos is None else int(bos)
+
+    @property
+    def pad_id(self) -> int:
+        pad = self._tok.pad_token_id
+        return int(pad) if pad is not None else self.eos_id
+
+    @cached_property
+    def chat_stop_ids(self) -> tuple[int, ...]:
+        """The template's end-of-turn token first, then every EOS the folder names."""
+        stops = [t for t in (self._end_of_turn(), self._tok.eos_token_id, *self._extra_eos) if t is not None]
+        return tuple(dict.fromkeys(int(t) for t in stops))
+
+    def _end_of_turn(self) -> int | None:
+        """The special token the template writes right after an assistant message's text."""
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE_REPLY}]
+        try:
+            ids = self.apply_chat_template(messages, add_generation_prompt=False)
+        except ChatFormatError:
+            return None
+        text = self._tok.encode(_PROBE_REPLY, add_special_tokens=False)
+        for start in range(len(ids) - len(text), -1, -1):  # the last occurrence: the assistant's
+            if ids[start:start + len(text)] == text:
+                following = ids[start + len(text):]
+                return next((t for t in following if t in self._special), None)
+        return None
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self._special
+
+    def check_id(self, token_id: int) -> None:
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
+
+    # -- text ----------------------------------------------------------------------------------------
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=False))
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        return head + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
+        return str(self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special))
+
+    def stream_decoder(self, *, skip_special: bool = True) -> HFStreamDecoder:
+        return HFStreamDecoder(self._tok, skip_special=skip_special)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The UTF-8 bytes of one token (OpenAI's ``logprobs.content[].bytes``); a byte-level token that holds
+        part of a character gives its raw bytes."""
+        self.check_id(token_id)
+        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        if piece is None:  # an embedding row past the tokenizer (padding): no text
+            return []
+        if token_id not in self._special:
+            if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:  # sentencepiece byte
+                return [int(piece[3:5], 16)]
+            if all(c in _BYTE_LEVEL for c in piece) and self._byte_level:
+                return [_BYTE_LEVEL[c] for c in piece]
+        return list(self.decode([token_id], skip_special=False).encode("utf-8"))
+
+    def token_text(self, token_id: int) -> str:
+        """A display form of one token: its text, or ``bytes:\\xNN...`` when it holds part of a character."""
+        raw = bytes(self.token_bytes(token_id))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        """Whether the vocabulary spells tokens with GPT-2's byte stand-ins (a ByteLevel decoder)."""
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        return backend is not None and "ByteLevel" in backend.to_str()
+
+    # -- chat ----------------------------------------------------------------------------------------
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
+                            add_generation_prompt: bool = True) -> list[int]:
+        """The model's own chat template, tokenized: exactly what ``transformers`` gives."""
+        from jinja2 import TemplateError
+
+        try:
+            ids = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, return_dict=False)
+        except TemplateError as exc:  # the template's own refusal (e.g. roles that must alternate)
+            raise ChatFormatError(f"the model's chat template refused the messages: {exc}") from exc
+        return [int(t) for t in ids]
+
+
+def _ids(value: object) -> list[int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, list):
+        return [int(v) for v in value if isinstance(v, int)]
+    return []

@@ -1,0 +1,159 @@
+"""Build small Hugging Face model folders on the spot: a BPE tokenizer trained here, a chat template, and a
+randomly initialised causal LM of a real architecture (Qwen2 or Llama), saved with ``save_pretrained``.
+
+No hub download: the tokenizer is trained with the ``tokenizers`` library on text generated from a seed,
+wrapped as a ``PreTrainedTokenizerFast`` with its special tokens and a Jinja chat template, and saved in the
+same folder as the model, so ``AutoTokenizer``, ``AutoModelForCausalLM`` and vLLM all load the folder as
+they would one from the hub. Tests use these folders to run sfhpc on the same path a user's model takes.
+
+Two chat formats, as the architectures' instruct models use them:
+
+* ``qwen2``: ChatML (``<|im_start|>role\\n...<|im_end|>\\n``), no BOS, EOS = ``<|im_end|>``, tied
+  embeddings and q/k/v biases as in Qwen2.5's small models;
+* ``llama``: Llama 3's headers (``<|begin_of_text|><|start_header_id|>role<|end_header_id|>\\n\\n...
+  <|eot_id|>``), a BOS, EOS = ``<|end_of_text|>`` (a turn ends with ``<|eot_id|>``), grouped-query
+  attention, untied embeddings.
+
+``head_dim`` is 64: vLLM's CPU attention does not support smaller heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+HEAD_DIM = 64
+Architecture = Literal["qwen2", "llama"]
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] + '<|eot_id|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatFormat:
+    """A tokenizer's special tokens and chat template."""
+
+    special_tokens: tuple[str, ...]
+    template: str
+    eos: str
+    pad: str
+    bos: str | None = None
+    stop: tuple[str, ...] = ()  # generation_config's eos_token_id: every token that ends a reply
+
+
+FORMATS: dict[str, ChatFormat] = {
+    "qwen2": ChatFormat(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), CHATML_TEMPLATE,
+                        eos="<|im_end|>", pad="<|endoftext|>", stop=("<|im_end|>", "<|endoftext|>")),
+    "llama": ChatFormat(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>"), LLAMA3_TEMPLATE, eos="<|end_of_text|>", pad="<|end_of_text|>",
+                        bos="<|begin_of_text|>", stop=("<|end_of_text|>", "<|eot_id|>")),
+}
+
+_WORDS_TEXT = ("the a an is are was what which who how many letter number word follows after before guess "
+               "higher lower yes no answer question think say reply next previous first last one two three four "
+               "five six seven eight nine ten zero plus minus times equals total sum left right up down and or "
+               "not it this that you me we they system user assistant tool hello please thanks")
+_WORDS = tuple(_WORDS_TEXT.split(" "))
+
+
+def corpus(seed: int, lines: int = 4000) -> Iterator[str]:
+    """Text to train the tokenizer on: sentences of common words, single letters and numbers, so the
+    merges cover what sfhpc's tasks and chat turns say (any other text still encodes: the BPE is
+    byte-level)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    for _ in range(lines):
+        parts: list[str] = []
+        for _ in range(rng.randint(3, 12)):
+            pick = rng.random()
+            if pick < 0.6:
+                parts.append(rng.choice(_WORDS))
+            elif pick < 0.8:
+                parts.append(rng.choice(letters + letters.upper()))
+            else:
+                parts.append(str(rng.randint(0, 999)))
+        sentence = " ".join(parts)
+        yield sentence[:1].upper() + sentence[1:] + rng.choice(".?!:")
+
+
+def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0) -> Any:
+    """A byte-level BPE trained on `corpus`, wrapped as a ``PreTrainedTokenizerFast`` with `chat`'s special
+    tokens and template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.special_tokens),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=chat.eos, pad_token=chat.pad,
+                                   bos_token=chat.bos, chat_template=chat.template, model_max_length=4096)
+
+
+def model_config(architecture: Architecture, *, vocab_size: int, layers: int, hidden_size: int, heads: int,
+                 kv_heads: int, max_seq_len: int, token_ids: dict[str, Any], dtype: str) -> Any:
+    """The ``transformers`` config of a small model of `architecture`."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    if hidden_size != heads * HEAD_DIM:
+        raise ValueError(f"hidden_size must be heads x {HEAD_DIM} = {heads * HEAD_DIM} (vLLM's CPU attention "
+                         f"needs head_dim {HEAD_DIM}), found {hidden_size}")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=hidden_size * 8 // 3 // 16 * 16,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_seq_len, rms_norm_eps=1e-6, hidden_act="silu", dtype=dtype, **token_ids)
+    if architecture == "qwen2":
+        # Qwen2's attention has q/k/v biases (always on in its modelling code); small Qwen2.5 models tie
+        # the output layer to the embeddings.
+        return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
+    if architecture == "llama":
+        return LlamaConfig(**common, head_dim=HEAD_DIM, tie_word_embeddings=False, attention_bias=False)
+    raise ValueError(f"architecture must be one of {sorted(FORMATS)}, found {architecture!r}")
+
+
+def build_hf_model(out_dir: str | Path, architecture: Architecture = "qwen2", *, layers: int = 2,
+                   hidden_size: int = 128, heads: int = 2, kv_heads: int | None = None, tokenizer_vocab: int = 512,
+                   max_seq_len: int = 512, dtype: str = "bfloat16", seed: int = 0) -> Path:
+    """Train the tokenizer, initialise the model from `seed` and save both into `out_dir` (safetensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if architecture not in FORMATS:
+        raise ValueError(f"architecture must be one of {sorted(FORMATS)}, found {architecture!r}")
+    chat = FORMATS[architecture]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+           (("eos_token_id", chat.eos), ("pad_token_id", chat.pad), ("bos_token_id", chat.bos)) if token}
+    vocab = -(-len(tokenizer) // 64) * 64  # embedding rows padded to a multiple of 64, as real models do
+    config = model_config(architecture, vocab_size=vocab, layers=layers, hidden_size=hidden_size, heads=heads,
+                          kv_heads=kv_heads or heads, max_seq_len=max_seq_len, token_ids=ids, dtype=dtype)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids.get("bos_token_id"), pad_token_id=ids["pad_token_id"],
+        eos_token_id=[tokenizer.convert_tokens_to_ids(t) for t in chat.stop])
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "sfhpc_build.json").write_text(json.dumps(
+        {"architecture": architecture, "seed": seed, "layers": layers, "hidden_size": hidden_size,
+         "heads": heads, "kv_heads": kv_heads or heads, "tokenizer_vocab": tokenizer_vocab}, indent=2) + "\n")
+    return out
