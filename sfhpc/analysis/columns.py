@@ -22,6 +22,7 @@ from sfhpc.data.trajectory import NO_VERSION, SegmentKind, Status
 
 GENERATED = SegmentKind.GENERATED.code
 FAILED = Status.FAILED.code
+SEGMENTS_PER_READ = 1 << 20  # generated segments whose token versions are read at once (bounds the memory)
 STATUS_NAMES = np.array([s.value for s in Status], dtype=object)
 
 
@@ -37,17 +38,27 @@ class StoreColumns:
 def store_columns(store: StoreView) -> StoreColumns:
     n = len(store)
     records = store.table("trajectories")
-    segs = store.table("segments")
-    order = np.lexsort((segs["index"], segs["trajectory"]))  # by trajectory, then segment index
-    segs = segs[order]
-    owner, index, count = segs["trajectory"], segs["index"].astype(np.int64), segs["token_count"]
-    generated = segs["kind"] == GENERATED
+    table = store.table("segments")
+    owner = table["trajectory"]
+    # Segments are recorded in index order, so a stable sort by trajectory lists each one's in order; a store
+    # written by one agent at a time is sorted already (no copy then).
+    order = None if np.all(owner[1:] >= owner[:-1]) else np.argsort(owner, kind="stable")
+
+    def field(name: str) -> np.ndarray:
+        return table[name] if order is None else table[name][order]
+
+    owner, index, count = field("trajectory"), field("index").astype(np.int64), field("token_count")
+    generated = field("kind") == GENERATED
+    aborted = table["finish_reason"] == b"abort"  # compared before reordering: no copy of the text column
+    aborted = aborted if order is None else aborted[order]
 
     # A chain: segment 0 is the root; segment i > 0 has parent i - 1 and forks at the parent's end.
     same = np.r_[False, owner[1:] == owner[:-1]]
     prev_index, prev_count = np.r_[-1, index[:-1]], np.r_[0, count[:-1]]
-    chain = np.where(index == 0, (segs["parent"] == -1) & (segs["fork_at"] == 0),
-                     same & (index == prev_index + 1) & (segs["parent"] == index - 1) & (segs["fork_at"] == prev_count))
+    parent, fork_at = field("parent"), field("fork_at")
+    chain = np.where(index == 0, (parent == -1) & (fork_at == 0),
+                     same & (index == prev_index + 1) & (parent == index - 1) & (fork_at == prev_count))
+    del parent, fork_at, prev_index
     forked = np.zeros(n, bool)
     forked[owner[~chain]] = True
     keep = ~forked[owner]
@@ -58,20 +69,24 @@ def store_columns(store: StoreView) -> StoreColumns:
 
     tokens = per_trajectory(keep, count)
     generated_tokens = per_trajectory(keep & generated, count)
-    interruptions = per_trajectory(keep & generated & (segs["finish_reason"] == b"abort"))
+    interruptions = per_trajectory(keep & generated & aborted)
     prev_generated = np.r_[False, generated[:-1]] & same
     replies = per_trajectory(keep & generated & ~prev_generated)
 
-    oldest, newest, pairs, by_version = _versions(store, segs[keep & generated & (count > 0)], n)
+    chosen = keep & generated & (count > 0)
+    oldest, newest, pairs, by_version = _versions(store, owner[chosen], field("token_start")[chosen], count[chosen], n)
+    del chosen, same, keep, generated, aborted
     for row in np.flatnonzero(forked):  # the few forked ones: by the definition
         written = store.get(_text(records["id"][row])).token_versions()
         written = written[written != NO_VERSION]
         if len(written):
             oldest[row], newest[row] = written.min(), written.max()
-            pairs.append(np.stack([np.full(len(np.unique(written)), row), np.unique(written)], 1))
+            pairs.append(row << 32 | np.unique(written).astype(np.int64))
             by_version.append(np.bincount(written))
-    pairs_array = np.unique(np.concatenate(pairs), axis=0) if pairs else np.zeros((0, 2), np.int64)
-    versions = np.bincount(pairs_array[:, 0].astype(np.int64), minlength=n).astype(np.int64)
+    keys = np.sort(np.concatenate(pairs)) if pairs else np.zeros(0, np.int64)  # row << 32 | version
+    keys = keys[np.r_[True, keys[1:] != keys[:-1]]] if len(keys) else keys  # each pair once
+    pairs_array = np.stack([keys >> 32, keys & 0xFFFFFFFF], 1)
+    versions = np.bincount(pairs_array[:, 0], minlength=n).astype(np.int64)
     total = np.zeros(max((len(b) for b in by_version), default=0), np.int64)
     for part in by_version:
         total[:len(part)] += part.astype(np.int64)
@@ -106,8 +121,8 @@ def store_columns(store: StoreView) -> StoreColumns:
     staleness = np.where(marked & has_versions, trained - oldest, -1)
 
     columns: dict[str, np.ndarray | list] = {
-        "id": [v.decode("utf-8") for v in records["id"].tolist()], "task": _texts(records["task"]),
-        "group": _texts(np.where(records["has_group"].astype(bool), records["group"], b"")),
+        "id": store.ids(), "task": _texts(records["task"]),
+        "group": _texts(records["group"]),
         "status": STATUS_NAMES[status_code], "reward": reward, "turns": turns, "tokens": tokens,
         "generated_tokens": generated_tokens, "min_version": oldest, "max_version": newest,
         "consumed_step": step, "trained_version": trained, "staleness": staleness, "created": created,
@@ -138,36 +153,43 @@ def columns_frame(columns: dict[str, np.ndarray | list], dtypes: dict[str, str])
     return pd.DataFrame(data)
 
 
-def _versions(store: StoreView, gen: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, list, list]:
-    """Oldest and newest version per trajectory (-1: none), (row, version) pairs and tokens per version,
-    from the generated segments `gen` (chain trajectories, non-empty) and the token versions under them."""
+def _versions(store: StoreView, owners: np.ndarray, starts: np.ndarray, counts: np.ndarray,
+              n: int) -> tuple[np.ndarray, np.ndarray, list, list]:
+    """Oldest and newest version per trajectory (-1: none), (row << 32 | version) keys and tokens per version,
+    from generated segments (of chain trajectories, non-empty) and the token versions under them."""
     oldest = np.full(n, -1, np.int64)
     newest = np.full(n, -1, np.int64)
-    if not len(gen):
+    if not len(owners):
         return oldest, newest, [], []
-    written = store.data("tokens/versions")
-    gen = gen[np.argsort(gen["token_start"], kind="stable")]
-    starts = gen["token_start"]
-    ends = starts + gen["token_count"]
-    # reduceat over [start, end) pairs: the even results are each segment's own span (the odd ones, the
-    # gaps between segments, are dropped). A last end at the array's end is implied.
-    edges = np.stack([starts, ends], 1).ravel()
-    if edges[-1] >= len(written):
-        edges = edges[:-1]
-    seg_min = np.minimum.reduceat(written, edges)[::2].astype(np.int64)
-    seg_max = np.maximum.reduceat(written, edges)[::2].astype(np.int64)
-    owners = gen["trajectory"]
-    low = np.full(n, np.iinfo(np.int64).max)
-    np.minimum.at(low, owners, seg_min)
+    by_start = np.argsort(starts, kind="stable")
+    owners, starts, counts = owners[by_start], starts[by_start], counts[by_start]
+    ends = starts + counts
+    seg_min = np.empty(len(starts), np.int64)
+    seg_max = np.empty(len(starts), np.int64)
+    multi: list[np.ndarray] = []  # tokens of segments that span a weight update
+    # A slice of segments at a time: the versions under them are read in one go, not the whole column.
+    for a in range(0, len(starts), SEGMENTS_PER_READ):
+        b = min(len(starts), a + SEGMENTS_PER_READ)
+        low, high = int(starts[a]), int(ends[a:b].max())
+        written = store.data("tokens/versions", low, high)
+        # reduceat over [start, end) pairs: the even results are each segment's own span (the odd ones, the
+        # gaps between segments, are dropped). A last end at the slice's end is implied.
+        edges = np.stack([starts[a:b] - low, ends[a:b] - low], 1).ravel()
+        if edges[-1] >= len(written):
+            edges = edges[:-1]
+        seg_min[a:b] = np.minimum.reduceat(written, edges)[::2]
+        seg_max[a:b] = np.maximum.reduceat(written, edges)[::2]
+        for i in np.flatnonzero(seg_min[a:b] != seg_max[a:b]):
+            multi.append(written[starts[a + i] - low:ends[a + i] - low].astype(np.int64))
+    low_v = np.full(n, np.iinfo(np.int64).max)
+    np.minimum.at(low_v, owners, seg_min)
     np.maximum.at(newest, owners, seg_max)
-    oldest = np.where(newest >= 0, low, -1)
+    oldest = np.where(newest >= 0, low_v, -1)
     one = seg_min == seg_max  # a segment of one version (every generation that no weight update split)
-    pairs = [np.stack([owners[one], seg_min[one]], 1)]
-    by_version = [np.bincount(seg_min[one], weights=gen["token_count"][one].astype(np.float64))]
-    for i in np.flatnonzero(~one):  # a generation that spans a weight update: its tokens one by one
-        values = written[starts[i]:ends[i]].astype(np.int64)
-        present = np.unique(values)
-        pairs.append(np.stack([np.full(len(present), owners[i]), present], 1))
+    pairs = [owners[one].astype(np.int64) << 32 | seg_min[one]]
+    by_version = [np.bincount(seg_min[one], weights=counts[one].astype(np.float64))]
+    for i, values in zip(np.flatnonzero(~one), multi):
+        pairs.append(int(owners[i]) << 32 | np.unique(values))
         by_version.append(np.bincount(values))
     return oldest, newest, pairs, by_version
 
@@ -195,7 +217,8 @@ def _text(value: bytes) -> str:
     return value.decode("utf-8")
 
 
-def _texts(values: np.ndarray) -> np.ndarray:
-    """Fixed-width UTF-8 fields that repeat (tasks, groups) as Python strings, each distinct one decoded once."""
-    unique, inverse = np.unique(values, return_inverse=True)
-    return np.array([v.decode("utf-8") for v in unique.tolist()], dtype=object)[inverse.ravel()]
+def _texts(values: np.ndarray) -> list[str]:
+    """Fixed-width UTF-8 fields that repeat (tasks, groups) as Python strings, each distinct one decoded once.
+    (A trajectory without a group has "" here, as `trajectory_row` gives it.)"""
+    decoded: dict[bytes, str] = {}
+    return [decoded.get(v) or decoded.setdefault(v, v.decode("utf-8")) for v in values.tolist()]

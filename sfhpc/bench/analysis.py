@@ -79,7 +79,7 @@ def build_store(path: Path, trajectories: int) -> dict[str, int]:
     rewards = np.random.default_rng(1).random(per_step)
     store = TrajectoryStore.create(path, run_metadata={"benchmark": "analysis"})
     tokens = 0
-    batch: list[str] = []
+    batch: list[tuple[str, float]] = []
     now = time.time()
     for n in range(trajectories):
         step = n // per_step
@@ -103,13 +103,13 @@ def build_store(path: Path, trajectories: int) -> dict[str, int]:
         if n % FAIL_EVERY == FAIL_EVERY - 1:
             store.set_status(tid, Status.FAILED, when=now, reason="TimeoutError: tool call")
         else:
-            store.set_status(tid, Status.FINISHED, when=now, reward=float(rewards[n % per_step]),
-                             turn_rewards=(0.0, float(rewards[n % per_step])))
-            batch.append(tid)
+            reward = float(rewards[n % per_step]) * (0.5 + 0.5 * step / max(1, steps))  # a rising curve
+            store.set_status(tid, Status.FINISHED, when=now, reward=reward, turn_rewards=(0.0, reward))
+            batch.append((tid, reward))
         if (n + 1) % per_step == 0 and step < steps - 1:  # the last batch stays unconsumed
-            store.mark_consumed(step, batch, policy_version=step + 1, when=now)
-            for consumed in batch:
-                store.set_status(consumed, Status.CONSUMED, when=now)
+            store.mark_consumed(step, [tid for tid, _ in batch], policy_version=step + 1, when=now)
+            for consumed, reward in batch:  # as the manager does: every status record carries the rewards
+                store.set_status(consumed, Status.CONSUMED, when=now, reward=reward, turn_rewards=(0.0, reward))
             batch = []
         if (n + 1) % FLUSH_EVERY == 0:
             store.flush()

@@ -187,8 +187,9 @@ class StoreView:
                                  f"{dataset.shape[0]}; the file is damaged")
         for name in layout.TABLES:  # append-only: read just the new rows
             old, new = self._counts[name], counts[name]
-            if new > old:
-                self._tables[name] = np.concatenate([self._tables[name], self._ds[name][old:new]])
+            if new > old:  # (the first read is kept as it is: a copy would double a big table's memory)
+                rows = self._ds[name][old:new]
+                self._tables[name] = rows if old == 0 else np.concatenate([self._tables[name], rows])
         new_rows = self._tables["trajectories"][self._counts["trajectories"]:counts["trajectories"]]
         start = self._counts["trajectories"]
         for offset, raw_id in enumerate(new_rows["id"]):
