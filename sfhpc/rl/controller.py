@@ -69,7 +69,8 @@ class Controller:
         self.scheduler = Scheduler(plan)
         self.store_path = run_dir / STORE_NAME
         self.store = TrajectoryStore.open(self.store_path,
-                                          run_metadata={"recipe": recipe.name, "source": recipe.source})
+                                          run_metadata={"recipe": recipe.name, "source": recipe.source,
+                                                        "model": str(model_dir)})  # its tokenizer
         self.manager = TrajectoryManager(self.store, max_staleness=recipe.pipeline.max_staleness)
         self.server = ManagerServer(self.manager, layout.manager_link, clients=self.scheduler.rollout_ranks)
         self._stop_serving = threading.Event()

@@ -32,7 +32,7 @@ def check_runnable(recipe: Recipe) -> None:
             # A folder the engines cannot load would hang or fail on every rank, after the job started.
             from sfhpc.model.folder import model_folder_problem
 
-            problem = model_folder_problem(Path(recipe.model.path))
+            problem = model_folder_problem(Path(recipe.model.path), backend=recipe.training.backend)
             if problem is not None:
                 raise SfhpcError(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
                                  "leave model.path out to build sfhpc's own tiny model")
@@ -121,8 +121,10 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
             return VllmEngine.start(f"vllm-r{identity.rank}", model_dir, max_model_len=recipe.model.max_seq_len,
                                     dtype=recipe.model.dtype, seed=recipe.seed + identity.rank)
 
-        worker = RolloutWorker(recipe, task, layout, engine,
-                               trainer=trainer_worker.trainer if trainer_worker else None)
+        from sfhpc.engine.tokenizer import load_tokenizer
+
+        worker = RolloutWorker(recipe, task, layout, engine, trainer=trainer_worker.trainer if trainer_worker else None,
+                               tokenizer=load_tokenizer(model_dir))  # the endpoint speaks the model's tokenizer
         try:
             serve_rollout(worker, on_train=_colocated_training(trainer_worker))
         finally:

@@ -21,6 +21,7 @@ from sfhpc.data.service import ManagerClient
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.engine.base import RolloutEngine
+from sfhpc.engine.tokenizer import ChatTokenizer
 from sfhpc.rl import messages as msg
 from sfhpc.rl.messages import Episode
 from sfhpc.rollout.agent import (
@@ -43,7 +44,7 @@ log = logging.getLogger("sfhpc")
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
-                 trainer: Any | None = None) -> None:
+                 trainer: Any | None = None, tokenizer: ChatTokenizer | None = None) -> None:
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
@@ -52,7 +53,7 @@ class RolloutWorker:
         self.endpoint = AgentEndpoint(placeholder, self.manager)
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
-        self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name,
+        self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name, tokenizer=tokenizer,
                                                token=new_run_token()), **_endpoint_address(recipe)).start()
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(
