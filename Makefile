@@ -11,18 +11,28 @@ export SLURM_CONF
 
 # Debian packages the runtime needs without Slurm (mpi4py's wheel loads the system's Open MPI).
 SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
+# ... and those the tests need besides: a headless browser opens the HTML report (tests/analysis), ~80 MB.
+TEST_SYSTEM_PACKAGES := chromium
 
-.PHONY: setup system-packages demo test test-fast bench lint cluster-up cluster-down cluster-status clean
+.PHONY: setup system-packages test-system-packages demo test test-fast bench lint cluster-up cluster-down cluster-status clean
 
 setup: system-packages $(VENV)/.installed
 
-system-packages:
-	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+# The Debian packages among $(1) that are missing, installed (as root; anyone else is told which).
+define apt_install_missing
+	@missing=""; for p in $(1); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "please install:$$missing (apt-get install$$missing)"; exit 1; fi; \
 	  echo "installing$$missing"; apt-get update -qq && \
 	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing >/dev/null; \
 	fi
+endef
+
+system-packages:
+	$(call apt_install_missing,$(SYSTEM_PACKAGES))
+
+test-system-packages:
+	$(call apt_install_missing,$(TEST_SYSTEM_PACKAGES))
 
 # torch first, from the exact CPU build, then everything else under constraints.txt (which pins torch),
 # so that no package can pull a CUDA build of torch onto a CPU machine.
@@ -47,11 +57,11 @@ cluster-down:
 cluster-status:
 	$(DEVCLUSTER) status
 
-test: setup cluster-up
+test: setup test-system-packages cluster-up
 	$(VENV)/bin/pytest -q -ra
 
 # Tests that need neither Slurm nor long runs.
-test-fast: setup
+test-fast: setup test-system-packages
 	$(VENV)/bin/pytest -q -m "not slurm"
 
 bench: setup
