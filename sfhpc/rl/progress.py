@@ -1,7 +1,8 @@
 """Progress of a run: one line per step on the terminal, a JSON line per step on disk, the reward curve.
 
 Long runs show steps, reward and throughput as they go; at the end the reward curve is printed (so a
-terminal shows it) and drawn to ``reward.png`` next to the metrics.
+terminal shows it) and drawn to ``reward.png`` next to the metrics. The same per-step values also go to a
+TensorBoard event file beside ``metrics.jsonl`` (`sfhpc.rl.tfevents`), for ``tensorboard --logdir runs/``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import json
 import time
 from pathlib import Path
 from typing import Any
+
+from sfhpc.rl.tfevents import EventFile, rewrite
 
 SPARK = " .:-=+*#%@"
 
@@ -20,6 +23,7 @@ class Progress:
         self.total = total_steps
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
+        self.events: EventFile | None = None  # opened at the first step (or at a resume)
 
     def resume(self, step: int) -> None:
         """Continue the metrics of a run restored at `step`: its rows up to that step are the curve so far.
@@ -30,6 +34,8 @@ class Progress:
         rows = [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
         self.rows = [r for r in rows if r["step"] <= step]
         later = [r for r in rows if r["step"] > step]
+        # The event files likewise: one new file with the kept steps replaces the earlier sessions' files.
+        self.events = rewrite(self.path.parent, self.rows)
         if not later:
             return
         with open(self.path.with_name("metrics-discarded.jsonl"), "a", encoding="utf-8") as f:
@@ -43,6 +49,9 @@ class Progress:
         self.rows.append(row)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
+        if self.events is None:
+            self.events = EventFile(self.path.parent)
+        self.events.add(int(row["step"]), row)
         print(f"step {row['step']:>4}/{self.total}  reward {row['reward_mean']:.3f}  "
               f"staleness {row.get('mean_staleness', 0):.2f}  gen {row['generated_tokens_per_s']:>7.0f} tok/s  "
               f"train {row['trained_tokens_per_s']:>7.0f} tok/s  sync {row['sync_s'] * 1000:.0f} ms  "
