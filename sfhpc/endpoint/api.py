@@ -14,7 +14,7 @@ from typing import Any
 
 from sfhpc.endpoint.episodes import Episode, Episodes, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
-from sfhpc.endpoint.service import AgentEndpoint, Turn, TurnRequest, TurnResult
+from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
 
@@ -66,11 +66,12 @@ class OpenAIApi:
 
     `token` is the bearer token every HTTP transport of this API demands (`EndpointServer`,
     `start_site`); the in-process client calls the API directly and needs none. `episodes` are the open
-    per-episode URLs (see `sfhpc.endpoint.episodes`).
+    per-episode URLs (see `sfhpc.endpoint.episodes`). With a `sampling_rule` (an RL run's), requests for a
+    temperature or top-p the trainer cannot match are refused.
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, sampling_rule: SamplingRule | None = None) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.token = token
@@ -79,6 +80,7 @@ class OpenAIApi:
         self.tokenizer: ChatTokenizer = tokenizer or ByteTokenizer()
         self.created = int(time.time())
         self.episodes = Episodes()
+        self.sampling_rule = sampling_rule
 
     def models(self) -> dict[str, Any]:
         return models_body(self.model_name, self.created)
@@ -94,6 +96,8 @@ class OpenAIApi:
         identity = identity or Identity()
         episode = None if identity.episode is None else self.episodes.get(identity.episode)
         request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity)
+        if self.sampling_rule is not None:
+            self.sampling_rule.check(request.turn.sampling)
         if episode is None:
             async with self.endpoint.turn(request.turn) as turn:
                 yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id))

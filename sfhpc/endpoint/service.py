@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 from sfhpc.data.errors import TrajectoryConflict, UnknownTrajectory
 from sfhpc.endpoint.errors import (
+    BadRequest,
     ContextLengthExceeded,
     ShuttingDown,
     TrajectoryClosed,
@@ -48,6 +49,27 @@ class Sampling:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRule:
+    """The sampling a run can train on. The trainer recomputes each token's logprob under the policy at
+    one temperature, and over the whole vocabulary: a token drawn at another temperature, or from a
+    top-p nucleus, has a behaviour logprob the trainer's cannot match, so its importance ratio would be
+    wrong. Such requests are refused (400) rather than recorded."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def check(self, sampling: Sampling) -> None:
+        if sampling.temperature != self.temperature:
+            raise BadRequest(f"temperature {sampling.temperature:g} cannot be trained on: this run's trainer "
+                             f"computes logprobs at temperature {self.temperature:g}; send {self.temperature:g} "
+                             f"or leave it out", param="temperature", code="unsupported_sampling")
+        if sampling.top_p != self.top_p:
+            raise BadRequest(f"top_p {sampling.top_p:g} cannot be trained on: this run's trainer computes "
+                             f"logprobs over the whole vocabulary (top_p {self.top_p:g}); leave it out",
+                             param="top_p", code="unsupported_sampling")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,6 +20,7 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.data.service import ManagerClient
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.endpoint.client import AsyncLocalClient
+from sfhpc.endpoint.service import SamplingRule
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.engine.tokenizer import ChatTokenizer
 from sfhpc.rl import messages as msg
@@ -40,6 +41,9 @@ from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
 log = logging.getLogger("sfhpc")
+# The trainers recompute logprobs at temperature 1 over the whole vocabulary (no recipe sets another), so
+# agents may sample only so: anything else is refused with a 400, never trained on with wrong ratios.
+TRAINED_SAMPLING = SamplingRule(temperature=1.0, top_p=1.0)
 
 
 class RolloutWorker:
@@ -54,7 +58,8 @@ class RolloutWorker:
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name, tokenizer=tokenizer,
-                                               token=new_run_token()), **_endpoint_address(recipe)).start()
+                                               token=new_run_token(), sampling_rule=TRAINED_SAMPLING),
+                                     **_endpoint_address(recipe)).start()
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(
             recipe.agent, recipe_source=recipe.source, episodes=self.server.api.episodes,

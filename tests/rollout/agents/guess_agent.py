@@ -5,7 +5,9 @@ episode input and, while the guess is wrong, tells the model "higher" or "lower"
 --turns times). The task's verifier then judges its final reply, unless --report says how to give a reward.
 
 Faults for tests, by the problem's key (the secret digit): --crash-on KEYS raises after the first reply,
---hang-on KEYS sleeps forever (with a child process in its group) after the first reply.
+--hang-on KEYS sleeps forever (with a child process in its group) after the first reply. With --fault-dir,
+the first episode of a run that claims DIR/crash crashes and the next that claims DIR/hang hangs (a file
+made with O_EXCL is claimed once, whichever programs run at the same time).
 """
 
 import argparse
@@ -23,7 +25,21 @@ parser.add_argument("--report", choices=["verifier", "stdout", "post"], default=
 parser.add_argument("--crash-on", default="")
 parser.add_argument("--hang-on", default="")
 parser.add_argument("--pid-file")
+parser.add_argument("--fault-dir")
 args = parser.parse_args()
+
+
+def claim(name: str) -> bool:
+    try:
+        os.close(os.open(os.path.join(args.fault_dir, name), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+fault = None
+if args.fault_dir:
+    fault = "crash" if claim("crash") else "hang" if claim("hang") else None
 
 episode = json.load(sys.stdin)
 assert json.loads(os.environ["SFHPC_EPISODE"]) == episode
@@ -36,9 +52,9 @@ for turn in range(args.turns):
                                            max_tokens=episode["max_tokens"], temperature=1.0)
     guess = (reply.choices[0].message.content or "").strip()
     print(f"turn {turn + 1}: guessed {guess!r}", file=sys.stderr)
-    if episode["problem"]["key"] in args.crash_on.split(","):
+    if fault == "crash" or episode["problem"]["key"] in args.crash_on.split(","):
         raise RuntimeError(f"agent crashed on purpose after guessing {guess!r}")
-    if episode["problem"]["key"] in args.hang_on.split(","):
+    if fault == "hang" or episode["problem"]["key"] in args.hang_on.split(","):
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         if args.pid_file:
             with open(args.pid_file, "w") as f:

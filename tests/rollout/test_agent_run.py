@@ -1,0 +1,86 @@
+"""An agent program inside a whole RL run (`sfhpc run`): real vLLM, real MPI ranks, real training, the real
+store. The program imports nothing from sfhpc; one of its episodes crashes and one hangs, and the run still
+trains its whole budget."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from sfhpc.data.store import open_store
+from tests.conftest import run_sfhpc
+from tests.rollout.test_agent_process import alive
+
+pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
+
+AGENT = Path(__file__).parent / "agents" / "guess_agent.py"
+
+RECIPE = """\
+name: agent-program
+seed: 1
+model: {{warm_start_steps: 10}}
+pipeline: {{mode: async, max_staleness: 1}}
+budgets: {{steps: 2, prompts_per_step: 2, max_failed_fraction: 0.9}}
+algorithm: {{group_size: 4}}
+task: {{name: guess-number, options: {{max_turns: 4}}}}
+agent:
+  command: [{python}, {agent}, --turns, "4", --fault-dir, {faults}, --pid-file, {faults}/hang.pids]
+  workers: 4
+  timeout_s: 30
+roles:
+  controller: {{place_with: trainer}}
+  trainer:    {{tags: [train], nodes: 1}}
+  rollout:    {{tags: [rollout], nodes: 1}}
+"""
+
+
+def agent_recipe(tmp_path: Path) -> Path:
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.format(python=sys.executable, agent=AGENT, faults=faults)
+                      + f"output_dir: {tmp_path / 'runs'}\n")
+    return recipe
+
+
+def check_agent_run(run_dir: Path, faults: Path) -> None:
+    """The run trained its budget on the program's episodes, with every turn recorded, and the crash and the
+    hang failed their own episodes only."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2]
+    with open_store(run_dir / "trajectories.h5") as store:
+        trajectories = list(store.trajectories())
+    consumed = [t for t in trajectories if t.status == "consumed"]
+    assert len(consumed) == 2 * 2 * 4
+    turns = []
+    for t in consumed:
+        kinds = [s.kind for s in t.segments]
+        # One reply per call (a reply a weight update cut is two segments, the first ending in 'abort'), and
+        # the program's own hint before each later call: a reply the chat template does not render back into
+        # the same tokens (a byte that is no UTF-8) makes that hint a fork, kept beside the branch.
+        calls = sum(1 for s in t.segments if s.generated and s.finish_reason != "abort")
+        assert kinds[0] == "prompt" and kinds.count("observation") == calls - 1
+        assert t.task == "guess-number" and t.reward in (0.0, 1.0) and t.num_generated >= calls
+        turns.append(calls)
+    assert max(turns) > 1  # the program drove several turns of one trajectory
+    failed = [t for t in trajectories if t.status == "failed"]
+    crashed = [t for t in failed if "crashed on purpose" in t.fail_reason]
+    hung = [t for t in failed if t.fail_reason == "timed out after 30 s"]
+    assert len(crashed) == 1 and hung and len(crashed) + len(hung) == len(failed), [t.fail_reason for t in failed]
+    assert crashed[0].fail_reason.startswith("AgentProgramFailed: the agent program exited with status 1; its "
+                                             "stderr ends: RuntimeError: agent crashed on purpose after guessing")
+    assert crashed[0].num_generated > 0 and all(t.num_generated > 0 for t in hung)  # their first turn is kept
+    for pid in map(int, (faults / "hang.pids").read_text().split()):  # the hung program's group was killed
+        assert not alive(pid)
+
+
+def test_an_agent_program_plays_inside_the_rl_loop(tmp_path: Path) -> None:
+    recipe = agent_recipe(tmp_path)
+    done = run_sfhpc("run", str(recipe), timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    check_agent_run(run_dir, tmp_path / "faults")
