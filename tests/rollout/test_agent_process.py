@@ -196,3 +196,22 @@ def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, ma
     assert data["problem"] == {"key": "3", "data": 3}
     url, key = Path(str(dump) + ".env").read_text().split()
     assert url == f"http://127.0.0.1:{server.port}/episodes/{data['episode_id']}/v1" and key == server.token
+
+
+def test_a_program_reaches_an_endpoint_bound_to_all_addresses_by_host_name(manager: TrajectoryManager) -> None:
+    """What an agent on another node does: the URL names this node, not loopback, and the run's token is
+    required there too."""
+    import socket
+
+    import httpx
+
+    engine = ScriptedEngine(seed=3, vocab=tuple(range(ord("0"), ord("9") + 1)), max_model_len=256)
+    api = OpenAIApi(AgentEndpoint(engine, manager), model_name=MODEL, token=new_run_token())
+    with EndpointServer(api, host="0.0.0.0") as server:
+        assert server.episode_url("x").startswith(f"http://{socket.gethostname()}:{server.port}/")
+        outcome = play(server, manager, programs(server, "--turns", "2"), 8)
+        assert outcome is not None and manager.trajectory(outcome.trajectory_id).status == "finished"
+        episode = server.api.episodes.open(task="t")
+        anonymous = httpx.post(f"{server.episode_url(episode.id)}/chat/completions",
+                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert anonymous.status_code == 401
