@@ -5,6 +5,8 @@
     sfhpc run RECIPE [--cluster MAP] [--resume RUN_DIR]  run on this machine with mpiexec (no Slurm);
                                                    --resume continues a stopped run (exit 75: stopped)
     sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
+    sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
+                                                   launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
@@ -78,6 +80,31 @@ def cmd_launch(args: argparse.Namespace) -> int:
         print(f"follow it with: sfhpc status {submission.job_id} / sfhpc logs {submission.job_id}")
         return 0
     return _wait(submission.job_id, run_dir, args.timeout)
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    """The recipe's ranks started as `launch` (or, with --local, `run`) would start them, each saying where
+    it is: the launch report, gathered over the MPI world, in the run folder. No RL, so no task."""
+    from sfhpc.launch.rundir import new_run_dir
+
+    if args.local:
+        from sfhpc.launch.local import local_cluster_map, run_local
+
+        recipe = load_recipe(args.recipe)
+        plan = resolve(recipe, local_cluster_map(recipe))
+        run_dir = new_run_dir(recipe.output_dir, recipe.name)
+        print(plan.describe())
+        print(f"run folder {run_dir}", flush=True)
+        return run_local(plan, args.recipe, None, run_dir, probe=True)
+    from sfhpc.launch.slurm_launch import executor_for, submit
+
+    recipe, cluster, plan = _load(args)
+    executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
+    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    submission = submit(recipe, cluster, plan, run_dir, probe=True)
+    print(plan.describe())
+    print(f"submitted job {submission.job_id}; run folder {run_dir}")
+    return _wait(submission.job_id, run_dir, args.timeout) if args.wait else 0
 
 
 def _wait(job_id: str, run_dir: Path, timeout: float, poll_s: float = 1.0) -> int:
@@ -355,6 +382,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run from its latest complete checkpoint, in its own folder")
     recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
+    p = recipe_command("probe", cmd_probe, "start a recipe's ranks and prove where they run (the launch report), "
+                                           "without RL")
+    p.add_argument("--local", action="store_true", help="on this machine with mpiexec, as `sfhpc run` does")
+    p.add_argument("--wait", action="store_true", help="wait for the job to end and print its output")
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait with --wait (default 600)")
 
     for name, func, help in (("status", cmd_status, "state of a job and of each of its components"),
                              ("logs", cmd_logs, "output of a job (all ranks, labelled), or of one rank"),

@@ -159,9 +159,10 @@ class TaskSpec:
     """The environment the agents act in: a built-in task's name, or user code by import path
     (``package.module:Name``, ``file.py:Name``); ``options`` are passed to it as they are. Relative files
     the task names (a ``.py`` file, a data file) are read from `base_dir`, the recipe's folder, which
-    `load_recipe` makes absolute (a rank may run in another working folder)."""
+    `load_recipe` makes absolute (a rank may run in another working folder). An RL run requires a task
+    (`sfhpc.rl.program.check_runnable`); ``sfhpc probe`` needs none, so the empty name means "not given"."""
 
-    name: str = "launch-report"
+    name: str = ""
     options: Any = None
     base_dir: str | None = dataclasses.field(default=None, compare=False, metadata={"yaml": False})
 

@@ -32,7 +32,8 @@ def local_cluster_map(recipe: Recipe) -> ClusterMap:
     return ClusterMap(cluster="local", pools=(pool,), source="(this machine)")
 
 
-def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path) -> list[str]:
+def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
+                    probe: bool = False) -> list[str]:
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin) "
@@ -41,14 +42,15 @@ def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None
     # core to spare. --oversubscribe: a recipe may ask for more ranks than this machine has cores.
     command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(plan.world_size),
                sys.executable, "-m", "sfhpc.runtime", recipe_path, "--run-dir", str(run_dir),
-               "--cluster", cluster_path or LOCAL_MAP_NAME]
+               "--cluster", cluster_path or LOCAL_MAP_NAME] + (["--probe"] if probe else [])
     return command
 
 
-def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path) -> int:
+def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
+              probe: bool = False) -> int:
     """Start every rank with mpiexec and wait; returns mpiexec's exit code."""
     env = dict(os.environ)
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir), env=env)
+    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe), env=env)

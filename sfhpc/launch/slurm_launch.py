@@ -57,10 +57,11 @@ def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir:
     return HetSlurmExecutor(run_dir / "submitit", spec, num_tasks=plan.world_size)
 
 
-def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> Submission:
-    """Submit the job; the run folder must exist (it holds the batch log from the first second)."""
+def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, *, probe: bool = False) -> Submission:
+    """Submit the job (`probe`: the launch report only); the run folder must exist (it holds the batch log
+    from the first second)."""
     executor = executor_for(recipe, cluster, plan, run_dir)
-    job = executor.submit_program(RankProgram(recipe, plan, run_dir))
+    job = executor.submit_program(RankProgram(recipe, plan, run_dir, probe=probe))
     record_job(recipe.output_dir, str(job.job_id), run_dir, recipe.source)
     return Submission(job, run_dir)
 

@@ -24,18 +24,23 @@ def check_runnable(recipe: Recipe) -> None:
         # refuse rather than quietly run another mode.
         raise SfhpcError(f"{recipe.source}: pipeline.mode: 'seamless' is not available yet; use 'async' "
                          "(overlapped, bounded staleness) or 'sync'")
-    if recipe.task.name != "launch-report":
-        # An unknown task, user code that does not import, bad options or a bad data file: ConfigError now,
-        # not on every rank of the job.
-        get_task(recipe.task, recipe.source).check()
-        if recipe.model.path is not None:
-            # A folder the engines cannot load would hang or fail on every rank, after the job started.
-            from sfhpc.model.folder import model_folder_problem
+    if not recipe.task.name:
+        from sfhpc.tasks.registry import BUILTIN_TASKS
 
-            problem = model_folder_problem(Path(recipe.model.path), backend=recipe.training.backend)
-            if problem is not None:
-                raise SfhpcError(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
-                                 "leave model.path out to build sfhpc's own tiny model")
+        raise SfhpcError(f"{recipe.source}: task: required: the task the agents learn ({', '.join(BUILTIN_TASKS)}, "
+                         f"or your own as 'package.module:Name'); to check only where the ranks start, run "
+                         f"`sfhpc probe {recipe.source}`")
+    # An unknown task, user code that does not import, bad options or a bad data file: ConfigError now,
+    # not on every rank of the job.
+    get_task(recipe.task, recipe.source).check()
+    if recipe.model.path is not None:
+        # A folder the engines cannot load would hang or fail on every rank, after the job started.
+        from sfhpc.model.folder import model_folder_problem
+
+        problem = model_folder_problem(Path(recipe.model.path), backend=recipe.training.backend)
+        if problem is not None:
+            raise SfhpcError(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
+                             "leave model.path out to build sfhpc's own tiny model")
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:

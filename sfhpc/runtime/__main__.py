@@ -1,4 +1,5 @@
-"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR]``: run one rank of a recipe.
+"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR] [--probe]``: run one rank of a recipe
+(``--probe``: only the launch report, no RL).
 
 This is what sbatch templates and ``sfhpc run`` start on every rank. The cluster map comes from
 ``--cluster`` (``local``: this machine alone), else ``$SFHPC_CLUSTER_MAP``, else
@@ -28,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe")
     parser.add_argument("--cluster", default=os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP))
     parser.add_argument("--run-dir", default=os.environ.get("SFHPC_RUN_DIR"))
+    parser.add_argument("--probe", action="store_true", help="only the launch report: where every rank runs")
     args = parser.parse_args(argv)
     env = read_rank_environment()
     try:
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             record_job(recipe.output_dir, env.job_id, run_dir, recipe.source)
     except SfhpcError as exc:
         return report_user_error(exc, env.world_rank == 0)
-    return run_rank_main(RankProgram(recipe, plan, run_dir), env.world_rank == 0)
+    return run_rank_main(RankProgram(recipe, plan, run_dir, probe=args.probe), env.world_rank == 0)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The program every rank runs: learn who it is, join the MPI world, do the recipe's work.
 
 `RankProgram` is what `sfhpc launch` hands to submitit (it is pickled into the job folder) and what
-``python -m sfhpc.runtime`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank.
+``python -m sfhpc.runtime`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank. Every
+run starts with the launch report; a *probe* (``sfhpc probe``, ``--probe``) is that report alone: where
+the ranks landed, proven over MPI, with no RL and no task.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class RankProgram:
     recipe: Recipe
     plan: LaunchPlan
     run_dir: Path
+    probe: bool = False  # the launch report only (sfhpc probe)
 
     def __call__(self) -> dict[str, Any]:
         preemption.install()  # from the first moment: a stop signal during start-up is acted on, not lost
@@ -65,7 +68,7 @@ class RankProgram:
             print(self.plan.describe(), flush=True)
         # Every run starts with the launch report: who runs where, proven by one Allgather over the world.
         report = launch_report(identity, comm, self.run_dir)
-        if self.recipe.task.name == "launch-report":
+        if self.probe:
             return report
         from sfhpc.rl.program import run_rl
 

@@ -1,4 +1,5 @@
-"""`sfhpc run`: the same recipe on one machine, ranks started by Open MPI's mpiexec (no Slurm)."""
+"""`sfhpc probe --local` and `sfhpc run`: the same recipe on one machine, ranks started by Open MPI's mpiexec
+(no Slurm)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RECIPES, run_sfhpc
+from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
 
 pytestmark = pytest.mark.mpi
 
@@ -17,10 +18,11 @@ pytestmark = pytest.mark.mpi
     ("report.yaml", [0, 0, 1, 1], [["controller"], ["trainer"], ["rollout"], ["rollout"]]),
     ("report-colocated.yaml", [0, 0, 0], [["controller"], ["trainer", "rollout"], ["trainer", "rollout"]]),
 ])
-def test_run_locally_with_mpiexec(tmp_path: Path, recipe: str, components: list[int], roles: list[list[str]]) -> None:
+def test_probe_locally_with_mpiexec(tmp_path: Path, recipe: str, components: list[int],
+                                    roles: list[list[str]]) -> None:
     path = tmp_path / recipe
     path.write_text((RECIPES / recipe).read_text() + f"output_dir: {tmp_path / 'runs'}\n")
-    done = run_sfhpc("run", str(path), timeout=120)
+    done = run_sfhpc("probe", str(path), "--local", timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     report = json.loads((run_dir / "launch_report.json").read_text())
@@ -28,3 +30,13 @@ def test_run_locally_with_mpiexec(tmp_path: Path, recipe: str, components: list[
     assert [r["roles"] for r in report["ranks"]] == roles
     assert {r["launcher"] for r in report["ranks"]} == {"mpiexec"}
     assert report["allgather_rank_component"] == [[i, c] for i, c in enumerate(components)]
+
+
+def test_an_rl_run_needs_a_task(tmp_path: Path) -> None:
+    """A recipe without a task is a probe's, never an RL run that quietly does something else."""
+    path = tmp_path / "report.yaml"
+    path.write_text((RECIPES / "report.yaml").read_text() + f"output_dir: {tmp_path / 'runs'}\n")
+    for command in ("run", "launch"):
+        assert_one_line_error(run_sfhpc(command, str(path)), f"{path}: task: required: the task the agents learn",
+                              f"run `sfhpc probe {path}`")
+    assert not (tmp_path / "runs").exists()

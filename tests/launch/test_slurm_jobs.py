@@ -73,7 +73,7 @@ def het_completed(job_id: str, components: int) -> dict[str, str]:
 
 def test_launch_disaggregated_recipe(slurm_cluster: str, tmp_path: Path) -> None:
     recipe_path = recipe_in(tmp_path, "report.yaml")
-    done = run_sfhpc("launch", str(recipe_path), "--wait", "--timeout", "180")
+    done = run_sfhpc("probe", str(recipe_path), "--wait", "--timeout", "180")
     assert done.returncode == 0, done.stdout + done.stderr
     job_id = re.search(r"submitted job (\d+)", done.stdout).group(1)  # type: ignore[union-attr]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
@@ -97,7 +97,8 @@ def test_launch_disaggregated_recipe(slurm_cluster: str, tmp_path: Path) -> None
 def test_submitit_job_state_and_results_are_real(slurm_cluster: str, tmp_path: Path) -> None:
     recipe = load_recipe(recipe_in(tmp_path, "report.yaml"))
     cluster = load_cluster_map(RECIPES / "cluster-dev.yaml")
-    submission = submit(recipe, cluster, resolve(recipe, cluster), new_run_dir(recipe.output_dir, recipe.name))
+    submission = submit(recipe, cluster, resolve(recipe, cluster), new_run_dir(recipe.output_dir, recipe.name),
+                        probe=True)
     job = submission.job
     seen = {job.get_info(mode="force").get("State", "UNKNOWN")}
     results = job.results()  # waits; one result per rank, from both components
@@ -114,10 +115,11 @@ def test_submitit_job_state_and_results_are_real(slurm_cluster: str, tmp_path: P
 
 
 def sbatch_template(template: str, recipe_path: Path, tmp_path: Path) -> tuple[int, str, str]:
-    """`sbatch --wait slurm_templates/TEMPLATE RECIPE` as a user types it: (exit code, job id, batch log)."""
+    """`sbatch --wait slurm_templates/TEMPLATE RECIPE --probe` as a user types it: (exit code, job id, batch
+    log). The template passes its arguments on to every rank, so ``--probe`` makes it a launch report."""
     env = dict(os.environ, SFHPC_PYTHON=sys.executable)
     out = subprocess.run(["sbatch", "--parsable", "--wait", "-o", str(tmp_path / "slurm-%j.out"),
-                          str(ROOT / "slurm_templates" / template), str(recipe_path)],
+                          str(ROOT / "slurm_templates" / template), str(recipe_path), "--probe"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     job_id = out.stdout.strip().split(";")[0]
     return out.returncode, job_id, (tmp_path / f"slurm-{job_id}.out").read_text()
@@ -198,7 +200,7 @@ def test_missing_slurm_tools_give_one_line(tmp_path: Path) -> None:
     env = {"PATH": f"{bare}:/usr/bin/no-such-dir"}
     for tool in ("sbatch", "sacct", "srun", "sinfo"):
         assert shutil.which(tool, path=env["PATH"]) is None
-    done = subprocess.run([sys.executable, "-m", "sfhpc", "launch", str(RECIPES / "report.yaml"), "--cluster",
+    done = subprocess.run([sys.executable, "-m", "sfhpc", "probe", str(RECIPES / "report.yaml"), "--cluster",
                            str(RECIPES / "cluster-dev.yaml")], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert_one_line_error(done, "'sbatch' not found on PATH", "sfhpc run")
     assert not (tmp_path / "runs").exists()  # nothing written when the launch cannot happen
