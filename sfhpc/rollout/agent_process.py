@@ -30,12 +30,14 @@ import logging
 import math
 import os
 import signal
+import socket
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from sfhpc.config.recipe import AgentSpec
 from sfhpc.endpoint.episodes import Episodes
+from sfhpc.errors import SfhpcError
 from sfhpc.rollout.agent import EpisodeOutcome
 from sfhpc.tasks.base import Problem, Task
 
@@ -161,7 +163,8 @@ class AgentPrograms:
                  token: str | None, model: str, extra_env: Mapping[str, str] | None = None) -> None:
         program = spec.program(recipe_source)
         if isinstance(program, str):  # checked when the recipe was read; this rank's node may differ
-            raise AgentProgramFailed(program)
+            raise SfhpcError(f"{recipe_source}: agent.command: {program} on {socket.gethostname()}, where a "
+                             f"rollout rank runs; install it there (or on a shared file system)")
         self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
         self.command = (str(program), *spec.command[1:])
         self.cwd = str(Path(recipe_source).resolve().parent)
