@@ -195,6 +195,8 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
     from sfhpc.analysis import open_run
     from sfhpc.analysis.summary import run_finished, summarize, update_line
 
+    if args.interval <= 0:
+        raise SfhpcError(f"--interval {args.interval:g}: give a number of seconds above 0")
     with open_run(args.store) as run:
         summary = summarize(run)
         print(summary.format(), flush=True)
