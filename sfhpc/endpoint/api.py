@@ -12,7 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from sfhpc.endpoint.episodes import Episode, Episodes, parse_reward
+from sfhpc.endpoint.episodes import Episodes, OpenEpisode, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
@@ -107,7 +107,7 @@ class OpenAIApi:
             yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
                        on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)))
 
-    async def _episode_turn(self, episode: Episode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
+    async def _episode_turn(self, episode: OpenEpisode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
         """Open the turn of a call on an episode's URL: the episode's first call starts its trajectory (under
         the client's own id, if it named one), every later one continues it."""
         chosen = request.trajectory_id

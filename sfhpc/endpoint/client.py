@@ -2,7 +2,8 @@
 
 Requests are the same JSON-shaped keyword arguments an OpenAI client sends, responses the same dicts
 the HTTP server returns, and refusals raise the same `EndpointError` (``.status``, ``.body()``) an HTTP
-agent reads as a 4xx. A trajectory id goes in ``trajectory_id=`` (the header's role) or ``user=``.
+agent reads as a 4xx. A trajectory id goes in ``trajectory_id=`` (the header's role) or ``user=``;
+``episode=`` makes the call one on that episode's URL (`sfhpc.endpoint.episodes`).
 
 - `AsyncLocalClient`: for agents that are coroutines on the endpoint's own event loop.
 - `LocalClient`: for agents in other threads; it runs each call on the endpoint's loop (e.g.
@@ -26,23 +27,23 @@ class AsyncLocalClient:
         self.api = api
 
     async def chat(self, *, trajectory_id: str | None = None, task: str = "", group: str | None = None,
-                   **body: Any) -> dict[str, Any]:
+                   episode: str | None = None, **body: Any) -> dict[str, Any]:
         """``POST /v1/chat/completions`` with ``stream`` false; `body` holds the request fields."""
-        return await self._call("chat", body, Identity(trajectory_id, task, group))
+        return await self._call("chat", body, Identity(trajectory_id, task, group, episode))
 
     async def complete(self, *, trajectory_id: str | None = None, task: str = "", group: str | None = None,
-                       **body: Any) -> dict[str, Any]:
+                       episode: str | None = None, **body: Any) -> dict[str, Any]:
         """``POST /v1/completions`` with ``stream`` false."""
-        return await self._call("completions", body, Identity(trajectory_id, task, group))
+        return await self._call("completions", body, Identity(trajectory_id, task, group, episode))
 
     def chat_stream(self, *, trajectory_id: str | None = None, task: str = "", group: str | None = None,
-                    **body: Any) -> AsyncIterator[dict[str, Any]]:
+                    episode: str | None = None, **body: Any) -> AsyncIterator[dict[str, Any]]:
         """The chunks a streamed chat completion sends (without ``[DONE]``)."""
-        return self._stream("chat", body, Identity(trajectory_id, task, group))
+        return self._stream("chat", body, Identity(trajectory_id, task, group, episode))
 
     def complete_stream(self, *, trajectory_id: str | None = None, task: str = "", group: str | None = None,
-                        **body: Any) -> AsyncIterator[dict[str, Any]]:
-        return self._stream("completions", body, Identity(trajectory_id, task, group))
+                        episode: str | None = None, **body: Any) -> AsyncIterator[dict[str, Any]]:
+        return self._stream("completions", body, Identity(trajectory_id, task, group, episode))
 
     def models(self) -> dict[str, Any]:
         return self.api.models()

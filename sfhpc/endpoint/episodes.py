@@ -29,7 +29,7 @@ from sfhpc.endpoint.errors import BadRequest, NotFound
 
 
 @dataclasses.dataclass(eq=False)
-class Episode:
+class OpenEpisode:
     """The state of one open episode (only touched on the endpoint's event loop)."""
 
     id: str
@@ -65,23 +65,23 @@ class Episodes:
     """The open episodes of one endpoint, by id."""
 
     def __init__(self) -> None:
-        self._open: dict[str, Episode] = {}
+        self._open: dict[str, OpenEpisode] = {}
 
     def open(self, *, task: str = "", group: str | None = None, metadata: dict[str, Any] | None = None,
-             on_trajectory: Callable[[str], None] | None = None) -> Episode:
+             on_trajectory: Callable[[str], None] | None = None) -> OpenEpisode:
         # A random id: one episode's URL says nothing about another's (the run's token guards them all).
-        episode = Episode(uuid.uuid4().hex, task, group, metadata, on_trajectory)
+        episode = OpenEpisode(uuid.uuid4().hex, task, group, metadata, on_trajectory)
         self._open[episode.id] = episode
         return episode
 
-    def get(self, episode_id: str) -> Episode:
+    def get(self, episode_id: str) -> OpenEpisode:
         episode = self._open.get(episode_id)
         if episode is None:
             raise NotFound(f"no open episode {episode_id!r} here: it ended, or the URL is not the one this "
                            f"episode's OPENAI_BASE_URL gave", param="episode", code="episode_not_found")
         return episode
 
-    def close(self, episode_id: str) -> Episode | None:
+    def close(self, episode_id: str) -> OpenEpisode | None:
         return self._open.pop(episode_id, None)
 
     def __len__(self) -> int:

@@ -9,6 +9,7 @@ import openai
 import pytest
 
 from sfhpc.endpoint import EndpointServer
+from sfhpc.endpoint.errors import NotFound
 from sfhpc.engine import tokenizer as tk
 from tests.endpoint.conftest import MODEL, RecordingManager
 
@@ -111,3 +112,22 @@ def test_advertised_host_names_the_node_when_bound_to_all_addresses(engine, sink
     assert wide.episode_url("e1") == f"http://{socket.gethostname()}:0/episodes/e1/v1"
     named = EndpointServer(api, host="0.0.0.0", advertise_host="node7.cluster")
     assert named.url == "http://node7.cluster:0/v1"
+
+
+def test_the_in_process_client_speaks_for_an_episode_too(server: EndpointServer, sink: RecordingManager) -> None:
+    from sfhpc.endpoint import LocalClient
+
+    episode = server.api.episodes.open(task="t", group="g")
+    local = LocalClient(server.api, server.loop)
+    first = local.chat(episode=episode.id, model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=3)
+    # ... and an HTTP call on the episode's URL continues the same trajectory
+    second = episode_client(server, episode.id).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "a"}, {"role": "assistant",
+                                                                  "content": first["choices"][0]["message"]["content"]},
+                               {"role": "user", "content": "b"}], max_tokens=3)
+    assert first["trajectory_id"] == second.trajectory_id == episode.trajectory_id
+    assert [s.kind for s in sink.trajectory(episode.trajectory_id).segments] == ["prompt", "generated",
+                                                                                 "observation", "generated"]
+    server.api.episodes.close(episode.id)
+    with pytest.raises(NotFound):
+        local.chat(episode=episode.id, model=MODEL, messages=[{"role": "user", "content": "a"}])
