@@ -217,36 +217,17 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_traj_export(args: argparse.Namespace) -> int:
-    from sfhpc.analysis import locate_store, open_run, trajectory_rows, write_csv
-    from sfhpc.analysis.export import write_frame
-    from sfhpc.data import open_store
+    from sfhpc.analysis import open_run, write_csv
+    from sfhpc.analysis.export import frame_rows, write_frame
 
     out = Path(args.out)
     if out.exists():
         raise SfhpcError(f"{out} exists; choose another --out (nothing was written)")
     if not out.parent.is_dir():
         raise SfhpcError(f"{out.parent}: no such folder for --out")
-    last = time.monotonic()
-
-    def report(done: int, total: int) -> None:  # a line every few seconds on stderr: large stores take a while
-        nonlocal last
-        if time.monotonic() - last > 3:
-            print(f"  {done:,} / {total:,} trajectories", file=sys.stderr, flush=True)
-            last = time.monotonic()
-
-    if args.format == "csv":  # today's columns, written as the rows come
-        with open_store(locate_store(args.store)) as store:
-            total = len(store)
-
-            def progress(rows):
-                for n, row in enumerate(rows, start=1):
-                    report(n, total)
-                    yield row
-
-            count = write_csv(progress(trajectory_rows(store)), out)
-    else:
-        with open_run(args.store, progress=report) as run:
-            count = write_frame(run.trajectories(), out, args.format)
+    with open_run(args.store) as run:  # the frame is computed over whole tables: seconds for a million
+        df = run.trajectories()
+        count = write_csv(frame_rows(df), out) if args.format == "csv" else write_frame(df, out, args.format)
     print(f"wrote {count:,} trajectories to {out}")
     return 0
 

@@ -9,11 +9,10 @@ from sfhpc.analysis.trajectories import (
     EXTRA_COLUMNS,
     TRAJECTORY_COLUMNS,
     locate_store,
-    plot_rows,
     trajectory_row,
     trajectory_rows,
     write_csv,
 )
 
-__all__ = ["EXTRA_COLUMNS", "TRAJECTORY_COLUMNS", "Run", "locate_store", "open_run", "plot_rows", "trajectory_row",
+__all__ = ["EXTRA_COLUMNS", "TRAJECTORY_COLUMNS", "Run", "locate_store", "open_run", "trajectory_row",
            "trajectory_rows", "write_csv"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,6 +36,13 @@ def write_frame(df: pd.DataFrame, out: Path, fmt: str) -> int:
             out.unlink()  # ours: created above
         raise
     return len(df)
+
+
+def frame_rows(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
+    """The rows of `df` as dicts, missing values (<NA>, NaN) as None (for `write_csv`)."""
+    columns = list(df.columns)
+    for values in df.itertuples(index=False, name=None):
+        yield {k: _plain(v) for k, v in zip(columns, values)}
 
 
 def _write_parquet(df: pd.DataFrame, handle: IO[bytes]) -> None:

@@ -1,5 +1,4 @@
-"""One row per trajectory of a store, for a spreadsheet or a data frame (``sfhpc traj export``), and
-the plots drawn from them (``sfhpc traj plot``).
+"""One row per trajectory of a store, for a spreadsheet or a data frame (``sfhpc traj export``).
 
     from sfhpc.analysis import locate_store, trajectory_rows
     from sfhpc.data import open_store
@@ -89,45 +88,3 @@ def write_csv(rows: Iterable[dict[str, Any]], out: Path) -> int:
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
             count += 1
     return count
-
-
-def plot_rows(rows: list[dict[str, Any]], out: Path, title: str = "") -> Path:
-    """Three panels over the training steps of a run: mean reward, mean generated tokens per trajectory, and
-    how stale the trained trajectories were (a histogram). Only consumed trajectories count."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    by_step: dict[int, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row["consumed_step"] is not None:
-            by_step.setdefault(row["consumed_step"], []).append(row)
-    if not by_step:
-        raise SfhpcError("no trajectory was trained on yet: nothing to plot")
-    steps = sorted(by_step)
-    rewards = [_mean(r["reward"] for r in by_step[s]) for s in steps]
-    lengths = [_mean(r["generated_tokens"] for r in by_step[s]) for s in steps]
-    staleness = [r["staleness"] for s in steps for r in by_step[s] if r["staleness"] is not None]
-    fig, (ax_reward, ax_length, ax_stale) = plt.subplots(1, 3, figsize=(12, 3.4))
-    ax_reward.plot(steps, rewards, color="tab:blue")
-    ax_reward.set(xlabel="training step", ylabel="mean reward", title="reward")
-    ax_length.plot(steps, lengths, color="tab:green")
-    ax_length.set(xlabel="training step", ylabel="generated tokens", title="reply length")
-    top = max(staleness, default=0)
-    ax_stale.hist(staleness, bins=[b - 0.5 for b in range(top + 2)], color="tab:orange", rwidth=0.8)
-    ax_stale.set(xlabel="versions behind the trainer", ylabel="trajectories", title="staleness when trained",
-                 xticks=list(range(top + 1)))
-    for ax in (ax_reward, ax_length, ax_stale):
-        ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
-
-
-def _mean(values: Iterable[Any]) -> float:
-    present = [float(v) for v in values if v is not None]
-    return sum(present) / len(present) if present else float("nan")
