@@ -36,6 +36,7 @@ class StoreColumns:
 
 
 def store_columns(store: StoreView) -> StoreColumns:
+    """Every trajectory's `trajectory_row` columns, as arrays in store row order (start order)."""
     n = len(store)
     records = store.table("trajectories")
     table = store.table("segments")
@@ -76,8 +77,9 @@ def store_columns(store: StoreView) -> StoreColumns:
     chosen = keep & generated & (count > 0)
     oldest, newest, pairs, by_version = _versions(store, owner[chosen], field("token_start")[chosen], count[chosen], n)
     del chosen, same, keep, generated, aborted
-    for row in np.flatnonzero(forked):  # the few forked ones: by the definition
-        written = store.get(_text(records["id"][row])).token_versions()
+    assembled = {int(row): store.get(_text(records["id"][row])) for row in np.flatnonzero(forked)}
+    for row, trajectory in assembled.items():  # the few forked ones: by the definition
+        written = trajectory.token_versions()
         written = written[written != NO_VERSION]
         if len(written):
             oldest[row], newest[row] = written.min(), written.max()
@@ -129,9 +131,9 @@ def store_columns(store: StoreView) -> StoreColumns:
         "updated": updated, "fail_reason": fail_reason, "replies": replies, "versions": versions,
         "interruptions": interruptions,
     }
-    for row in np.flatnonzero(forked):
-        mark = None if not marked[row] else _mark(store, marks[last_mark[row]], records)
-        exact = trajectory_row(store.get(_text(records["id"][row])), mark)
+    for row, trajectory in assembled.items():
+        mark = None if not marked[row] else _mark(marks[last_mark[row]], records)
+        exact = trajectory_row(trajectory, mark)
         for name in ("tokens", "generated_tokens", "replies", "interruptions"):
             columns[name][row] = exact[name]  # type: ignore[index]
     return StoreColumns(columns, pairs_array, tokens_by_version)
@@ -208,7 +210,7 @@ def _fail_reasons(store: StoreView, status_code: np.ndarray, latest: np.ndarray,
     return reasons
 
 
-def _mark(store: StoreView, mark: np.void, records: np.ndarray) -> ConsumptionMark:
+def _mark(mark: np.void, records: np.ndarray) -> ConsumptionMark:
     return ConsumptionMark(int(mark["step"]), _text(records["id"][mark["trajectory"]]), int(mark["policy_version"]),
                            float(mark["time"]))
 

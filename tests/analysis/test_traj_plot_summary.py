@@ -3,6 +3,7 @@ the whole-table columns equal `trajectory_row` record by record."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +78,11 @@ def test_whole_table_columns_equal_the_per_record_definition(run_dir: Path, tmp_
     with TrajectoryStore.create(forked) as store:
         for i in (3, 7, 14):  # each with a fork: two of its segments are off its current branch
             store.write(make_trajectory(i))
-        store.mark_consumed(0, ["traj-000003", "traj-000014"], policy_version=2)
+            # ... between chains (its first four segments) and a header without segments yet
+            store.write(dataclasses.replace(make_trajectory(i + 1), id=f"chain-{i}",
+                                            segments=make_trajectory(i + 1).segments[:4]))
+            store.add_trajectory(f"bare-{i}")
+        store.mark_consumed(0, ["traj-000003", "chain-7", "traj-000014"], policy_version=2)
     build_store(tmp_path / "synthetic.h5", 300)  # the benchmark's store: cut replies, stale and failed ones
     for path in (run_dir / "trajectories.h5", forked, tmp_path / "synthetic.h5"):
         with open_store(path) as store:
