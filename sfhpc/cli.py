@@ -170,9 +170,12 @@ def _run_outcome(run_dir: Path, code: int) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     from sfhpc.launch.jobs import format_status, job_restarts, job_status
     from sfhpc.launch.rundir import find_run_dir
+    from sfhpc.rl.live_status import read_live_status
 
     status = job_status(args.job)
-    print(format_status(status, find_run_dir(args.output_dir, args.job), job_restarts(args.job)))
+    run_dir = find_run_dir(args.output_dir, args.job)
+    live = read_live_status(run_dir) if run_dir is not None else None
+    print(format_status(status, run_dir, job_restarts(args.job), live))
     return 0
 
 

@@ -126,6 +126,23 @@ class PipelineSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class EngineSpec:
+    """The rollout engine: ``vllm`` (the policy model served by vLLM), or ``test``, the deterministic test
+    engine: not a language model (it writes lower-case letters, its "weights" are a hash of the policy's),
+    for exercising the pipeline, preemption and scheduling without vLLM's start-up cost.
+    ``token_delay_s`` paces the test engine's generation (0 for vLLM)."""
+
+    name: Literal["vllm", "test"] = "vllm"
+    token_delay_s: float = 0.0
+
+    def validate(self, where: Where) -> None:
+        if not self.token_delay_s >= 0:
+            raise where.child("token_delay_s").error(f"must be 0 or more seconds, found {self.token_delay_s}")
+        if self.name == "vllm" and self.token_delay_s:
+            raise where.child("token_delay_s").error("paces the 'test' engine only; leave it out for vLLM")
+
+
+@dataclasses.dataclass(frozen=True)
 class Budgets:
     """How much work one run does: `steps` training steps of `prompts_per_step` GRPO groups each, and
     when it gives up: an episode after `episode_timeout_s`, the run when more than `max_failed_fraction`
@@ -260,6 +277,7 @@ class Recipe:
     algorithm: AlgorithmSpec = AlgorithmSpec()
     training: TrainingSpec = TrainingSpec()
     pipeline: PipelineSpec = PipelineSpec()
+    engine: EngineSpec = EngineSpec()
     budgets: Budgets = Budgets()
     task: TaskSpec = TaskSpec()
     agent: AgentSpec | None = None     # an agent program of the user's own plays the episodes

@@ -8,7 +8,9 @@ last few tokens. Logprobs are real (a log-softmax over its small output vocabula
 consistent with what it samples.
 
 Its weights are two named values: ``seed`` (int) picks the hash, ``scale`` (float) sharpens or flattens
-the logits. A per-token delay makes generation slow enough for pauses to land mid-generation.
+the logits. In an RL run (``engine: {name: test}``) it is sent the policy's real tensors instead: their
+digest becomes the seed, so every new version generates differently, as a model would. A per-token delay
+makes generation slow enough for pauses and stop signals to land mid-generation.
 """
 
 from __future__ import annotations
@@ -145,11 +147,20 @@ class ScriptedEngine(RolloutEngine):
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         named = dict(weights)
-        unknown = set(named) - {"seed", "scale"}
-        if unknown:
-            raise ValueError(f"scripted engine weights are 'seed' and 'scale', found {sorted(unknown)}")
-        self._seed = int(named.get("seed", self._seed))
-        self._scale = float(named.get("scale", self._scale))
+        if "seed" in named or "scale" in named:
+            unknown = set(named) - {"seed", "scale"}
+            if unknown:
+                raise ValueError(f"scripted engine weights are 'seed' and 'scale', found {sorted(unknown)}")
+            self._seed = int(named.get("seed", self._seed))
+            self._scale = float(named.get("scale", self._scale))
+            return
+        # A policy's tensors (one bucket of a broadcast at a time): a few values of each are enough to tell
+        # versions apart, and reading them costs nothing next to the transfer.
+        digest = hashlib.blake2b(struct.pack("<q", self._seed), digest_size=8)
+        for name in sorted(named):
+            digest.update(name.encode())
+            digest.update(named[name].detach().reshape(-1)[:16].float().numpy().tobytes())
+        self._seed = int.from_bytes(digest.digest(), "little") >> 1
 
 
 def _digest(seed: int | None, position: int, tokens: Sequence[int]) -> int:

@@ -13,7 +13,9 @@ import dataclasses
 import re
 import shutil
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from sfhpc.errors import SfhpcError, SlurmError
 from sfhpc.launch.rundir import find_run_dir
@@ -84,12 +86,16 @@ def job_status(job_id: str) -> JobStatus:
     return JobStatus(job_id, combine_states([p.state for p in parts]), tuple(parts))
 
 
-def format_status(status: JobStatus, run_dir: Path | None, restarts: int | None = None) -> str:
+def format_status(status: JobStatus, run_dir: Path | None, restarts: int | None = None,
+                  live: Mapping[str, Any] | None = None) -> str:
+    """The job's table; `live` is the run's last phase (`sfhpc.rl.live_status`), shown while it runs."""
     header = ("component", "partition", "state", "exit", "nodes", "elapsed")
     rows = [(c.job_id, c.partition, c.state, c.exit_code, c.nodes, c.elapsed) for c in status.components]
     title = f"job {status.job_id}: {status.state}"
     title += f"  restarts {restarts}" if restarts is not None else ""
     title += f"  (run folder {run_dir})" if run_dir else ""
+    if live is not None and status.state == "RUNNING":
+        title += f"\n  phase {live['phase']} at step {live['step']} (allocation {live['restart']})"
     return title + "\n" + format_table(header, rows, indent="  ")
 
 
@@ -100,6 +106,7 @@ class LiveJob:
     state: str
     reason: str
     restarts: int
+    preempted: bool = False  # a preemption is under way (its grace time runs): slurmctld set PreemptTime
 
     @property
     def held(self) -> bool:
@@ -120,7 +127,8 @@ def parse_scontrol_job(text: str) -> LiveJob | None:
     state = combine_states(states)
     reason = next((_field(ln, "Reason") or "" for ln, s in zip(lines, states) if s == state), "")
     restarts = max(int(r) if (r := _field(ln, "Restarts")) and r.isdigit() else 0 for ln in lines)
-    return LiveJob(state, reason, restarts)
+    preempted = any(_field(ln, "PreemptTime") not in (None, "None", "Unknown") for ln in lines)
+    return LiveJob(state, reason, restarts, preempted)
 
 
 def live_job(job_id: str) -> LiveJob | None:
@@ -219,6 +227,15 @@ def job_logs(job_id: str, output_dir: str, rank: int | None = None) -> str:
 
 def cancel_job(job_id: str) -> None:
     slurm_command(["scancel", check_job_id(job_id)])
+
+
+def preempted_and_running(job_id: str) -> bool:
+    """The job is being preempted and still runs. Slurm 22.05 requeues a preempted heterogeneous job only
+    if it is still running when the preemption's grace time ends: one that stopped cleanly inside the grace
+    (after its checkpoint) ends for good, so it must requeue itself. A job that `scontrol requeue` or
+    `scancel` is ending is COMPLETING instead, and is left alone."""
+    live = live_job(job_id)
+    return live is not None and live.state == "RUNNING" and live.preempted
 
 
 def requeue_job(job_id: str) -> None:

@@ -30,6 +30,7 @@ from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
+from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
@@ -88,6 +89,7 @@ class Controller:
         self.checkpoints = RunCheckpoints(run_dir)
         self.identity = run_identity(recipe, model_dir)
         self.last_checkpoint: CheckpointInfo | None = resume_from
+        self.live = LiveStatus(run_dir, restart=restart, job_id=job_id)
         self.stop_watch = preemption.StopWatch(layout.world)
         self.stopping: tuple[int, str] | None = None  # (rank, signal) of the stop request being acted on
         self._stop_noticed = 0.0
@@ -121,6 +123,7 @@ class Controller:
         spoiled, are dropped and replaced). None when a stop request comes first (in sync mode: unless the
         step's batch is done soon) or ``budgets.wall_minutes`` runs out; a fault raises (`check_health`)."""
         per_step, size = self.recipe.budgets.prompts_per_step, self.recipe.algorithm.group_size
+        self.live.enter("rollout", step)
         waiting_since = next_check = time.monotonic()
         while True:
             batch = self.manager.take_batch(self.version, per_step, size, step)
@@ -177,6 +180,7 @@ class Controller:
         from sfhpc.trainer.batch import TrainBatch
 
         command = msg.Train(step, TrainBatch.from_trajectories(batch.trajectories))
+        self.live.enter("train", step)
         trainers = self.scheduler.trainer_ranks
         self.scheduler.set_state(trainers, RankState.TRAINING)
         for rank in trainers:
@@ -189,6 +193,7 @@ class Controller:
         """Every engine to `version`; returns the longest pause a rollout rank saw."""
         rollouts, trainers = self.scheduler.rollout_ranks, self.scheduler.trainer_ranks
         everyone = sorted(set(rollouts) | set(trainers))
+        self.live.enter("broadcast", self.live.step)
         self.scheduler.set_state(everyone, RankState.SYNCING)
         for rank in everyone:
             msg.send(self.layout.world, msg.SyncWeights(version), rank)
@@ -223,6 +228,7 @@ class Controller:
         """One whole checkpoint of the run (see `sfhpc.rl.checkpoints`): the trainers write their state
         into the new folder, the store is flushed, then the controller's state and the manifest go last."""
         started = time.monotonic()
+        self.live.enter("checkpoint", self.step_done)
         partial = self.checkpoints.begin(self.step_done)
         trainers = self.scheduler.trainer_ranks
         for rank in trainers:
@@ -268,7 +274,7 @@ class Controller:
         assert self.stopping is not None and self.last_checkpoint is not None
         signal_name = self.stopping[1]
         self.event("stopped", signal=signal_name, step=self.step_done, checkpoint=str(self.last_checkpoint.path))
-        if self.job_id is not None and self.recipe.launch.requeue and preemption.asks_for_requeue(signal_name):
+        if self.job_id is not None and self.recipe.launch.requeue and self._requeue_after(signal_name):
             from sfhpc.launch.jobs import requeue_job
 
             print(f"requeueing job {self.job_id} after {signal_name}", flush=True)
@@ -278,13 +284,21 @@ class Controller:
             print(f"stopped by {signal_name} after step {self.step_done}; checkpoint {self.last_checkpoint.path}; "
                   f"continue with: sfhpc run {self.recipe.source} --resume {self.run_dir}", flush=True)
 
+    def _requeue_after(self, signal_name: str) -> bool:
+        """USR1/USR2 are the job's own request; after TERM only a preemption needs the run to requeue itself
+        (see `sfhpc.launch.jobs.preempted_and_running`): `scontrol requeue` already requeued it, and a
+        job cancelled with `scancel` must end."""
+        from sfhpc.launch.jobs import preempted_and_running
+
+        return preemption.asks_for_requeue(signal_name) or preempted_and_running(str(self.job_id))
+
     # -- stop requests and restarts ----------------------------------------------------------------
     def stop_requested(self) -> bool:
         """Whether a stop signal reached any rank (the first one is kept, with the time it was noticed)."""
         if self.stopping is None and (request := self.stop_watch.stop_requested()) is not None:
             self.stopping = request
             self._stop_noticed = time.monotonic()
-            self.event("stop-requested", rank=request[0], signal=request[1])
+            self.event("stop-requested", rank=request[0], signal=request[1], phase=self.live.phase)
             print(f"stop requested: {request[1]} on rank {request[0]}; checkpointing at the next safe point",
                   flush=True)
         return self.stopping is not None
@@ -306,6 +320,7 @@ class Controller:
             if rank in self.scheduler.entries:
                 self.scheduler.entries[rank].assigned = assigned
         self.progress.resume(state.step)
+        self.live.enter("resuming", state.step)
         if state.step >= self.recipe.budgets.steps:
             print(f"resumed at step {state.step}: the run is already complete", flush=True)
             return state.step + 1
@@ -338,6 +353,7 @@ class Controller:
         """The last checkpoint (at the end of the budget, or at a stop request's safe point), then every
         rank stops; a run stopped by USR1/USR2 under Slurm then requeues itself."""
         preempted = self.stopping is not None
+        self.live.enter("stopping", self.step_done)
         if preempted:
             # Checkpoint first: after a TERM, Slurm may end the step within seconds, and the trainers' state
             # is what cannot be had again. The generations cut by the quiesce reach the store afterwards.
@@ -357,6 +373,7 @@ class Controller:
         if preempted:
             self._after_stop()
         else:
+            self.live.enter("finished", self.step_done)
             self.event("finished", step=self.step_done,
                        reason="steps" if self.step_done >= self.recipe.budgets.steps else "wall_minutes")
         rewards = [r["reward_mean"] for r in self.progress.rows]

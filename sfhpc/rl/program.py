@@ -121,10 +121,9 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir, trainer_state))
     if identity.has_role("rollout"):
         def engine() -> Any:
-            from sfhpc.engine.vllm_engine import VllmEngine
+            from sfhpc.engine.factory import start_engine
 
-            return VllmEngine.start(f"vllm-r{identity.rank}", model_dir, max_model_len=recipe.model.max_seq_len,
-                                    dtype=recipe.model.dtype, seed=recipe.seed + identity.rank)
+            return start_engine(recipe, model_dir, identity.rank)
 
         from sfhpc.engine.tokenizer import load_tokenizer
 

@@ -36,7 +36,7 @@ from sfhpc.rollout.agent import (
 )
 from sfhpc.rollout.agent_process import AgentProgramFailed, AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
-from sfhpc.runtime import preemption
+from sfhpc.runtime import fault_injection, preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
@@ -160,6 +160,8 @@ class RolloutWorker:
         async def from_broadcast() -> float:
             assert self.receiver is not None
             incoming = await next_version(self.receiver)
+            if hold := fault_injection.hold_seconds("broadcast"):
+                await asyncio.sleep(hold)  # a test stretches the broadcast to signal the job inside it
             if incoming is None or incoming.version != version:
                 raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
                                    f"{None if incoming is None else incoming.version}")

@@ -13,7 +13,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.rl import messages as msg
-from sfhpc.runtime import preemption
+from sfhpc.runtime import fault_injection, preemption
 from sfhpc.runtime.comm_layout import CommLayout
 
 
@@ -49,6 +49,8 @@ class TrainerWorker:
             self.publisher = WeightPublisher(MPITransport(layout.weight_broadcast, root=0))
 
     def train(self, command: msg.Train) -> None:
+        if hold := fault_injection.hold_seconds("train"):
+            time.sleep(hold)  # a test stretches the step to signal the job inside it
         metrics = self.trainer.train_step(command.batch)
         if self.is_first:
             reply = msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict())

@@ -97,7 +97,14 @@ def ignored_in_children() -> Iterator[None]:
     handler does not unblock), so they stay blocked there. This process still receives them in its other
     threads: its main thread sets the flag. The engine's owner must end such children with SIGKILL
     (`sfhpc.engine.vllm_engine.VllmEngine.shutdown` does), since they ignore vLLM's own TERM.
+
+    multiprocessing's resource tracker starts first, outside the window: vLLM on CPU starts its engine with
+    the ``spawn`` method, whose first use launches the tracker, and launching it *unblocks* INT and TERM in
+    the calling thread afterwards (CPython bpo-33613), which would let TERM through to the engine.
     """
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
     blocked = set(STOP_SIGNALS)
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
     try:

@@ -37,6 +37,12 @@ def test_scontrol_lines_give_the_combined_state_reason_and_restarts() -> None:
     assert parse_scontrol_job(ending).state == "RUNNING"  # type: ignore[union-attr]
     ending = ending.replace("JobState=RUNNING", "JobState=COMPLETING")
     assert parse_scontrol_job(ending).state == "COMPLETING"  # type: ignore[union-attr]
+    # A preemption under way: slurmctld sets PreemptTime (the one line it shows while the grace time runs).
+    assert not parse_scontrol_job(HET_RUNNING).preempted  # type: ignore[union-attr]
+    preempted = HET_RUNNING.replace("ExitCode=0:0", "ExitCode=0:0 PreemptTime=2026-12-01T12:19:25")
+    assert parse_scontrol_job(preempted) == LiveJob("RUNNING", "None", 0, preempted=True)
+    cancelled = HET_RUNNING.replace("ExitCode=0:0", "ExitCode=0:0 PreemptTime=None")
+    assert not parse_scontrol_job(cancelled).preempted  # type: ignore[union-attr]
     held = "JobId=7 JobName=j JobState=PENDING Reason=job_requeued_in_held_state Requeue=1 Restarts=1\n"
     assert parse_scontrol_job(held).held  # type: ignore[union-attr]
     assert not parse_scontrol_job(HET_REQUEUED).held  # type: ignore[union-attr]

@@ -10,12 +10,9 @@ SWMR): every trajectory it held right after the step died is still there, with a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ from sfhpc.data.store import open_store
 from sfhpc.launch.jobs import job_restarts, job_status
 from sfhpc.rl.checkpoints import RunCheckpoints
 from tests.conftest import run_sfhpc
+from tests.launch.run_watch import jsonl, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
@@ -44,19 +42,6 @@ roles:
 launch: {{time_minutes: 15, signal_grace_s: 60}}
 """
 ROLLOUT_RANK = 2  # controller 0 and trainer 1 on the train node, rollout 2 on the rollout node
-
-
-def wait_until(what: str, probe: Callable[[], object], timeout: float, poll_s: float = 0.25) -> object:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := probe():
-            return value
-        time.sleep(poll_s)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def rank_processes(run_dir: Path) -> dict[int, int]:

@@ -46,3 +46,33 @@ def test_children_started_inside_the_block_do_not_die_of_stop_signals() -> None:
         child.send_signal(signum)
     out, _ = child.communicate(timeout=10)
     assert child.returncode == 0 and out.strip() == "alive"
+
+
+SPAWNED_CHILD = """
+import multiprocessing, signal, time
+from sfhpc.runtime import preemption
+
+if __name__ == "__main__":
+    with preemption.ignored_in_children():  # the first spawn of this process: it launches the tracker too
+        child = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(3,))
+        child.start()
+    time.sleep(1)
+    for signum in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        child._popen._send_signal(signum)
+    child.join()
+    print(child.exitcode)
+"""
+
+
+def test_children_spawned_inside_the_block_do_not_die_of_stop_signals(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM on CPU starts its engine with multiprocessing's ``spawn``; the first spawn of a process starts
+    the resource tracker, which unblocks TERM behind our back unless it was running before the block."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "spawned_child.py"
+    script.write_text(SPAWNED_CHILD)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"  # -15 when TERM got through
