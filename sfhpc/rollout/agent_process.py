@@ -31,7 +31,7 @@ import math
 import os
 import signal
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -116,21 +116,15 @@ async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin
 
     async def read_stdout() -> None:
         assert process.stdout is not None
-        while True:
-            try:
-                line = await process.stdout.readline()
-            except ValueError:  # a line over LINE_LIMIT: not a reward line; skip what is buffered
-                continue
-            if not line:
-                return
-            reward = reward_line(line.decode(errors="replace"))
+        async for line in _lines(process.stdout):
+            reward = reward_line(line)
             if reward is not None:
                 run.reward = reward
 
     async def read_stderr() -> None:
         assert process.stderr is not None
-        async for line in process.stderr:
-            run.stderr.append(line.decode(errors="replace").rstrip("\n"))
+        async for line in _lines(process.stderr):
+            run.stderr.append(line.rstrip("\n"))
 
     readers = [asyncio.ensure_future(f()) for f in (feed, read_stdout, read_stderr)]
     try:
@@ -141,10 +135,30 @@ async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(process.wait())
         # The pipes close once the group is gone; a child that left the group may hold them: stop reading.
-        _, pending = await asyncio.wait(readers, timeout=5)
+        done, pending = await asyncio.wait(readers, timeout=5)
         for reader in pending:
             reader.cancel()
+        for reader in done:
+            reader.exception()  # a reader's own error (a pipe gone) is no error of the episode
     return run
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """The stream's lines, decoded; a line longer than LINE_LIMIT is skipped (the reader drops it), so
+    that the pipe keeps draining and the program never blocks on a full one."""
+    skipping = False  # within a long line: the reader gave up a chunk of it, its rest is still to come
+    while True:
+        try:
+            line = await stream.readline()
+        except ValueError:
+            skipping = True
+            continue
+        if not line:
+            return
+        if skipping:
+            skipping = not line.endswith(b"\n")
+            continue
+        yield line.decode(errors="replace")
 
 
 def _kill_group(pgid: int) -> None:

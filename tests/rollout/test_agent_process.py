@@ -215,3 +215,16 @@ def test_a_program_reaches_an_endpoint_bound_to_all_addresses_by_host_name(manag
         anonymous = httpx.post(f"{server.episode_url(episode.id)}/chat/completions",
                                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert anonymous.status_code == 401
+
+
+def test_long_output_keeps_draining_and_the_last_reward_line_counts() -> None:
+    import os
+
+    from sfhpc.rollout.agent_process import LINE_LIMIT, run_program
+
+    script = "\n".join(["import sys", "print('{\"reward\": 1}')", f"print('x' * {2 * LINE_LIMIT})",
+                        f"sys.stderr.write('e' * {3 * LINE_LIMIT} + '\\nlast words\\n')",
+                        "print('{\"reward\": 2}')", "sys.exit(3)"])
+    run = asyncio.run(run_program((sys.executable, "-c", script), env=os.environ, stdin="", cwd=None))
+    assert (run.returncode, run.reward, list(run.stderr)) == (3, 2.0, ["last words"])
+    assert run.failure() == "the agent program exited with status 3; its stderr ends: last words"
