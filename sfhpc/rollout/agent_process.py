@@ -174,7 +174,7 @@ class AgentPrograms:
     """
 
     def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
-                 token: str | None, model: str, extra_env: Mapping[str, str] | None = None) -> None:
+                 token: str | None, model: str) -> None:
         program = spec.program(recipe_source)
         if isinstance(program, str):  # checked when the recipe was read; this rank's node may differ
             raise SfhpcError(f"{recipe_source}: agent.command: {program} on {socket.gethostname()}, where a "
@@ -182,7 +182,6 @@ class AgentPrograms:
         self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
         self.command = (str(program), *spec.command[1:])
         self.cwd = str(Path(recipe_source).resolve().parent)
-        self.extra_env = dict(extra_env or {})
         self._slots: asyncio.Semaphore | None = None
 
     @property
@@ -192,7 +191,7 @@ class AgentPrograms:
         return self._slots
 
     def environment(self, url: str, episode_json: str) -> dict[str, str]:
-        env = {**os.environ, **self.extra_env, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none"}
+        env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none"}
         if len(episode_json) <= ENV_INPUT_LIMIT:
             env[EPISODE_VAR] = episode_json
         else:
