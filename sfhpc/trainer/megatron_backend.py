@@ -1,9 +1,9 @@
-"""The megatron-core training backend: the Llama policy as a megatron GPT model, for GPU scale.
+"""The megatron-core training backend: a Llama or Qwen2 policy as a megatron GPT model, for GPU scale.
 
 Trainer ranks form a ``tensor x pipeline x data`` grid (`ParallelSizes`, from the recipe's ``training``
 section); megatron-core's ``parallel_state`` owns the process groups. The model is megatron's
-``GPTModel`` configured as the project's Llama architecture (RMSNorm, SwiGLU, rotary positions, no
-biases, untied embeddings, grouped-query attention) and starts from the weights of the same Hugging Face
+``GPTModel`` configured as the folder's architecture (RMSNorm, SwiGLU, rotary positions, grouped-query
+attention; Qwen2's q/k/v biases; tied or untied embeddings) and starts from the weights of the same Hugging Face
 folder the torch backend and the engines load, so every backend begins at policy version 0 with the same
 numbers. Only the vocabulary may differ: it is padded to a multiple of the tensor-parallel size, the
 padded logits are masked out of every softmax, and the padding is stripped when the weights are
@@ -79,21 +79,25 @@ class ParallelSizes:
 
 # -- the model -----------------------------------------------------------------------------------------
 def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
-    """The folder's ``config.json``, checked to describe a Llama model this backend can build."""
+    """The folder's ``config.json``, checked to describe a Llama or Qwen2 model this backend can build."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise TrainerError(f"{model_dir}: no config.json; build the model first (sfhpc.model.tiny) "
                            "or point model.path at a Hugging Face folder")
     config = json.loads(path.read_text())
-    if config.get("model_type") != "llama":
+    if config.get("model_type") not in ("llama", "qwen2"):
         raise TrainerError(f"{path}: model_type {config.get('model_type')!r}; the megatron backend builds Llama "
-                           "models only")
+                           "and Qwen2 models only")
+    if config.get("use_sliding_window"):
+        raise TrainerError(f"{path}: sliding-window attention is not supported by the megatron backend")
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         raise TrainerError(f"{path}: rope type {rope.get('rope_type')!r} is not supported by the megatron "
                            "backend (plain rotary positions only)")
-    if config.get("tie_word_embeddings") or config.get("attention_bias") or config.get("mlp_bias"):
-        raise TrainerError(f"{path}: tied embeddings and linear biases are not supported by the megatron backend")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        # Qwen2's q/k/v biases are its architecture (no flag); Llama's flags add biases to o_proj and the MLP too.
+        raise TrainerError(f"{path}: Llama linear biases (attention_bias, mlp_bias) are not supported by the "
+                           "megatron backend")
     return config
 
 
@@ -125,7 +129,7 @@ def transformer_config(hf: dict[str, Any], sizes: ParallelSizes) -> Any:
         num_attention_heads=layout.num_heads, num_query_groups=layout.num_kv_heads, kv_channels=layout.head_dim,
         normalization="RMSNorm", layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
-        add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
+        add_bias_linear=False, add_qkv_bias=layout.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
         params_dtype=torch.float32,  # master weights stay float32, as in the torch backend
         pipeline_dtype=torch.float32,  # what pipeline stages send each other
@@ -152,7 +156,7 @@ def build_gpt_model(hf: dict[str, Any], config: Any) -> Any:
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab_size,
                     max_sequence_length=int(hf["max_position_embeddings"]),
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
                     rotary_percent=1.0, rotary_base=_rope_theta(hf))
 
 

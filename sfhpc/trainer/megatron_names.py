@@ -1,4 +1,4 @@
-"""One table between megatron-core's parameter names and the Hugging Face / vLLM names of a Llama model.
+"""One table between megatron-core's parameter names and the Hugging Face / vLLM names of a Llama or Qwen2 model.
 
 megatron-core fuses what Llama keeps apart, and splits across tensor-parallel ranks what Llama keeps whole:
 
@@ -12,6 +12,11 @@ megatron-core fuses what Llama keeps apart, and splits across tensor-parallel ra
     embedding.word_embeddings.weight                 model.embed_tokens.weight       (vocab padded)
     decoder.final_layernorm.weight                   model.norm.weight
     output_layer.weight                              lm_head.weight                  (vocab padded)
+    self_attention.linear_qkv.bias                   self_attn.{q,k,v}_proj.bias     (Qwen2; fused like the weight)
+
+Qwen2 is Llama with q/k/v biases; a model with tied embeddings (small Qwen2.5 and Llama 3.2 models) has no
+``lm_head.weight``: megatron shares the embedding with the output layer, and a pipeline's last stage,
+which keeps its own copy of it, starts from the embedding and publishes nothing of it.
 
 With Transformer Engine's fused layer-norm linears (the usual GPU layer spec) the two norms live inside
 the next linear: ``self_attention.linear_qkv.layer_norm_weight`` and ``mlp.linear_fc1.layer_norm_weight``.
@@ -55,6 +60,9 @@ _LAYER_DIRECT = {
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
 _QKV = "self_attention.linear_qkv.weight"
+_QKV_BIAS = "self_attention.linear_qkv.bias"
+_HF_QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+_OUTPUT = "output_layer.weight"
 _FC1 = "mlp.linear_fc1.weight"
 _HF_QKV = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
 _HF_FC1 = ("mlp.gate_proj.weight", "mlp.up_proj.weight")
@@ -65,12 +73,12 @@ _GLOBAL = {
 }
 _VOCAB = ("embedding.word_embeddings.weight", "output_layer.weight")
 _ROW_PARALLEL = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
-_COLUMN_PARALLEL = (_QKV, _FC1)
+_COLUMN_PARALLEL = (_QKV, _FC1, _QKV_BIAS)
 
 
 @dataclasses.dataclass(frozen=True)
 class LlamaLayout:
-    """The sizes the mapping needs, read from a Hugging Face Llama ``config.json``."""
+    """The sizes the mapping needs, read from a Hugging Face Llama or Qwen2 ``config.json``."""
 
     num_layers: int
     hidden_size: int
@@ -80,6 +88,8 @@ class LlamaLayout:
     ffn_hidden_size: int
     vocab_size: int
     padded_vocab_size: int
+    qkv_bias: bool = False  # Qwen2's attention
+    tied_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -97,7 +107,9 @@ class LlamaLayout:
                    num_heads=heads, num_kv_heads=int(config.get("num_key_value_heads") or heads),
                    head_dim=int(config.get("head_dim") or int(config["hidden_size"]) // heads),
                    ffn_hidden_size=int(config["intermediate_size"]), vocab_size=vocab,
-                   padded_vocab_size=-(-vocab // tensor_parallel) * tensor_parallel)
+                   padded_vocab_size=-(-vocab // tensor_parallel) * tensor_parallel,
+                   qkv_bias=config.get("model_type") == "qwen2",
+                   tied_embeddings=bool(config.get("tie_word_embeddings", False)))
 
     @property
     def heads_per_group(self) -> int:
@@ -124,6 +136,16 @@ def split_qkv(qkv: torch.Tensor, layout: LlamaLayout) -> tuple[torch.Tensor, tor
     return q.reshape(-1, cols), k.reshape(-1, cols), v.reshape(-1, cols)
 
 
+def fuse_qkv_bias(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
+    """HF q/k/v biases -> megatron's ``linear_qkv.bias``: the rows of `fuse_qkv`, one column."""
+    return fuse_qkv(q.unsqueeze(-1), k.unsqueeze(-1), v.unsqueeze(-1), layout).squeeze(-1)
+
+
+def split_qkv_bias(qkv: torch.Tensor, layout: LlamaLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = split_qkv(qkv.unsqueeze(-1), layout)
+    return q.squeeze(-1), k.squeeze(-1), v.squeeze(-1)
+
+
 def _pad_vocab(t: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
     extra = layout.padded_vocab_size - t.shape[0]
     # Zero rows: the padded ids are never produced (their logits are masked) nor looked up.
@@ -133,10 +155,11 @@ def _pad_vocab(t: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
 # -- whole state dicts -------------------------------------------------------------------------------
 def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
                    fused_norms: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron tensors, global layer numbers, from an HF Llama state dict."""
+    """Full (unsharded) megatron tensors, global layer numbers, from an HF Llama or Qwen2 state dict."""
     out: dict[str, torch.Tensor] = {}
     for mg, name in _GLOBAL.items():
-        t = _take(hf, name)
+        tied = mg == _OUTPUT and layout.tied_embeddings
+        t = _take(hf, "model.embed_tokens.weight" if tied else name)
         out[mg] = _pad_vocab(t, layout) if mg in _VOCAB else t
     norm_names = ({"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"} if fused_norms else
@@ -150,15 +173,20 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
         out[mp + "mlp.linear_fc2.weight"] = _take(hf, hp + "mlp.down_proj.weight")
         out[mp + _QKV] = fuse_qkv(*(_take(hf, hp + n) for n in _HF_QKV), layout)
         out[mp + _FC1] = torch.cat([_take(hf, hp + n) for n in _HF_FC1])
+        if layout.qkv_bias:
+            out[mp + _QKV_BIAS] = fuse_qkv_bias(*(_take(hf, hp + n) for n in _HF_QKV_BIAS), layout)
     extra = set(hf) - set(_hf_names(layout))
     if extra:
-        raise TrainerError(f"the model has tensors a Llama layout does not name: {sorted(extra)[:3]}")
+        raise TrainerError(f"the model has tensors a {'Qwen2' if layout.qkv_bias else 'Llama'} layout does not "
+                           f"name: {sorted(extra)[:3]}")
     return out
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, layout: LlamaLayout) -> Iterator[tuple[str, torch.Tensor]]:
     """The HF ``(name, tensor)`` pairs of one full megatron tensor (global layer number in `name`)."""
     if name in _GLOBAL:
+        if name == _OUTPUT and layout.tied_embeddings:
+            return  # the last stage's copy of the embedding: the engine has it as the embedding
         yield _GLOBAL[name], (tensor[:layout.vocab_size] if name in _VOCAB else tensor)
         return
     m = _LAYER.match(name)
@@ -171,6 +199,8 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, layout: LlamaLayout) -> Iter
         yield from ((prefix + n, t) for n, t in zip(_HF_QKV, split_qkv(tensor, layout)))
     elif suffix == _FC1:
         yield from ((prefix + n, t) for n, t in zip(_HF_FC1, tensor.chunk(2, dim=0)))
+    elif suffix == _QKV_BIAS and layout.qkv_bias:
+        yield from ((prefix + n, t) for n, t in zip(_HF_QKV_BIAS, split_qkv_bias(tensor, layout)))
     else:
         raise TrainerError(f"no Hugging Face name for megatron parameter {name!r}")
 
@@ -182,11 +212,11 @@ def _take(hf: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
 
 
 def _hf_names(layout: LlamaLayout) -> list[str]:
-    names = list(_GLOBAL.values())
+    names = [n for mg, n in _GLOBAL.items() if not (mg == _OUTPUT and layout.tied_embeddings)]
     for i in range(layout.num_layers):
         names += [f"model.layers.{i}.{s}" for s in ("input_layernorm.weight", "post_attention_layernorm.weight",
                                                       "self_attn.o_proj.weight", "mlp.down_proj.weight",
-                                                      *_HF_QKV, *_HF_FC1)]
+                                                      *_HF_QKV, *_HF_FC1, *(_HF_QKV_BIAS if layout.qkv_bias else ()))]
     return names
 
 

@@ -1,10 +1,10 @@
 """The megatron-core backend in one process, on CPU through the test-only shim (tests/trainer/megatron_shim).
 
-These tests prove wiring and weight-name mapping, not speed: the Llama architecture built in megatron-core
-from a recipe gives the Hugging Face model's logits, a training step uses the same loss as the torch
-backend (and lands on the same weights), and the weight stream it publishes is exactly the engine's
-(Hugging Face) naming. The model has 4 query heads sharing 2 key/value heads, so the grouped QKV layout
-is exercised.
+These tests prove wiring and weight-name mapping, not speed: the Llama architecture (and Qwen2's, with q/k/v
+biases and tied embeddings) built in megatron-core from a recipe gives the Hugging Face model's logits, a
+training step uses the same loss as the torch backend (and lands on the same weights), and the weight stream
+it publishes is exactly the engine's (Hugging Face) naming. The model has 4 query heads sharing 2 key/value
+heads, so the grouped QKV layout is exercised.
 """
 
 from __future__ import annotations
@@ -141,7 +141,47 @@ def test_model_folder_problems_are_one_line_errors(tmp_path: Path) -> None:
         mb.read_hf_config(tmp_path)
     from sfhpc.model.tiny import llama_config
 
-    cfg = {**llama_config(ModelSpec(layers=1, hidden_size=64, heads=1)), "tie_word_embeddings": True}
+    cfg = {**llama_config(ModelSpec(layers=1, hidden_size=64, heads=1)), "attention_bias": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(TrainerError, match="tied embeddings"):
+    with pytest.raises(TrainerError, match="Llama linear biases"):
         mb.read_hf_config(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "attention_bias": False, "model_type": "mistral"}))
+    with pytest.raises(TrainerError, match="builds Llama and Qwen2 models only"):
+        mb.read_hf_config(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hugging Face Qwen2 folder: q/k/v biases, tied embeddings, 2 query heads sharing 1 key/value head."""
+    from sfhpc.model.hf_folder import build_hf_model
+
+    return build_hf_model(tmp_path_factory.mktemp("qwen2") / "model", "qwen2", kv_heads=1, dtype="float32")
+
+
+def test_qwen2_with_qkv_bias_and_tied_embeddings(qwen2_dir: Path) -> None:
+    """megatron builds the Qwen2 folder (biases in the fused QKV, the output layer shared with the embedding),
+    gives the HF model's logits, trains the biases as the torch backend does, and publishes exactly the
+    torch backend's names (the ones vLLM loads, tests/engine/test_hf_models.py)."""
+    from transformers import AutoModelForCausalLM
+
+    batch = toy_batch()
+    megatron = mb.MegatronTrainer(qwen2_dir, CONFIG)
+    assert megatron.layout.qkv_bias and megatron.layout.tied_embeddings
+    reference = AutoModelForCausalLM.from_pretrained(qwen2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(megatron.logits(batch.tokens)[..., :megatron.layout.vocab_size],
+                                   reference(input_ids=batch.tokens).logits, rtol=1e-4, atol=1e-4)
+    torch_trainer = TorchTrainer(qwen2_dir, CONFIG)
+    published = {n: t.clone() for n, t in megatron.named_weights()}  # views of live weights otherwise
+    engine_names = dict(torch_trainer.named_weights())
+    assert published.keys() == engine_names.keys()
+    assert "model.layers.0.self_attn.k_proj.bias" in published and "lm_head.weight" not in published
+    assert all(torch.equal(published[n], engine_names[n]) for n in published)  # step 0: the folder's weights
+
+    got, want = megatron.train_step(batch), torch_trainer.train_step(batch)
+    assert got.loss == pytest.approx(want.loss, rel=1e-4) and got.grad_norm == pytest.approx(want.grad_norm, rel=1e-4)
+    after, torch_after = dict(megatron.named_weights()), dict(torch_trainer.named_weights())
+    bias = "model.layers.1.self_attn.q_proj.bias"
+    assert not torch.equal(after[bias], published[bias])  # the biases trained
+    for name, t in after.items():
+        torch.testing.assert_close(t, torch_after[name], rtol=0.0, atol=1e-4, msg=name)

@@ -121,3 +121,29 @@ def test_unknown_names_are_refused() -> None:
         names.hf_to_megatron(hf, LAYOUT)
     with pytest.raises(TrainerError, match="does not name"):
         names.hf_to_megatron({**hf_state(), "model.layers.0.self_attn.q_proj.bias": torch.zeros(12)}, LAYOUT)
+
+
+QWEN2 = names.LlamaLayout(num_layers=2, hidden_size=12, num_heads=4, num_kv_heads=2, head_dim=3, ffn_hidden_size=8,
+                          vocab_size=10, padded_vocab_size=12, qkv_bias=True, tied_embeddings=True)
+
+
+def test_qwen2_biases_and_tied_embeddings_map_both_ways() -> None:
+    hf = hf_state(QWEN2)
+    del hf["lm_head.weight"]  # tied: the folder has the embedding only
+    g = torch.Generator().manual_seed(1)
+    for i in range(QWEN2.num_layers):
+        for proj, rows in (("q", 12), ("k", 6), ("v", 6)):
+            hf[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = torch.randn(rows, generator=g)
+    mg = names.hf_to_megatron(hf, QWEN2)
+    bias = mg["decoder.layers.0.self_attention.linear_qkv.bias"]
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv")
+    # Grouped like the weight's rows: [q heads 0-1 | k_0 | v_0 | q heads 2-3 | k_1 | v_1].
+    assert torch.equal(bias, torch.cat([q[:6], k[:3], v[:3], q[6:], k[3:], v[3:]]))
+    assert torch.equal(names.shard("decoder.layers.0.self_attention.linear_qkv.bias", bias, 1, 2), bias[12:])
+    # A pipeline's last stage starts its copy of the output layer from the embedding, and publishes none of it.
+    assert torch.equal(mg["output_layer.weight"], mg["embedding.word_embeddings.weight"])
+    back = {n: t for name, full in mg.items() for n, t in names.megatron_to_hf(name, full, QWEN2)}
+    assert set(back) == set(hf) and all(torch.equal(back[n], hf[n]) for n in hf)
+    assert names.LlamaLayout.from_hf_config({"model_type": "qwen2", "tie_word_embeddings": True,
+                                             "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
+                                             "intermediate_size": 8, "vocab_size": 10}).qkv_bias
