@@ -228,3 +228,32 @@ def test_long_output_keeps_draining_and_the_last_reward_line_counts() -> None:
     run = asyncio.run(run_program((sys.executable, "-c", script), env=os.environ, stdin="", cwd=None))
     assert (run.returncode, run.reward, list(run.stderr)) == (3, 2.0, ["last words"])
     assert run.failure() == "the agent program exited with status 3; its stderr ends: last words"
+
+
+def test_the_shipped_agent_recipe_is_runnable_and_its_program_found_beside_it() -> None:
+    from sfhpc.config import load_cluster_map, load_recipe
+    from sfhpc.launch.resolve import resolve
+    from sfhpc.rl.program import check_runnable
+    from tests.conftest import RECIPES
+
+    recipe = load_recipe(RECIPES / "guess-number-agent.yaml")
+    check_runnable(recipe)
+    assert resolve(recipe, load_cluster_map(RECIPES / "cluster-dev.yaml")).world_size == 3
+    assert recipe.agent is not None and recipe.agent.command[1] == "agents/guess_number.py"
+    assert (RECIPES / recipe.agent.command[1]).is_file()  # the program runs in the recipe's folder
+
+
+def test_the_shipped_example_program_plays_and_reports_its_reward(server: EndpointServer,
+                                                                  manager: TrajectoryManager) -> None:
+    from tests.conftest import RECIPES
+
+    recipe = RECIPES / "guess-number-agent.yaml"
+    spec = AgentSpec(command=(sys.executable, "agents/guess_number.py"))  # this interpreter has `openai`
+    runner = AgentPrograms(spec, recipe_source=str(recipe), episodes=server.api.episodes, url_of=server.episode_url,
+                           token=server.token, model=MODEL)
+    outcome = play(server, manager, runner, 4)
+    record = manager.trajectory(outcome.trajectory_id)
+    replies = [ByteTokenizer().decode(s.tokens) for s in record.segments if s.generated]
+    found = "4" in replies
+    assert len(replies) == outcome.turns == (replies.index("4") + 1 if found else 8)
+    assert outcome.reward == pytest.approx(1.0 - 0.1 * (outcome.turns - 1) if found else 0.0)
