@@ -220,8 +220,8 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
 
 
 def cmd_traj_export(args: argparse.Namespace) -> int:
-    from sfhpc.analysis import open_run, write_csv
-    from sfhpc.analysis.export import frame_rows, write_frame
+    from sfhpc.analysis import open_run
+    from sfhpc.analysis.export import write_frame
 
     out = Path(args.out)
     if out.exists():
@@ -230,7 +230,7 @@ def cmd_traj_export(args: argparse.Namespace) -> int:
         raise SfhpcError(f"{out.parent}: no such folder for --out")
     with open_run(args.store) as run:  # the frame is computed over whole tables: seconds for a million
         df = run.trajectories()
-        count = write_csv(frame_rows(df), out) if args.format == "csv" else write_frame(df, out, args.format)
+        count = write_frame(df, out, args.format)
     print(f"wrote {count:,} trajectories to {out}")
     return 0
 

@@ -1,27 +1,27 @@
-"""Writing a data frame of a run to a file an analyst's tools read: Parquet (types kept) or JSON lines.
-
-(CSV, today's columns and format, is `sfhpc.analysis.write_csv`.) A file is only ever created, never
-overwritten; one that fails half-way is removed, so an error leaves nothing behind.
+"""Writing a data frame of a run to a file an analyst's tools read: Parquet (types kept), JSON lines, or CSV
+(the columns and format of `sfhpc.analysis.write_csv`, which writes the same from rows). A file is only
+ever created, never overwritten; one that fails half-way is removed, so an error leaves nothing behind.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import pandas as pd
 
+from sfhpc.analysis.trajectories import TRAJECTORY_COLUMNS
 from sfhpc.errors import SfhpcError
 
 FORMATS = ("csv", "parquet", "jsonl")
 
 
 def write_frame(df: pd.DataFrame, out: Path, fmt: str) -> int:
-    """Create `out` holding `df` as ``parquet`` or ``jsonl``; returns the number of rows."""
-    writers = {"parquet": _write_parquet, "jsonl": _write_jsonl}
+    """Create `out` holding `df` as ``parquet``, ``jsonl`` or ``csv`` (the CSV columns of `write_csv`, in
+    its format: empty cells for missing values); returns the number of rows."""
+    writers = {"parquet": _write_parquet, "jsonl": _write_jsonl, "csv": _write_csv}
     if fmt not in writers:
         raise SfhpcError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
     try:
@@ -38,11 +38,10 @@ def write_frame(df: pd.DataFrame, out: Path, fmt: str) -> int:
     return len(df)
 
 
-def frame_rows(df: pd.DataFrame) -> Iterator[dict[str, Any]]:
-    """The rows of `df` as dicts, missing values (<NA>, NaN) as None (for `write_csv`)."""
-    columns = list(df.columns)
-    for values in df.itertuples(index=False, name=None):
-        yield {k: _plain(v) for k, v in zip(columns, values)}
+def _write_csv(df: pd.DataFrame, handle: IO[bytes]) -> None:
+    # Byte for byte what `write_csv` writes from the rows (the csv module's quoting and line ends, floats in
+    # their shortest exact form), at pandas' speed.
+    df[list(TRAJECTORY_COLUMNS)].to_csv(handle, index=False, na_rep="", lineterminator="\r\n", encoding="utf-8")
 
 
 def _write_parquet(df: pd.DataFrame, handle: IO[bytes]) -> None:

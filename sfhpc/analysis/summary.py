@@ -113,7 +113,7 @@ def update_line(run: Run, previous: Summary | None, summary: Summary) -> str:
     parts += [f"{status} {n:,}" for status, n in summary.by_status.items() if n]
     parts.append(f"steps {s['steps']:,}")
     if last is not None:
-        parts.append(f"steps {last['first']}-{last['last']} reward {_num(last['reward_mean'], 3)}")
+        parts.append(f"reward {_num(last['reward_mean'], 3)} (steps {last['first']}-{last['last']})")
     return "  ".join(parts)
 
 

@@ -1,5 +1,5 @@
 """``sfhpc traj summary`` (its sections) and ``sfhpc traj plot`` (its panels) on the manager-written run;
-the whole-table columns equal `trajectory_row` record by record."""
+the whole-table columns equal `trajectory_row` record by record (and the CSV export the rows' CSV)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from sfhpc.analysis import open_run, trajectory_row
+from sfhpc.analysis import open_run, trajectory_row, trajectory_rows, write_csv
 from sfhpc.analysis.columns import store_columns
+from sfhpc.analysis.export import write_frame
 from sfhpc.analysis.plots import PANELS_KEY
 from sfhpc.analysis.summary import summarize
 from sfhpc.bench.analysis import build_store
@@ -92,6 +93,10 @@ def test_whole_table_columns_equal_the_per_record_definition(run_dir: Path, tmp_
                 expected = trajectory_row(trajectory, marks.get(trajectory.id))
                 got = {name: _missing_as_none(name, columns[name][row]) for name in expected}
                 assert got == expected, (path.name, trajectory.id)
+            write_csv(trajectory_rows(store), tmp_path / f"{path.stem}-rows.csv")
+        with open_run(path) as run:  # the CSV export from the frame: byte for byte the rows' CSV
+            write_frame(run.trajectories(), tmp_path / f"{path.stem}-frame.csv", "csv")
+        assert (tmp_path / f"{path.stem}-frame.csv").read_bytes() == (tmp_path / f"{path.stem}-rows.csv").read_bytes()
 
 
 def _missing_as_none(name: str, value: object) -> object:
