@@ -47,7 +47,12 @@ _BYTE_LEVEL = _byte_level_table()
 
 class HFStreamDecoder:
     """Decodes a reply as its tokens arrive: text is sent once a character is whole (a byte-level token may
-    hold half of one), and never taken back."""
+    hold half of one), and never taken back.
+
+    Each call decodes the whole reply so far: only the whole sequence decodes right (a token may complete a
+    character an earlier one began, a sentencepiece decoder drops a leading space per call), and a reply is
+    at most a few hundred tokens.
+    """
 
     def __init__(self, tokenizer: Any, *, skip_special: bool) -> None:
         self._tokenizer = tokenizer
