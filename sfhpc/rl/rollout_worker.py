@@ -34,7 +34,7 @@ from sfhpc.rollout.agent import (
     play_episode,
     reply_budget,
 )
-from sfhpc.rollout.agent_process import AgentProgramFailed, AgentPrograms
+from sfhpc.rollout.agent_process import AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.runtime import fault_injection, preemption
 from sfhpc.runtime.comm_layout import CommLayout
@@ -111,9 +111,10 @@ class RolloutWorker:
         the wait for one of the rank's ``agent.workers`` slots."""
         async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
             if episode.resume_id is not None:
-                on_trajectory(episode.resume_id)
-                raise AgentProgramFailed("an agent program's episode cannot continue after a restart (the "
-                                         "program's state died with it); its group is played anew")
+                # A program's own state died with the earlier allocation, so its cut trajectory cannot be
+                # continued: it is kept as aborted (never trained on) and the episode is played afresh, a
+                # new member of the same group.
+                await asyncio.to_thread(self.manager.abort, episode.resume_id)
             return await programs.play(self.task, episode.problem, group=episode.group,
                                        max_tokens=reply_budget(self.task, self.recipe.budgets.max_new_tokens),
                                        on_trajectory=on_trajectory)

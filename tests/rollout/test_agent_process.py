@@ -257,3 +257,21 @@ def test_the_shipped_example_program_plays_and_reports_its_reward(server: Endpoi
     found = "4" in replies
     assert len(replies) == outcome.turns == (replies.index("4") + 1 if found else 8)
     assert outcome.reward == pytest.approx(1.0 - 0.1 * (outcome.turns - 1) if found else 0.0)
+
+
+def test_a_cut_program_episode_is_aborted_and_its_replay_completes_the_group(manager: TrajectoryManager) -> None:
+    """What a rollout rank does with an agent program's episode that a restart cut: the old trajectory is
+    aborted (kept, never trained on) and a fresh one joins the same group, which then trains whole."""
+    kept = manager.start([1, 2], task="guess-number", group="g")
+    cut = manager.start([1, 2], task="guess-number", group="g")
+    manager.add_generated(kept, [3], [-0.5], 0, finish_reason="stop")
+    manager.finish(kept, 1.0)
+    manager.add_generated(cut, [4], [-0.7], 0, finish_reason="abort")
+    manager.interrupt(cut)
+    manager.abort(cut)
+    again = manager.start([1, 2], task="guess-number", group="g")
+    manager.add_generated(again, [5], [-0.2], 0, finish_reason="stop")
+    manager.finish(again, 0.0)
+    batch = manager.take_batch(1, 1, group_size=2)
+    assert batch is not None and sorted(t.id for t in batch.trajectories) == sorted([kept, again])
+    assert manager.status(cut) == "aborted" and manager.counts()["failed"] == 0
