@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
 # ... and those the tests need besides: a headless browser opens the HTML report (tests/analysis), ~80 MB.
 TEST_SYSTEM_PACKAGES := chromium
 
-.PHONY: setup system-packages test-system-packages demo test test-fast bench lint cluster-up cluster-down cluster-status clean
+.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast bench lint cluster-up cluster-down cluster-status clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -47,6 +47,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 
 demo: setup
 	$(VENV)/bin/sfhpc run recipes/demo.yaml
+
+# GRPO on a data file: the shipped arithmetic word problems (data/arith-word, GSM8K shape).
+demo-dataset: setup
+	$(VENV)/bin/sfhpc run recipes/arith-word.yaml
 
 cluster-up:
 	$(DEVCLUSTER) up

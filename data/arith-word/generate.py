@@ -1,9 +1,11 @@
 """Writes arith-word: arithmetic word problems in the GSM8K shape, small enough for the CPU demo's model.
 
 Each row is ``{"question": ..., "answer": "<a> + <b> = <n>\\n#### <n>"}`` (GSM8K's ``question`` and
-``answer`` keys, the final answer after ``####``): one addition or subtraction of single digits whose
-result is a single digit too, told with a name and a thing. Deterministic: the same seed writes the same
-files, byte for byte.
+``answer`` keys, the final answer after ``####``): a single digit plus or minus `SECOND` (1), the result a
+single digit too, told with a name, a thing and one of several wordings. That is 18 distinct sums behind
+many wordings: few enough for the CPU demo's tiny model to learn by RL in minutes (with 1 or 2, 34 sums,
+its reward had barely moved after 66 steps; all 110 single-digit sums are further still). Deterministic:
+the same seed writes the same files, byte for byte.
 
     python data/arith-word/generate.py [--out data/arith-word] [--train 2000] [--test 200] [--seed 0]
 """
@@ -17,21 +19,23 @@ from pathlib import Path
 
 NAMES = ("Ann", "Ben", "Cal", "Dot", "Eve", "Fay", "Gus", "Hal")
 THINGS = ("apples", "cards", "coins", "pens", "eggs", "cups")
-ADD = ("{name} has {a} {things} and gets {b} more. How many {things} now?",
-       "{name} had {a} {things}, then found {b}. How many {things} in all?")
-SUBTRACT = ("{name} has {a} {things} and gives {b} away. How many {things} now?",
-            "{name} had {a} {things}, then lost {b}. How many {things} are left?")
+SECOND = (1,)
+# The question comes first and the facts last: the tiny model attends mostly to the last tokens, so the
+# numbers and the verb that decide the answer sit at (nearly) fixed distances from the end of the prompt.
+ADD = ("How many {things} does {name} have now? {name} had {a}, then found {b}.",
+       "How many {things} are there now? {name} had {a}, then got {b}.")
+SUBTRACT = ("How many {things} does {name} have now? {name} had {a}, then lost {b}.",
+            "How many {things} are there now? {name} had {a}, then used {b}.")
 
 
 def problem(rng: random.Random) -> dict[str, str]:
     name, things = rng.choice(NAMES), rng.choice(THINGS)
+    b = rng.choice(SECOND)
     if rng.random() < 0.5:
-        a = rng.randrange(10)
-        b = rng.randrange(10 - a)  # the sum stays a single digit
+        a = rng.randrange(10 - b)  # the sum stays a single digit
         text, result, sign = rng.choice(ADD), a + b, "+"
     else:
-        a = rng.randrange(10)
-        b = rng.randrange(a + 1)  # never below zero
+        a = rng.randrange(b, 10)  # never below zero
         text, result, sign = rng.choice(SUBTRACT), a - b, "-"
     return {"question": text.format(name=name, things=things, a=a, b=b),
             "answer": f"{a} {sign} {b} = {result}\n#### {result}"}
