@@ -51,3 +51,29 @@ def test_data_and_tensor_parallel_ranks_agree(tmp_path: Path) -> None:
     # Tensor parallel: one checkpoint part per model-parallel rank, the (0, 0) part at the plain path.
     assert {p.name for p in (tmp_path / "2x1").glob("megatron.pt*")} == {"megatron.pt", "megatron.pt.tp1-pp0"}
     assert {p.name for p in (tmp_path / "1x2").glob("megatron.pt*")} == {"megatron.pt", "megatron.pt.tp0-pp1"}
+
+
+def test_qwen2_tensor_and_pipeline_parallel_ranks_agree_with_torch(tmp_path: Path) -> None:
+    """Qwen2: the q/k/v biases split with their query groups over tensor-parallel ranks, and the tied
+    embedding is shared between the first and the last pipeline stage; both publish the torch backend's
+    names and weights."""
+    from sfhpc.model.hf_folder import build_hf_model
+
+    model_dir = build_hf_model(tmp_path / "model", "qwen2", kv_heads=2, dtype="float32")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "2", sys.executable, "-m",
+                           "tests.trainer.megatron_shim.ranks", str(model_dir), str(tmp_path), "2x1", "1x2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    reference = json.loads((tmp_path / "torch.json").read_text())
+    assert "model.layers.0.self_attn.q_proj.bias" in reference["weights"]
+    assert "lm_head.weight" not in reference["weights"]
+    for layout in ("2x1", "1x2"):
+        r0 = json.loads((tmp_path / layout / "rank0.json").read_text())
+        r1 = json.loads((tmp_path / layout / "rank1.json").read_text())
+        assert r0["weights"] == r1["weights"] and set(r0["weights"]) == set(reference["weights"])
+        for name, values in reference["weights"].items():
+            torch.testing.assert_close(torch.tensor(r0["weights"][name]), torch.tensor(values), rtol=1e-3, atol=2e-4,
+                                       msg=f"{layout} {name}")
+        for got, want in zip(r0["metrics"], reference["metrics"]):
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-3, abs=1e-5)
