@@ -1,1 +1,3 @@
-"""The policy model: the project's own small Llama-architecture model, saved in Hugging Face format."""
+"""The policy model's folder: what a Hugging Face folder must hold (`folder`), the small Hugging Face folders
+sfhpc builds on the spot (`hf_folder`: a BPE tokenizer, a chat template, Qwen2 or Llama weights), the
+project's own byte-level tiny Llama (`tiny`) and its supervised warm start (`warm_start`)."""
