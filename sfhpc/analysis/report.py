@@ -105,8 +105,11 @@ def _samples(run: Run) -> str:
     rewarded = df[df["reward"].notna()]
     picks: dict[str, str] = {}  # id -> why it was picked
     if len(rewarded):
-        picks.setdefault(str(rewarded.loc[rewarded["reward"].idxmax(), "id"]), "best reward")
-        picks.setdefault(str(rewarded.loc[rewarded["reward"].idxmin(), "id"]), "worst reward")
+        # The first of the best and the last of the worst: two samples even when every reward is equal.
+        best = str(rewarded.loc[rewarded["reward"].idxmax(), "id"])
+        worst = str(rewarded.loc[rewarded["reward"][::-1].idxmin(), "id"])
+        picks[best] = "best reward" if best != worst else "best and worst reward"
+        picks.setdefault(worst, "worst reward")
     partial = df[df["interruptions"] > 0]
     if len(partial):
         picks.setdefault(str(partial.iloc[-1]["id"]), "a partial rollout (cut by a weight update, continued)")
