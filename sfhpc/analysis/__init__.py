@@ -1,5 +1,6 @@
-"""Reading a run's trajectory store after (or during) the run: data frames, summaries, exports, one
-trajectory as a conversation.
+"""Reading a run's trajectory store after (or during) the run: data frames (`run`, computed over whole
+tables by `columns`), summaries (`summary`), exports (`export`), plots (`plots`), one trajectory as a
+conversation (`conversation`), a report in one HTML file (`report`) and two runs side by side (`compare`).
 
 Everything here reads through `sfhpc.data.open_store`, never the HDF5 layout itself.
 """
