@@ -19,6 +19,7 @@ def test_analysis_bench_reports_every_figure(tmp_path: Path) -> None:
     for name in ("summary", "export_parquet", "plot"):
         figures = result["commands"][name]
         assert figures["exit_code"] == 0 and 0 < figures["seconds"] < 60 and 0.01 < figures["peak_gib"] < 4, name
+        assert 0 < figures["cpu_seconds"] < 120, name
     assert set(result["met"]) == {"summary_s", "summary_peak_gib", "export_parquet_s", "plot_s"}
     assert all(result["met"].values()) and result["parquet_mb"] > 0
     for line in ("store: 2,000 trajectories, 200,000 tokens", "summary", "export --format parquet", "plot",
