@@ -3,9 +3,9 @@
     python -m sfhpc.bench.preemption [--recipe recipes/demo.yaml] [--steps 12] [--cut-after 4]
 
 Runs the recipe on this machine (``sfhpc run``: mpiexec, real vLLM engines, real training) for a short
-step budget, sends SIGTERM to every rank process once ``--cut-after`` steps are done (what Slurm does to a
-step's tasks on a preemption or ``scontrol requeue``), waits for the run to stop at its safe point (exit
-75), then resumes it (``sfhpc run RECIPE --resume RUN_DIR``) to the end. It reports:
+step budget, sends SIGTERM to every rank process and everything it started once ``--cut-after`` steps are
+done (what Slurm does to a step's processes on a preemption or ``scontrol requeue``), waits for the run to
+stop at its safe point (exit 75), then resumes it (``sfhpc run RECIPE --resume RUN_DIR``) to the end. It reports:
 
 * *stop*: signal sent -> the controller noticed it (``stop-requested`` event) -> the checkpoint complete
   on disk (its ``MANIFEST.json``, written last, then the folder renamed into place: the ``checkpoint``
@@ -43,7 +43,7 @@ from typing import Any
 import yaml
 
 from sfhpc.bench import read_recipe_mapping, run_as_script
-from sfhpc.bench._processes import rank_pids
+from sfhpc.bench._processes import rank_pids, step_pids
 from sfhpc.data.trajectory import Status, Trajectory
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
@@ -275,14 +275,16 @@ def cut_and_resume(recipe_path: Path, output_dir: Path, cut_after: int) -> tuple
     if run_dir is None or first.poll() is not None:
         _abandon(first, run_dir)
         raise SfhpcError(f"the run ended (or timed out) before {cut_after} steps were done; see its output above")
-    pids = rank_pids(run_dir)
+    pids = step_pids(run_dir)
     if not pids:
         _abandon(first, run_dir)
         raise SfhpcError(f"no rank process of {run_dir} found in /proc to send SIGTERM to")
-    print(f"== sending SIGTERM to the {len(pids)} rank processes after step {len(_rows(run_dir))}", flush=True)
+    print(f"== sending SIGTERM to the {len(pids)} processes of the ranks (vLLM's included) after step "
+          f"{len(_rows(run_dir))}", flush=True)
     signal_sent = time.time()
     for pid in pids:
-        os.kill(pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # a helper process that ended meanwhile
+            os.kill(pid, signal.SIGTERM)
     code = _wait(first, run_dir, "the cut run")
     first_leg_exit = time.time()
     if code != STOPPED_EXIT:

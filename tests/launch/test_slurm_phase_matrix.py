@@ -2,15 +2,17 @@
 slurmdbd, slurmd, real MPI, real torch training): one job, nine allocations.
 
 Phases: ``rollout`` (the controller waits for a batch), ``train`` (a training step) and ``broadcast``
-(the new weights on their way to the engine). Triggers: ``scancel --signal=USR2`` (a checkpoint at the
-safe point, then the run requeues itself), ``scontrol requeue`` and a job on the ``urgent`` partition that
-preempts it (both TERM: Slurm ends the step, the run resumes from its last periodic checkpoint).
+(the new weights on their way to the engine). Triggers: ``scancel --signal=USR2`` (the run requeues
+itself after its checkpoint), ``scontrol requeue`` (TERM; Slurm requeues the job) and a job on the
+``urgent`` partition that preempts it (TERM; the run requeues itself). Each one checkpoints at the next
+safe point and the next allocation goes on from that checkpoint.
 
-The rollout engine is the deterministic test engine (``engine: {name: test}``, as the acceptance allows for
-the phase matrix; the three triggers with vLLM are `test_slurm_preemption.py`). It writes letters, so the
-reward stays 0: what is checked is the bookkeeping. ``SFHPC_HOLD_PHASES`` stretches the train and
-broadcast phases (`sfhpc.runtime.fault_injection`), and the test aims each signal with the controller's
-live phase (``status.json``).
+``max_staleness: 0`` keeps one step's episodes out at a time, so every step has a rollout phase of its
+own to aim at. The rollout engine is the deterministic test engine (``engine: {name: test}``, as the
+acceptance allows for the phase matrix; the three triggers with vLLM are `test_slurm_preemption.py`).
+It writes letters, so the reward stays 0: what is checked is the bookkeeping. ``SFHPC_HOLD_PHASES``
+stretches the train and broadcast phases (`sfhpc.runtime.fault_injection`), and the test aims each
+signal with the controller's live phase (``status.json``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ name: phases
 seed: 5
 engine: {{name: test, token_delay_s: 0.6}}
 algorithm: {{group_size: 2}}
-pipeline: {{mode: async, max_staleness: 1}}
+pipeline: {{mode: async, max_staleness: 0}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2}}
 task: {{name: guess-number, options: {{max_turns: 3}}}}
 roles:
@@ -91,13 +93,14 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
     events = read_events(run_dir)
     resumes = [e for e in events if e["event"] == "resumed"]
     assert [e["restart"] for e in resumes] == list(range(1, len(plan) + 1)), events
-    # USR2 reached the ranks in the phase it was aimed at, and the run stopped at its next safe point.
+    # Each signal reached the ranks in the phase it was aimed at, the run stopped at its next safe point
+    # (checkpoint of the step reached), and the next allocation went on from there.
     requested = {e["restart"]: e for e in events if e["event"] == "stop-requested"}
     stopped = {e["restart"]: e for e in events if e["event"] == "stopped"}
     for restart, (trigger, phase) in enumerate(plan):
-        if trigger == "usr2":
-            assert requested[restart]["signal"] == "SIGUSR2" and requested[restart]["phase"] == phase, events
-            assert stopped[restart]["step"] == resumes[restart]["step"], events  # went on from that checkpoint
+        signal_name = "SIGUSR2" if trigger == "usr2" else "SIGTERM"
+        assert (requested[restart]["signal"], requested[restart]["phase"]) == (signal_name, phase), cuts
+        assert stopped[restart]["step"] == resumes[restart]["step"], events
     for resume in resumes:  # every restart continued from the newest checkpoint written before it
         earlier = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < resume["time"]]
         assert resume["step"] == max(earlier), resume

@@ -6,6 +6,7 @@ next safe point and exits with 75; ``sfhpc run --resume`` continues it to its la
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.bench._processes import rank_pids
+from sfhpc.bench._processes import step_pids
 from sfhpc.data.store import open_store
 from tests.conftest import ROOT, assert_one_line_error, run_sfhpc
 
@@ -55,7 +56,8 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def cut_after(recipe: Path, runs: Path, steps: int) -> tuple[Path, str]:
-    """Start the recipe, SIGTERM every rank once `steps` steps are done; returns the run folder, output."""
+    """Start the recipe, SIGTERM every process of the ranks (vLLM's engine too, as Slurm does) once `steps`
+    steps are done; returns the run folder and the output."""
     process = start_run(recipe)
     deadline = time.monotonic() + 600
     run_dir = None
@@ -65,8 +67,9 @@ def cut_after(recipe: Path, runs: Path, steps: int) -> tuple[Path, str]:
             break
         time.sleep(0.2)
     assert run_dir is not None and process.poll() is None, "the run ended before it could be cut"
-    for pid in rank_pids(run_dir):
-        os.kill(pid, signal.SIGTERM)
+    for pid in step_pids(run_dir):
+        with contextlib.suppress(ProcessLookupError):  # a helper process that ended meanwhile
+            os.kill(pid, signal.SIGTERM)
     out, _ = process.communicate(timeout=300)
     assert process.returncode == 75, out[-4000:]  # stopped at a safe point: resumable, not done
     return run_dir, out
