@@ -191,8 +191,10 @@ class DatasetTask(Task):
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
         # Format only: each prompt gets another row's answer, so the replies look like answers and are
-        # right only by chance. With the numeric reward the reply is the short form ``#### N`` of that
-        # answer (what the verifier reads), not its worked solution.
+        # right only by chance. With the numeric reward the reply is that answer's final number alone
+        # (what the verifier reads): a worked solution or a ``#### `` prefix would be tokens the reward
+        # does not depend on, and the loss, a mean over the reply's tokens, would give the number a small
+        # share of each step (a tiny model's replies drifted in the prefix and never learned the number).
         rows = self.rows
         examples = []
         for _ in range(count):
@@ -200,6 +202,6 @@ class DatasetTask(Task):
             _, other = rows[rng.randrange(len(rows))]
             reply = str(other)
             if self.numeric_answers and (number := final_number(reply)) is not None:
-                reply = f"#### {int(number) if number.is_integer() else number}"
+                reply = f"{int(number) if number.is_integer() else number}"
             examples.append([*messages, {"role": "assistant", "content": reply}])
         return examples

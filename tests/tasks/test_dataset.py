@@ -110,8 +110,8 @@ def test_warm_start_replies_have_the_answer_format_not_the_answer(tmp_path: Path
     rows = [{"q": f"{i} + 0?", "a": f"{i} + 0 = {i}\n#### {i}"} for i in range(10)]
     examples = dataset(tmp_path, rows, reward="numeric").warm_start_examples(random.Random(0), 200)
     replies = [e[-1]["content"] for e in examples]
-    assert {r[:5] for r in replies} == {"#### "} and {int(r[5:]) for r in replies} == set(range(10))
-    right = sum(e[-1]["content"] == f"#### {e[0]['content'].split()[0]}" for e in examples)
+    assert set(replies) == {str(i) for i in range(10)}  # the final number alone, as numeric reads it
+    right = sum(e[-1]["content"] == e[0]["content"].split()[0] for e in examples)
     assert right < 50  # about 1 in 10: the content is another row's answer
     exact = dataset(tmp_path, rows).warm_start_examples(random.Random(0), 5)  # exact: another row's answer
     assert all(e[-1]["content"] in {r["a"] for r in rows} for e in exact)
