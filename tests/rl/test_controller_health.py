@@ -16,6 +16,7 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.rl import messages as msg
 from sfhpc.rl.controller import Controller
 from sfhpc.rl.health import RolloutStalled, TooManyFailures
+from sfhpc.rl.live_status import LiveStatus
 
 RECIPE = """\
 name: faults
@@ -61,6 +62,7 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0) -> Controller:
         "scheduler": _Attributes(rollout_ranks=(1, 2)), "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
         "groups_out": 2, "stale_groups": 0, "open_groups": {}, "restart": 0, "started": time.monotonic(),
+        "live": LiveStatus(tmp_path, restart=0, job_id=None),
     }
     ctl.__dict__.update(values)
     return ctl
