@@ -1,6 +1,8 @@
 """An agent program inside a whole RL run (`sfhpc run`): real vLLM, real MPI ranks, real training, the real
 store. The program imports nothing from sfhpc; one of its episodes crashes and one hangs, and the run still
-trains its whole budget."""
+trains its whole budget. The pipeline is ``sync``: a step waits for every episode it handed out, so the hung
+one holds the first step until its timeout fails it (with ``async`` a quick run could train its budget on
+other groups and end before the timeout, and an episode cut by the end of a run is not a failure)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ RECIPE = """\
 name: agent-program
 seed: 1
 model: {{warm_start_steps: 10}}
-pipeline: {{mode: async, max_staleness: 1}}
+pipeline: {{mode: sync}}
 budgets: {{steps: 2, prompts_per_step: 2, max_failed_fraction: 0.9}}
 algorithm: {{group_size: 4}}
 task: {{name: guess-number, options: {{max_turns: 4}}}}

@@ -6,8 +6,10 @@ episode input and, while the guess is wrong, tells the model "higher" or "lower"
 
 Faults for tests, by the problem's key (the secret digit): --crash-on KEYS raises after the first reply,
 --hang-on KEYS sleeps forever (with a child process in its group) after the first reply. With --fault-dir,
-the first episode of a run that claims DIR/crash crashes and the next that claims DIR/hang hangs (a file
-made with O_EXCL is claimed once, whichever programs run at the same time).
+the first episode of a run that claims DIR/crash crashes and the next of another problem that claims
+DIR/hang hangs (a file made with O_EXCL is claimed once, whichever programs run at the same time). Another
+problem, so another GRPO group: the rest of the crashed episode's group is dropped with it, a hang there
+would never time out.
 """
 
 import argparse
@@ -37,12 +39,29 @@ def claim(name: str) -> bool:
     return True
 
 
-fault = None
-if args.fault_dir:
-    fault = "crash" if claim("crash") else "hang" if claim("hang") else None
+def crashed_key() -> str:
+    """The problem key of the episode that claimed the crash (it writes it just after its claim)."""
+    path = os.path.join(args.fault_dir, "crash-key")
+    for _ in range(200):
+        if os.path.exists(path):
+            with open(path) as f:
+                return f.read()
+        time.sleep(0.01)
+    return ""
+
 
 episode = json.load(sys.stdin)
 assert json.loads(os.environ["SFHPC_EPISODE"]) == episode
+fault = None
+if args.fault_dir:
+    key = str(episode["problem"]["key"])
+    if claim("crash"):
+        fault = "crash"
+        with open(os.path.join(args.fault_dir, "crash-key.part"), "w") as f:
+            f.write(key)
+        os.replace(os.path.join(args.fault_dir, "crash-key.part"), os.path.join(args.fault_dir, "crash-key"))
+    elif crashed_key() != key and claim("hang"):
+        fault = "hang"
 secret = str(episode["problem"]["data"])
 client = openai.OpenAI(max_retries=0, timeout=120)  # OPENAI_BASE_URL and OPENAI_API_KEY from the environment
 messages = list(episode["messages"])
