@@ -98,6 +98,10 @@ class Segment:
     t_start: float = 0.0  # wall-clock seconds (time.time())
     t_end: float = 0.0
     finish_reason: str = ""  # the engine's reason ("stop", "length", "abort"), empty for other kinds
+    # The sampling the generated tokens were drawn with (None: unknown, or not a generated segment). A trainer
+    # scores the tokens under the same temperature, so their logprobs compare with `logprobs`.
+    temperature: float | None = None
+    top_p: float | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -112,16 +116,22 @@ class Segment:
                              f"{len(self.versions)} versions")
         if self.kind is not SegmentKind.GENERATED and n and (self.versions != NO_VERSION).any():
             raise ValueError(f"a {self.kind} segment holds no generated tokens, so every version must be -1")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if value is not None:  # NaN is how the store writes "unknown": it reads back as None
+                set_(self, name, None if math.isnan(value) else float(value))
 
     @classmethod
     def of(cls, kind: SegmentKind, parent: int, fork_at: int, tokens: Sequence[int], *,
            logprobs: Sequence[float] | None = None, versions: int | Sequence[int] | None = None,
-           engine: str = "", t_start: float = 0.0, t_end: float = 0.0, finish_reason: str = "") -> Segment:
+           engine: str = "", t_start: float = 0.0, t_end: float = 0.0, finish_reason: str = "",
+           temperature: float | None = None, top_p: float | None = None) -> Segment:
         """Build a segment, filling per-token columns that do not apply (a single version is broadcast)."""
         toks = np.asarray(tokens, dtype=np.int32)
         if isinstance(versions, int | np.integer):
             versions = np.full(len(toks), int(versions), np.int32)
-        return cls(kind, parent, fork_at, toks, logprobs, versions, engine, t_start, t_end, finish_reason)
+        return cls(kind, parent, fork_at, toks, logprobs, versions, engine, t_start, t_end, finish_reason,
+                   temperature, top_p)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -133,9 +143,10 @@ class Segment:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Segment):
             return NotImplemented
-        return (self.kind, self.parent, self.fork_at, self.engine, self.t_start, self.t_end, self.finish_reason) \
+        return (self.kind, self.parent, self.fork_at, self.engine, self.t_start, self.t_end, self.finish_reason,
+                self.temperature, self.top_p) \
             == (other.kind, other.parent, other.fork_at, other.engine, other.t_start, other.t_end,
-                other.finish_reason) \
+                other.finish_reason, other.temperature, other.top_p) \
             and np.array_equal(self.tokens, other.tokens) and np.array_equal(self.versions, other.versions) \
             and self.logprobs.tobytes() == other.logprobs.tobytes()
 
