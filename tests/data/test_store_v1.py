@@ -1,0 +1,48 @@
+"""A store written by the schema-1 writer (a fixture, kept gzipped) still opens and reads in full: its
+trajectories, statuses and marks as written, no timeline, and sampling parameters unknown."""
+
+from __future__ import annotations
+
+import gzip
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sfhpc.data.store import open_store
+from sfhpc.data.trajectory import Status
+
+FIXTURE = Path(__file__).parent / "fixtures" / "store_v1.h5.gz"
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+def v1_store(tmp_path: Path) -> Path:
+    path = tmp_path / "v1.h5"
+    with gzip.open(FIXTURE, "rb") as src, path.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    return path
+
+
+def test_a_schema_1_store_reads_as_written(v1_store):
+    with open_store(v1_store) as reader:
+        assert reader.schema == 1
+        assert reader.ids() == ["v1-finished", "v1-consumed", "v1-failed"]
+        assert reader.run_metadata == {"recipe": "v1.yaml"}
+        assert reader.statuses() == {"v1-finished": Status.FINISHED, "v1-consumed": Status.CONSUMED,
+                                     "v1-failed": Status.FAILED}
+        finished = reader.get("v1-finished")
+        assert [s.tokens.tolist() for s in finished.segments] == [[1, 2, 3], [10, 11, 12, 13], [20, 21], [30]]
+        assert finished.segments[1].logprobs.tolist() == [-0.5, -0.25, -1.0, -2.0]
+        assert finished.token_versions().tolist() == [-1, -1, -1, 0, 0, 1, 1, -1, -1, 1]
+        assert [s.engine for s in finished.segments] == ["", "rollout-0", "", "rollout-1"]
+        assert finished.segments[3].finish_reason == "length" and finished.segments[3].t_end == T0 + 4
+        assert (finished.group, finished.reward, finished.turn_rewards) == ("g0", 1.0, (0.5, 1.0))
+        assert finished.metadata == {"n": 1}
+        assert all(s.temperature is None and s.top_p is None for s in finished.segments)  # schema 1 has none
+        assert reader.get("v1-failed").fail_reason == "ValueError: bad reply"
+        [mark] = reader.marks()
+        assert (mark.step, mark.trajectory_id, mark.policy_version) == (0, "v1-consumed", 0)
+        assert len(reader.table("segments")) == 7
+        summary = reader.summary()
+        assert (summary.schema, summary.trajectories, summary.tokens, summary.generated_tokens) == (1, 3, 15, 7)
