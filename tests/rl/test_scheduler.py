@@ -1,6 +1,10 @@
-"""The scheduler hands episodes to the rollout rank with the fewest in flight."""
+"""The scheduler hands episodes to the rollout rank with the fewest in flight, and lends idle trainer ranks."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.launch.resolve import resolve
@@ -32,3 +36,46 @@ def test_episodes_go_to_the_rank_with_the_fewest_in_flight() -> None:
     third = s.assign(episodes(2), ended={2: 2})
     assert {r: len(e) for r, e in third.items()} == {2: 1, 3: 1}  # level again, the lower rank first
     assert s.entries[2].assigned == 6 and s.entries[3].assigned == 3  # lifetime counts, for the table
+
+
+def lending_scheduler(*, trainer_tags: str = "[train, rollout]", lending: bool = True,
+                      tmp_path: Path | None = None) -> Scheduler:
+    cluster = RECIPES / "cluster-dev.yaml"
+    if trainer_tags != "[train, rollout]":
+        assert tmp_path is not None
+        cluster = tmp_path / "cluster.yaml"
+        cluster.write_text((RECIPES / "cluster-dev.yaml").read_text().replace("tags: [train, rollout]",
+                                                                               f"tags: {trainer_tags}"))
+    plan = resolve(load_recipe(RECIPES / "report.yaml"), load_cluster_map(cluster))
+    return Scheduler(plan, lending=lending)
+
+
+def test_trainer_ranks_tagged_rollout_are_lendable_only_with_lending() -> None:
+    assert lending_scheduler().lendable_ranks == (1,)  # the trainer; the controller's rank has no trainer role
+    assert lending_scheduler(lending=False).lendable_ranks == ()
+
+
+def test_the_admin_forbids_lending_by_the_tag(tmp_path: Path) -> None:
+    s = lending_scheduler(trainer_tags="[train]", tmp_path=tmp_path)
+    assert s.lendable_ranks == ()
+    with pytest.raises(ValueError, match="cannot be lent"):
+        s.lend((1,))
+
+
+def test_lent_ranks_take_episodes_until_reclaimed() -> None:
+    s = lending_scheduler()
+    assert s.lend(s.lendable_ranks) == (1,)
+    assert s.lend(s.lendable_ranks) == ()  # already lent: not counted twice
+    assert s.entries[1].state.value == "lent" and s.lent_ranks == (1,)
+    first = s.assign(episodes(6))
+    assert {r: len(e) for r, e in first.items()} == {1: 2, 2: 2, 3: 2}  # the lent trainer is a rollout rank now
+    assert s.entries[1].state.value == "lent" and s.entries[2].state.value == "generating"
+    assert s.reclaim() == (1,)
+    assert s.entries[1].state.value == "idle" and s.lent_ranks == ()
+    assert (s.lends, s.reclaims) == (1, 1)
+    # One of its episodes ended there, the other moves: it leaves rank 1's count, and new work skips rank 1.
+    s.withdraw(1, 1)
+    assert s.in_flight(1, {1: 1}) == 0
+    moved = s.assign(episodes(1), ended={1: 1})
+    assert list(moved) == [2]
+    assert s.reclaim() == ()
