@@ -110,8 +110,10 @@ async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, gr
         if replayed:  # a reply the policy gave in the earlier allocation: the episode sees it again
             reply = Reply(replayed.pop(0), trajectory_id or "", "stop")
         else:
+            bound = episode.reply_tokens()  # the problem's own bound on this reply, if it has one
             reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
-                                       max_tokens=reply_tokens, seed=None if seed is None else seed + turn)
+                                       max_tokens=reply_tokens if bound is None else min(bound, reply_tokens),
+                                       seed=None if seed is None else seed + turn)
         if trajectory_id is None and on_trajectory is not None:
             on_trajectory(reply.trajectory_id)
         trajectory_id = reply.trajectory_id

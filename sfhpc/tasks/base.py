@@ -47,6 +47,11 @@ class Episode(abc.ABC):
     def step(self, reply: str) -> StepResult:
         """Judge the policy's reply; a done result carries the episode's final reward."""
 
+    def reply_tokens(self) -> int | None:
+        """Tokens the next reply may hold, when the problem itself bounds it (a reply whose right length is
+        known); None: the task's `Task.max_reply_tokens`. The recipe's ``budgets.max_new_tokens`` caps both."""
+        return None
+
 
 class Task(abc.ABC):
     """A family of problems with a verifiable reward."""
