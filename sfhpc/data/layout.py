@@ -1,4 +1,4 @@
-"""The on-disk layout of a trajectory store (schema version 1).
+"""The on-disk layout of a trajectory store (schema version 2; version 1 files are still read).
 
 Everything is a one-dimensional, chunked, unlimited dataset of fixed-size elements, because SWMR readers
 cannot follow variable-length data and a SWMR writer cannot create objects. Ragged data (tokens, JSON
@@ -13,18 +13,26 @@ metadata, per-turn rewards) lives in flat arrays that fixed-size table rows poin
     /segments          table    one row per segment: trajectory row, index, parent, fork, kind, tokens ...
     /statuses          table    status changes, appended; the latest record of a trajectory is its status
     /marks             table    consumption marks: training step -> trajectory row
+    /timeline          table    one row per state interval of a rank: rank, role, state, start, end, step
     /commits           table    one row per flush: how many elements of every dataset above are complete
 
 A flush writes the data arrays, then the tables that point into them, then a commit row. Readers (and a
 writer that reopens after a crash) trust only what the last commit row counts, so a writer killed in the
 middle of a flush leaves at most an uncommitted tail, never a row that points at missing data.
+
+Schema history. Version 2 added the sampling of each generated segment (``temperature``, ``top_p``; NaN:
+unknown) and the ``/timeline`` table. A version 1 file has neither: readers see its segments with unknown
+sampling and an empty timeline, and a writer that reopens one keeps writing version 1 rows (an HDF5 dataset's
+type is fixed and SWMR cannot add datasets), so a run resumed on an old store records no timeline.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-SCHEMA_VERSION = 1
+from sfhpc.data.errors import InvalidRequest
+
+SCHEMA_VERSION = 2
 SCHEMA_ATTR = "sfhpc_schema"  # file attribute: the layout version; readers refuse newer ones
 KIND_ATTR = "sfhpc_kind"
 KIND = "trajectory-store"
@@ -36,6 +44,8 @@ TASK_BYTES = 64
 GROUP_BYTES = 128
 ENGINE_BYTES = 64
 REASON_BYTES = 32
+ROLE_BYTES = 32  # a rank's roles, comma-joined ("trainer", "rollout", "trainer,rollout")
+STATE_BYTES = 16
 
 TRAJECTORY_DTYPE = np.dtype([
     ("id", f"S{ID_BYTES}"),
@@ -47,7 +57,7 @@ TRAJECTORY_DTYPE = np.dtype([
     ("meta_count", "i8"),
 ])
 
-SEGMENT_DTYPE = np.dtype([
+_SEGMENT_V1_FIELDS = [
     ("trajectory", "i8"),  # row in /trajectories
     ("index", "i4"),  # position in the trajectory's segment list
     ("parent", "i4"),
@@ -59,6 +69,12 @@ SEGMENT_DTYPE = np.dtype([
     ("t_start", "f8"),
     ("t_end", "f8"),
     ("finish_reason", f"S{REASON_BYTES}"),
+]
+SEGMENT_DTYPE_V1 = np.dtype(_SEGMENT_V1_FIELDS)
+SEGMENT_DTYPE = np.dtype(_SEGMENT_V1_FIELDS + [
+    ("temperature", "f8"),  # the sampling of generated tokens; NaN: unknown (and for other kinds). f8, not f4:
+    # a value reads back exactly as it was given (0.7, not 0.699999988), so a trainer compares it as it is
+    ("top_p", "f8"),
 ])
 
 STATUS_DTYPE = np.dtype([
@@ -79,6 +95,15 @@ MARK_DTYPE = np.dtype([
     ("time", "f8"),
 ])
 
+TIMELINE_DTYPE = np.dtype([
+    ("rank", "i4"),
+    ("role", f"S{ROLE_BYTES}"),
+    ("state", f"S{STATE_BYTES}"),  # generating, training, syncing, lent, waiting
+    ("t_start", "f8"),  # wall-clock seconds (time.time()), or the clock the scheduler was given
+    ("t_end", "f8"),
+    ("step", "i8"),  # the training step the run was working towards when the interval began
+])
+
 # The growing datasets, in the order a flush writes them: data first, the rows that point into it after.
 DATA = {
     "tokens/ids": np.dtype("i4"),
@@ -92,14 +117,63 @@ TABLES = {
     "segments": SEGMENT_DTYPE,
     "statuses": STATUS_DTYPE,
     "marks": MARK_DTYPE,
+    "timeline": TIMELINE_DTYPE,
 }
 GROWING = {**DATA, **TABLES}
-
-# One commit row: the time, the writer session (1 for the run's first process, +1 per reopen) and the
-# committed length of every growing dataset. Column names are the dataset paths with '/' -> '.'.
-COMMIT_DTYPE = np.dtype([("time", "f8"), ("session", "i8")]
-                        + [(name.replace("/", "."), "i8") for name in GROWING])
 COMMITS = "commits"
+
+
+def _commit_dtype(growing: dict[str, np.dtype]) -> np.dtype:
+    # One commit row: the time, the writer session (1 for the run's first process, +1 per reopen) and the
+    # committed length of every growing dataset. Column names are the dataset paths with '/' -> '.'.
+    return np.dtype([("time", "f8"), ("session", "i8")] + [(name.replace("/", "."), "i8") for name in growing])
+
+
+COMMIT_DTYPE = _commit_dtype(GROWING)
+
+
+class Schema:
+    """The datasets of one schema version and their types (what a reader checks, what a writer writes)."""
+
+    def __init__(self, version: int, tables: dict[str, np.dtype]) -> None:
+        self.version = version
+        self.tables = tables
+        self.growing = {**DATA, **tables}
+        self.commit_dtype = _commit_dtype(self.growing)
+
+    @property
+    def datasets(self) -> dict[str, np.dtype]:
+        """Every dataset of the file, the commit table included."""
+        return {**self.growing, COMMITS: self.commit_dtype}
+
+    def has(self, table: str) -> bool:
+        return table in self.tables
+
+
+_SCHEMAS = {
+    1: Schema(1, {**{k: v for k, v in TABLES.items() if k != "timeline"}, "segments": SEGMENT_DTYPE_V1}),
+    SCHEMA_VERSION: Schema(SCHEMA_VERSION, TABLES),
+}
+
+
+def schema(version: int) -> Schema:
+    """The layout of `version` (1 up to SCHEMA_VERSION); KeyError for a version this sfhpc does not know."""
+    return _SCHEMAS[version]
+
+
+def upgraded(name: str, rows: np.ndarray) -> np.ndarray:
+    """Rows of table `name` from an older schema, in the current row type: fields the old schema lacks are
+    NaN (floats) or zero. Rows already of the current type come back as they are."""
+    dtype = TABLES[name]
+    if rows.dtype == dtype:
+        return rows
+    out = np.zeros(len(rows), dtype)
+    for field in dtype.names:
+        if field in rows.dtype.names:
+            out[field] = rows[field]
+        elif dtype[field].kind == "f":
+            out[field] = np.nan
+    return out
 
 CHUNK_ELEMENTS = {"tokens/ids": 1 << 16, "tokens/logprobs": 1 << 16, "tokens/versions": 1 << 16,
                   "blobs/metadata": 1 << 16, "blobs/rewards": 4096, COMMITS: 1024}
@@ -108,3 +182,17 @@ DEFAULT_TABLE_CHUNK = 2048
 
 def chunk_of(name: str) -> int:
     return CHUNK_ELEMENTS.get(name, DEFAULT_TABLE_CHUNK)
+
+
+def encode_fixed(value: str, size: int, what: str) -> bytes:
+    """`value` as UTF-8 for a fixed-width field of `size` bytes; InvalidRequest when it does not fit (a value
+    is refused, never cut)."""
+    data = value.encode("utf-8")
+    if len(data) > size:
+        raise InvalidRequest(f"{what} {value[:40]!r}... is {len(data)} bytes long; the store holds at most {size}")
+    return data
+
+
+def decode_text(value: bytes) -> str:
+    """A fixed-width field's text (HDF5 strips the padding)."""
+    return value.decode("utf-8")

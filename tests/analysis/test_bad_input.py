@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 from sfhpc.cli import main
+from sfhpc.data.layout import SCHEMA_VERSION
 from sfhpc.data.store import TrajectoryStore
 from tests.analysis.runs import write_run
 from tests.conftest import assert_one_line_error, run_sfhpc
@@ -58,9 +59,10 @@ def test_a_file_that_is_not_a_store(run_dir: Path, tmp_path: Path) -> None:
     newer = tmp_path / "newer.h5"
     shutil.copy(run_dir / "trajectories.h5", newer)
     with h5py.File(newer, "r+") as f:
-        f.attrs["sfhpc_schema"] = 2
+        f.attrs["sfhpc_schema"] = SCHEMA_VERSION + 1
     for path, message in ((text, "is not an HDF5 file"), (other, "not an sfhpc trajectory store"),
-                          (newer, "was written by a newer sfhpc (store schema 2"), (tmp_path, "no trajectories.h5"),
+                          (newer, f"was written by a newer sfhpc (store schema {SCHEMA_VERSION + 1}"),
+                          (tmp_path, "no trajectories.h5"),
                           (tmp_path / "nope", "no such file or folder")):
         before = _digest(path) if path.is_file() else None
         for args in _reads(path, tmp_path):

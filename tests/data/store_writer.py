@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 
-from sfhpc.data import store as store_module
+from sfhpc.data import store_writer as writer_module
 from sfhpc.data.store import TrajectoryStore
 from tests.data.records import make_trajectory
 
@@ -21,7 +21,7 @@ def main(argv: list[str]) -> None:
     path, batch = argv[0], int(argv[1])
     store = TrajectoryStore.open(path)
     if len(argv) > 2:
-        die_at, commit, flushes = int(argv[2]), store_module._append_commit, []
+        die_at, commit, flushes = int(argv[2]), writer_module.append_commit, []
 
         def commit_or_die(*args, **kwargs):
             flushes.append(1)
@@ -29,7 +29,7 @@ def main(argv: list[str]) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)  # every data array and table written, no commit row
             commit(*args, **kwargs)
 
-        store_module._append_commit = commit_or_die
+        writer_module.append_commit = commit_or_die
     i = len(store.view())
     print(f"start {i}", flush=True)
     while True:

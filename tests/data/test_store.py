@@ -13,6 +13,7 @@ import pytest
 
 from sfhpc.data import layout
 from sfhpc.data.errors import InvalidRequest, StoreError, StoreExists, UnknownTrajectory
+from sfhpc.data.rank_intervals import RankInterval, from_rows
 from sfhpc.data.store import TrajectoryStore, lock_path, open_store
 from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
 from tests.data.records import fingerprint, make_trajectory
@@ -140,7 +141,8 @@ def _bad_files(tmp_path: Path, good: Path) -> dict[str, tuple[Path, str]]:
     with h5py.File(foreign, "w") as f:
         f["x"] = np.arange(3)
     return {"text": (text, "is not an HDF5 file"), "truncated": (truncated, "is truncated"),
-            "corrupt": (corrupt, "is damaged"), "newer": (newer, "newer sfhpc (store schema 2"),
+            "corrupt": (corrupt, "is damaged"),
+            "newer": (newer, f"newer sfhpc (store schema {layout.SCHEMA_VERSION + 1}"),
             "foreign": (foreign, "not an sfhpc trajectory store")}
 
 
@@ -167,3 +169,33 @@ def test_missing_file(tmp_path):
         open_store(tmp_path / "absent.h5")
     with pytest.raises(StoreError, match="does not exist"):
         TrajectoryStore.create(tmp_path / "no-dir" / "run.h5")
+
+
+def test_sampling_and_timeline_round_trip(store_path):
+    sampled = Trajectory("sampled", (Segment.of(SegmentKind.PROMPT, -1, 0, [1, 2]),
+                                     Segment.of(SegmentKind.GENERATED, 0, 2, [3, 4], versions=0, temperature=0.7,
+                                                top_p=0.95),
+                                     Segment.of(SegmentKind.GENERATED, 1, 2, [5], versions=1)),
+                         status=Status.FINISHED)
+    intervals = [RankInterval(1, "trainer", "training", 10.0, 12.5, 1),
+                 RankInterval(2, "rollout", "generating", 10.0, 11.0, 1),
+                 RankInterval(2, "rollout", "waiting", 11.0, 12.5, 1)]
+    with TrajectoryStore.create(store_path) as store:
+        assert store.records_timeline
+        store.write(sampled)
+        store.add_intervals(intervals[:1])
+        store.flush()
+        store.add_intervals(intervals[1:])
+    with open_store(store_path) as reader:
+        assert reader.schema == layout.SCHEMA_VERSION == 2 and reader.records_timeline
+        back = reader.get("sampled")
+        assert back == sampled
+        assert (back.segments[1].temperature, back.segments[1].top_p) == (0.7, 0.95)  # exactly
+        assert back.segments[2].temperature is None and back.segments[0].top_p is None  # NaN on disk
+        assert from_rows(reader.table("timeline")) == intervals
+        assert reader.bubble().overall == pytest.approx(1.5 / 5.0)
+        assert reader.bubble().of("rollout") == pytest.approx(0.6) and reader.bubble().of("trainer") == 0.0
+        assert reader.summary().format().count("30.0% (trainer 0.0%, rollout 60.0%)") == 1
+    with TrajectoryStore.create(store_path.with_name("bad.h5")) as store, \
+            pytest.raises(InvalidRequest, match="rank state 'w{20}'... is 20 bytes long; the store holds at most 16"):
+        store.add_intervals([RankInterval(1, "trainer", "w" * 20, 0.0, 1.0)])

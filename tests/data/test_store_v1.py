@@ -7,10 +7,12 @@ import gzip
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from sfhpc.data.store import open_store
-from sfhpc.data.trajectory import Status
+from sfhpc.data.rank_intervals import RankInterval
+from sfhpc.data.store import TrajectoryStore, open_store
+from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
 
 FIXTURE = Path(__file__).parent / "fixtures" / "store_v1.h5.gz"
 T0 = 1_700_000_000.0
@@ -46,3 +48,24 @@ def test_a_schema_1_store_reads_as_written(v1_store):
         assert len(reader.table("segments")) == 7
         summary = reader.summary()
         assert (summary.schema, summary.trajectories, summary.tokens, summary.generated_tokens) == (1, 3, 15, 7)
+
+
+def test_a_schema_1_store_reads_with_no_timeline_and_reopens_in_its_own_schema(v1_store):
+    with open_store(v1_store) as reader:
+        assert not reader.records_timeline and len(reader.table("timeline")) == 0
+        assert reader.bubble().format() == "not recorded"
+        assert reader.summary().bubble is None and "not recorded" in reader.summary().format()
+        assert np.isnan(reader.table("segments")["temperature"]).all()  # the current row type, values unknown
+    # A run resumed on an old store goes on appending in schema 1: sampling and timeline are dropped there.
+    with TrajectoryStore.reopen(v1_store) as store:
+        assert not store.records_timeline
+        store.write(Trajectory("v1-appended", (Segment.of(SegmentKind.PROMPT, -1, 0, [7]),
+                                               Segment.of(SegmentKind.GENERATED, 0, 1, [8, 9], versions=2,
+                                                          temperature=0.5, top_p=0.9)), status=Status.FINISHED))
+        store.add_intervals([RankInterval(1, "trainer", "waiting", T0, T0 + 1)])
+    with open_store(v1_store) as reader:
+        assert reader.schema == 1 and reader.session == 2
+        appended = reader.get("v1-appended")
+        assert appended.segments[1].tokens.tolist() == [8, 9] and appended.segments[1].temperature is None
+        assert reader.get("v1-finished").segments[3].tokens.tolist() == [30]
+        assert len(reader.table("timeline")) == 0
