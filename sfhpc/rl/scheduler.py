@@ -2,7 +2,14 @@
 
 Every rank of the plan has a row: its roles, its node's capability tags, its state and the episodes it
 holds. Episodes go to ranks with the ``rollout`` role, fewest episodes in flight first; training goes to ranks with the
-``trainer`` role. States make the timeline of a run readable.
+``trainer`` role.
+
+The timeline. The scheduler owns every state change of a rank, and each one is an interval boundary on
+`self.timeline` (`sfhpc.rl.timeline`): a rank with the rollout role is ``generating`` while it has episodes
+in flight and ``waiting`` when it has none (the controller passes on each episode's end: `observe`); a
+trainer rank is ``training``, ``syncing``, ``lent`` or ``waiting``. A lent rank with no episode in flight
+is on the timeline as ``waiting``: it was lent and had nothing to do. The clock is the constructor's
+(``time.time`` for a run; a simulator passes its discrete-event clock).
 
 Lending (``seamless`` mode). A trainer rank whose node carries the ``rollout`` tag holds an engine beside
 its trainer; while the trainer waits for a batch the controller `lend`s it (state ``lent``) and episodes
@@ -16,15 +23,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import heapq
-from collections.abc import Iterable, Mapping
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.rl.messages import Episode
+from sfhpc.rl.timeline import Timeline
 from sfhpc.table import format_table
 
 
 class RankState(enum.StrEnum):
-    IDLE = "idle"
+    WAITING = "waiting"  # at rest: a rank with the rollout role and episodes in flight is GENERATING instead
+    IDLE = "waiting"  # (the same member: "back to rest")
     GENERATING = "generating"
     TRAINING = "training"
     SYNCING = "syncing"
@@ -41,10 +52,20 @@ class RankEntry:
 
 
 class Scheduler:
-    def __init__(self, plan: LaunchPlan, *, lending: bool = False) -> None:
-        """`lending`: trainer ranks tagged ``rollout`` may be lent to rollout (the recipe's ``seamless``)."""
+    def __init__(self, plan: LaunchPlan, *, lending: bool = False, clock: Callable[[], float] = time.time,
+                 keep_intervals: bool = True) -> None:
+        """`lending`: trainer ranks tagged ``rollout`` may be lent to rollout (the recipe's ``seamless``).
+        `clock` stamps the timeline's intervals; `keep_intervals=False` keeps only their sums (a simulator
+        that wants the bubble fraction, not the intervals)."""
         self.entries = {s.rank: RankEntry(s.rank, s.roles, s.tags) for s in plan.ranks()}
         self._handed = dict.fromkeys(self.entries, 0)  # episodes sent by this process (an allocation)
+        # State changes come from the controller's loop and from the manager's serving thread (`observe`).
+        self._lock = threading.RLock()
+        self._ended: Mapping[int, int] = {}  # the latest episode-end counts the controller passed on
+        self.timeline = Timeline(clock, keep_intervals=keep_intervals)
+        for rank, entry in self.entries.items():  # the ranks that do the run's work (not the controller)
+            if role := timeline_role(entry.roles):
+                self.timeline.begin(rank, role, RankState.WAITING)
         self.lending = lending
         self.lends = 0  # times a rank was lent (one per rank per lending), for the run's figures
         self.reclaims = 0  # times a lent rank was taken back
@@ -100,7 +121,8 @@ class Scheduler:
     def withdraw(self, rank: int, episodes: int) -> None:
         """`episodes` handed to `rank` will not end there (moved elsewhere at a reclaim): they leave its
         count of episodes in flight."""
-        self._handed[rank] -= episodes
+        with self._lock:
+            self._handed[rank] -= episodes
 
     def in_flight(self, rank: int, ended: Mapping[int, int]) -> int:
         """Episodes handed to `rank` by this process that have not ended (`ended`: rank -> episodes that
@@ -111,28 +133,70 @@ class Scheduler:
         """Spread episodes over the rollout ranks (and the ranks lent to rollout), each to the rank with the
         fewest episodes in flight (ties: the lower rank). A rank whose episodes run long (long replies, many
         turns) gets fewer new ones."""
-        ended = ended or {}
-        plan: dict[int, list[Episode]] = {}
-        # (episodes in flight, rank) in a heap: the least loaded rank, ties to the lower one, in log time, so
-        # a step's many thousand episodes over thousands of ranks go out in milliseconds.
-        loads = [(self.in_flight(r, ended), r) for r in self.assignable_ranks]
-        heapq.heapify(loads)
-        for episode in episodes:
-            if not loads:
-                raise ValueError("no rank takes episodes: the plan has no rollout ranks and none is lent")
-            load, rank = loads[0]
-            heapq.heapreplace(loads, (load + 1, rank))
-            self.entries[rank].assigned += 1
-            self._handed[rank] += 1
-            plan.setdefault(rank, []).append(episode)
-        self.set_state((r for r in plan if self.entries[r].state is not RankState.LENT), RankState.GENERATING)
+        with self._lock:  # (the manager's thread reads the counts in `observe`)
+            ended = self._ended if ended is None else ended
+            plan: dict[int, list[Episode]] = {}
+            # (episodes in flight, rank) in a heap: the least loaded rank, ties to the lower one, in log time, so
+            # a step's many thousand episodes over thousands of ranks go out in milliseconds.
+            loads = [(self.in_flight(r, ended), r) for r in self.assignable_ranks]
+            heapq.heapify(loads)
+            for episode in episodes:
+                if not loads:
+                    raise ValueError("no rank takes episodes: the plan has no rollout ranks and none is lent")
+                load, rank = loads[0]
+                heapq.heapreplace(loads, (load + 1, rank))
+                self.entries[rank].assigned += 1
+                self._handed[rank] += 1
+                plan.setdefault(rank, []).append(episode)
+            self._ended = ended
+            self.set_state((r for r in plan if self.entries[r].state is not RankState.LENT), RankState.GENERATING)
+            self.observe(ended, (r for r in plan if self.entries[r].state is RankState.LENT))
         return plan
 
     def set_state(self, ranks: Iterable[int], state: RankState) -> None:
-        for rank in ranks:
-            self.entries[rank].state = state
+        """Put `ranks` in `state` (WAITING and GENERATING: whichever the rank's episodes in flight make true)."""
+        with self._lock:
+            for rank in ranks:
+                entry = self.entries[rank]
+                entry.state = self._at_rest(entry) if state in (RankState.WAITING, RankState.GENERATING) else state
+                self._record(entry)
+
+    def observe(self, ended: Mapping[int, int], ranks: Iterable[int] | None = None) -> None:
+        """Episodes ended (`ended`: rank -> episodes ended, as `in_flight` takes it): ranks at rest or lent
+        whose last episode ended are waiting from now on. `ranks`: only these (default: every rank)."""
+        with self._lock:
+            self._ended = ended
+            for rank in self.entries if ranks is None else ranks:
+                entry = self.entries[rank]
+                if entry.state in (RankState.WAITING, RankState.GENERATING):
+                    entry.state = self._at_rest(entry)
+                    self._record(entry)
+                elif entry.state is RankState.LENT:
+                    self._record(entry)
+
+    def begin_step(self, step: int) -> None:
+        """The run works towards training step `step` now (the timeline stamps it on the intervals)."""
+        self.timeline.step = step
+
+    def _at_rest(self, entry: RankEntry) -> RankState:
+        busy = "rollout" in entry.roles and self.in_flight(entry.rank, self._ended) > 0
+        return RankState.GENERATING if busy else RankState.WAITING
+
+    def _record(self, entry: RankEntry) -> None:
+        if not timeline_role(entry.roles):
+            return
+        state = entry.state
+        if state is RankState.LENT and self.in_flight(entry.rank, self._ended) <= 0:
+            state = RankState.WAITING  # lent, with nothing to do: a bubble all the same
+        self.timeline.change(entry.rank, state)
 
     def table(self) -> str:
         rows = [(str(e.rank), ",".join(e.roles), ",".join(e.tags), e.state.value, str(e.assigned))
                 for e in self.entries.values()]
         return format_table(("rank", "roles", "tags", "state", "episodes"), rows)
+
+
+def timeline_role(roles: Iterable[str]) -> str:
+    """The role a rank has on the timeline: its working roles, comma-joined ("trainer", "rollout",
+    "trainer,rollout" for a colocated rank); empty for a rank with neither (the controller)."""
+    return ",".join(r for r in roles if r in ("trainer", "rollout"))

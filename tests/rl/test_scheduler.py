@@ -71,7 +71,7 @@ def test_lent_ranks_take_episodes_until_reclaimed() -> None:
     assert {r: len(e) for r, e in first.items()} == {1: 2, 2: 2, 3: 2}  # the lent trainer is a rollout rank now
     assert s.entries[1].state.value == "lent" and s.entries[2].state.value == "generating"
     assert s.reclaim() == (1,)
-    assert s.entries[1].state.value == "idle" and s.lent_ranks == ()
+    assert s.entries[1].state.value == "waiting" and s.lent_ranks == ()
     assert (s.lends, s.reclaims) == (1, 1)
     # One of its episodes ended there, the other moves: it leaves rank 1's count, and new work skips rank 1.
     s.withdraw(1, 1)
