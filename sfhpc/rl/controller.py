@@ -183,8 +183,11 @@ class Controller:
         self.live.enter("train", step)
         trainers = self.scheduler.trainer_ranks
         self.scheduler.set_state(trainers, RankState.TRAINING)
-        for rank in trainers:
-            msg.send(self.layout.world, command, rank)
+        # The batch goes to the first trainer alone, which broadcasts it over the trainers' communicator;
+        # the others are told only that a step begins (`TrainerWorker.train`).
+        msg.send(self.layout.world, command, trainers[0])
+        for rank in trainers[1:]:
+            msg.send(self.layout.world, msg.Train(step, None), rank)
         reply = msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG, idle=self.stop_requested)
         self.scheduler.set_state(trainers, RankState.IDLE)
         return reply

@@ -38,10 +38,14 @@ class Play:
 
 @dataclasses.dataclass(frozen=True)
 class Train:
-    """Controller -> every trainer rank: one optimisation step on this batch (trainer 0 answers `Trained`)."""
+    """Controller -> every trainer rank: one optimisation step (trainer 0 answers `Trained`).
+
+    Only the first trainer's command carries the batch (a `sfhpc.trainer.batch.TrainBatch`); it broadcasts
+    the batch over the trainers' communicator, and the other trainers' commands carry None.
+    """
 
     step: int
-    batch: Any  # sfhpc.trainer.batch.TrainBatch
+    batch: Any | None
 
 
 @dataclasses.dataclass(frozen=True)

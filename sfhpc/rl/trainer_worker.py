@@ -1,8 +1,10 @@
 """A trainer rank: trains on the batches the controller sends and publishes the new weights.
 
 Trainer ranks run data parallel (DDP over gloo on the trainers communicator): every rank receives the
-same batch and the same commands. The first trainer answers for all of them and is the root of the
-weight broadcast to the rollout ranks.
+same commands, and the batch of a step reaches the first trainer, which broadcasts it to the others. The
+first trainer answers for all of them and is the root of the weight broadcast to the rollout ranks; under
+megatron's tensor or pipeline parallelism the ranks of its model-parallel group assemble those weights
+with it.
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ class TrainerWorker:
     def train(self, command: msg.Train) -> None:
         if hold := fault_injection.hold_seconds("train"):
             time.sleep(hold)  # a test stretches the step to signal the job inside it
-        metrics = self.trainer.train_step(command.batch)
+        batch = command.batch
+        if self.layout.trainers.Get_size() > 1:
+            # Once over the trainers' communicator: the controller sent the batch to the first trainer only.
+            batch = self.layout.trainers.bcast(batch, root=0)
+        if batch is None:
+            raise RuntimeError(f"rank {self.rank}: step {command.step} came without a batch to train on")
+        metrics = self.trainer.train_step(batch)
         if self.is_first:
             reply = msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict())
             msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
@@ -73,9 +81,24 @@ class TrainerWorker:
         Path(command.path).parent.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(Path(command.path))
         if self.is_first:
+        elif self.gathers_published_weights:
+            # Under tensor or pipeline parallelism the weight stream is collective over the root's
+            # model-parallel group (shards gathered, stages broadcast): these ranks iterate it with the root
+            # and drop what they get. The other data-parallel replicas hold copies and sit it out.
+            for _ in self.trainer.named_weights():
+                pass
             msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),
                      self.layout.controller_rank, msg.REPLY_TAG)
 
+
+    @property
+    def gathers_published_weights(self) -> bool:
+        """This rank takes part in assembling the weights the root publishes: a rank of the root's
+        model-parallel group (megatron, tensor or pipeline parallel > 1; data-parallel replica 0)."""
+        sizes = getattr(self.trainer, "sizes", None)  # the megatron backend's tensor x pipeline x data grid
+        if sizes is None or sizes.tensor * sizes.pipeline == 1:
+            return False
+        return bool(self.trainer.dp_rank == 0)
 
 def serve_trainer(worker: TrainerWorker) -> None:
     """The trainer rank's command loop, until the controller says Stop."""
