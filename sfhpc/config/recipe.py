@@ -91,11 +91,70 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
+    """The RL algorithm, its loss and its optimiser: the one config from the recipe's ``algorithm:``
+    section to the loss. Every training backend takes it as it is (the loss is
+    `sfhpc.trainer.losses.policy_loss`; its docstring defines the clip ranges, the ratio cap and the KL
+    term).
+
+    ``temperature`` is the sampling temperature of an agent's turn that asks for none. The trainer
+    recomputes every token's logprob at the temperature that token was sampled with (recorded per
+    segment), so agents may ask for any temperature above 0; what the trainer cannot reproduce (greedy
+    decoding, a top-p nucleus) is refused by the run's endpoint (`sfhpc.endpoint.service.SamplingRule`).
+    """
+
     name: Literal["grpo", "ppo"] = "grpo"
-    group_size: int = 8
+    group_size: int = 8                  # answers per prompt; GRPO normalises rewards within them
     learning_rate: float = 1e-4
-    clip_ratio: float = 0.2
-    kl_coef: float = 0.0
+    clip_ratio: float = 0.2              # eps_low of the clipped surrogate (and eps_high unless clip_ratio_high)
+    clip_ratio_high: float | None = None  # eps_high, e.g. 0.28 for a wider upper clip (DAPO's clip-higher)
+    ratio_cap: float = 3.0               # truncation C of the importance ratio of stale tokens
+    kl_coef: float = 0.0                 # > 0: k3 penalty to a frozen copy of the initial weights
+    max_grad_norm: float = 1.0           # gradient clipping by global norm
+    weight_decay: float = 0.0            # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    advantage_eps: float = 1e-6          # added to a group's reward std (GRPO)
+    temperature: float = 1.0             # sampling temperature of a turn that asks for none
+
+    def problems(self) -> list[tuple[str, str]]:
+        """``(key, problem)`` for every setting out of range (empty when all are good): one check for
+        the recipe loader and for trainers built in code."""
+        found: list[tuple[str, str]] = []
+        if self.name == "grpo" and self.group_size < 2:
+            found.append(("group_size", f"must be at least 2 for GRPO, found {self.group_size} (GRPO compares "
+                          "the answers to one prompt: a group of one has no advantage to learn from)"))
+        elif self.group_size < 1:
+            found.append(("group_size", f"must be at least 1, found {self.group_size}"))
+        # `not x > 0` rather than `x <= 0`: NaN is refused too.
+        for key in ("learning_rate", "max_grad_norm", "adam_eps", "advantage_eps"):
+            if not getattr(self, key) > 0:
+                found.append((key, f"must be more than 0, found {getattr(self, key)}"))
+        for key in ("kl_coef", "weight_decay"):
+            if not getattr(self, key) >= 0:
+                found.append((key, f"must be 0 or more, found {getattr(self, key)}"))
+        if not 0 <= self.clip_ratio < 1:
+            found.append(("clip_ratio", f"must be from 0 to less than 1 (the ratio is clipped to "
+                          f"[1 - clip_ratio, ...]), found {self.clip_ratio}"))
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        if not high >= 0:
+            found.append(("clip_ratio_high", f"must be 0 or more (or left out: clip_ratio), found {high}"))
+        elif not self.ratio_cap > 1 + high:
+            found.append(("ratio_cap", f"must be more than 1 + the upper clip range = {1 + high:g} (the cap "
+                          f"truncates ratios the clip would not), found {self.ratio_cap}"))
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                found.append((key, f"must be from 0 to less than 1, found {getattr(self, key)}"))
+        if not 0 < self.temperature <= 2:
+            found.append(("temperature", f"must be more than 0 and at most 2, found {self.temperature} "
+                          "(greedy decoding, temperature 0, has no sampling distribution to train on)"))
+        return found
+
+    def validate(self, where: Where) -> None:
+        found = self.problems()
+        if found:
+            key, problem = found[0]
+            raise where.child(key).error(problem)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,7 @@ from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fraction, from the timeline
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
@@ -62,6 +63,7 @@ class RunSummary:
 
 
 class Controller:
+    bubble: BubbleFraction | None = None  # waiting rank-seconds / all, from the scheduler's timeline
     def __init__(self, recipe: Recipe, plan: LaunchPlan, layout: CommLayout, task: Task, run_dir: Path, *,
                  model_dir: Path, resume_from: CheckpointInfo | None = None, restart: int = 0,
                  job_id: str | None = None) -> None:
@@ -80,6 +82,9 @@ class Controller:
         self._serving.start()
         self.rng = random.Random(recipe.seed)
         self.version = 0
+        # The timeline: into the store with every flush; an episode's end may make its rank idle at once.
+        self.manager.follow_timeline(self.scheduler.timeline.drain)
+        self.server.on_episode_end = lambda rank: self.scheduler.observe(self.server.episodes_ended, (rank,))
         self.step_done = 0  # the last training step whose weights the trainers hold
         self.groups_out = 0  # GRPO groups handed out and not yet trained on or dropped as stale
         self.stale_groups = 0  # groups the manager dropped as too stale (replaced by new ones)
@@ -172,6 +177,7 @@ class Controller:
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
         self._serving.join(timeout=STOP_GRACE_S)  # episodes in flight still make calls: keep answering them
+        self.scheduler.begin_step(step)  # the timeline's intervals from now on belong to this step
         self._stop_serving.set()
         self._serving.join()
         self.manager.close()
@@ -222,6 +228,7 @@ class Controller:
 
     def checkpoint_if_due(self, step: int) -> None:
         """Every ``training.checkpoint_every`` steps (0: only at the end and at a stop request)."""
+        self.scheduler.timeline.close()  # the timeline's last intervals go with the store's close
         self.step_done = step
         every = self.recipe.training.checkpoint_every
         if every and step % every == 0:
@@ -383,7 +390,8 @@ class Controller:
         tenth = max(1, len(rewards) // 10)
         return RunSummary(len(rewards), sum(rewards[:tenth]) / tenth if rewards else 0.0,
                           sum(rewards[-tenth:]) / tenth if rewards else 0.0, self.store_path,
-                          time.monotonic() - self.started, self.store.stats.seconds, self.store.stats.tokens)
+                          time.monotonic() - self.started, self.store.stats.seconds, self.store.stats.tokens,
+                          bubble=self.scheduler.timeline.bubble())
 
 
 def run_loop(ctl: Controller) -> RunSummary:
@@ -424,3 +432,6 @@ def last_event(run_dir: Path) -> dict[str, Any] | None:
         return None
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return json.loads(lines[-1]) if lines else None
+        self.scheduler.timeline.close()  # the timeline's last intervals go with the store's close
+    if summary.bubble is not None:
+        lines.append(f"bubble fraction: {summary.bubble.format()}")

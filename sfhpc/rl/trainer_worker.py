@@ -30,9 +30,9 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
 
         trainer: Any = MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
     else:
-        from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+        from sfhpc.trainer.torch_trainer import TorchTrainer
 
-        trainer = TorchTrainer(model_dir, TrainerConfig.from_algorithm(recipe.algorithm), dist=dist, seed=recipe.seed)
+        trainer = TorchTrainer(model_dir, recipe.algorithm, dist=dist, seed=recipe.seed)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     return trainer

@@ -1,9 +1,15 @@
 """The training batch: padded token sequences with what the loss needs per token and per sequence.
 
 One row is one trajectory's current branch, as the trajectory manager records it: token ids, which of
-them the policy generated (only those are scored), the engine's sampling logprob and the policy version
-of each token, the trajectory's reward and its GRPO group. Rows are right-padded, so every real token
-keeps its position (the model's position ids are 0..n-1 whatever the padding).
+them the policy generated (only those are scored), the engine's sampling logprob, the policy version and
+the sampling temperature of each token, the trajectory's reward and its GRPO group. Rows are right-padded,
+so every real token keeps its position (the model's position ids are 0..n-1 whatever the padding).
+
+Sampling. The engine's logprob of a token is of the distribution it sampled from, at the temperature its
+turn asked for; the trainers score each token at that temperature (``temperatures``), so the two compare.
+A segment sampled in a way the trainers cannot reproduce (greedy, or from a top-p nucleus: the trainers
+score over the whole vocabulary) is refused here; a run's endpoint refuses such turns before they are
+generated (`sfhpc.endpoint.service.SamplingRule`).
 """
 
 from __future__ import annotations
@@ -14,12 +20,15 @@ from collections.abc import Hashable, Iterable, Sequence
 import numpy as np
 import torch
 
-from sfhpc.data.trajectory import Trajectory
+from sfhpc.data.trajectory import Segment, Trajectory
 from sfhpc.trainer.errors import BatchError
 
 # What fills a row after its end. Masked out of attention and of the loss, so any id the embedding has will
 # do; 0 is one in every vocabulary.
 PAD_ID = 0
+# The temperature of a generated segment whose sampling is unknown: it was recorded before segments held
+# their sampling, when every run sampled at 1 (the only temperature its endpoint accepted).
+UNRECORDED_TEMPERATURE = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +41,7 @@ class TrainRow:
     versions: Sequence[int]
     reward: float
     group: Hashable = None
+    temperatures: Sequence[float] | None = None  # per token, the temperature it was sampled at (None: all 1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,10 +60,16 @@ class TrainBatch:
     rewards: torch.Tensor  # float32 [B]
     groups: tuple[Hashable, ...]  # [B]: GRPO group of each row
     advantages: torch.Tensor | None = None  # float32 [B] or [B, T]
+    # float32 [B, T]: the temperature each generated token was sampled at, 1 elsewhere (None: 1 everywhere)
+    temperatures: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
-        for name in ("generated", "behaviour_logprobs", "versions"):
+        if self.temperatures is None:
+            object.__setattr__(self, "temperatures", torch.ones((b, t), dtype=torch.float32))
+        elif not bool((self.temperatures > 0).all()):
+            raise BatchError("TrainBatch.temperatures must be more than 0 everywhere (1 where nothing was sampled)")
+        for name in ("generated", "behaviour_logprobs", "versions", "temperatures"):
             if tuple(getattr(self, name).shape) != (b, t):
                 raise BatchError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected {(b, t)} like tokens")
@@ -91,20 +107,24 @@ class TrainBatch:
         generated = torch.zeros((b, width), dtype=torch.bool)
         logprobs = torch.zeros((b, width), dtype=torch.float32)
         versions = torch.full((b, width), -1, dtype=torch.int64)
+        temperatures = torch.ones((b, width), dtype=torch.float32)
         for i, r in enumerate(rows):
             n = len(r.tokens)
-            if not len(r.generated) == len(r.logprobs) == len(r.versions) == n:
+            temps = np.ones(n, np.float32) if r.temperatures is None else np.asarray(r.temperatures, np.float32)
+            if not len(r.generated) == len(r.logprobs) == len(r.versions) == len(temps) == n:
                 raise BatchError(f"row {i}: {n} tokens but {len(r.generated)} mask entries, {len(r.logprobs)} "
-                                 f"logprobs and {len(r.versions)} versions")
+                                 f"logprobs, {len(r.versions)} versions and {len(temps)} temperatures")
             tokens[i, :n] = torch.as_tensor(np.asarray(r.tokens, dtype=np.int64))
             generated[i, :n] = torch.as_tensor(np.asarray(r.generated, dtype=bool))
             logprobs[i, :n] = torch.as_tensor(np.asarray(r.logprobs, dtype=np.float32))
             versions[i, :n] = torch.as_tensor(np.asarray(r.versions, dtype=np.int64))
+            temperatures[i, :n] = torch.as_tensor(temps)
         return cls(tokens=tokens, lengths=torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
                    generated=generated, behaviour_logprobs=logprobs, versions=versions,
                    rewards=torch.tensor([float(r.reward) for r in rows], dtype=torch.float32),
                    groups=tuple(r.group if r.group is not None else i for i, r in enumerate(rows)),
-                   advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32))
+                   advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32),
+                   temperatures=temperatures)
 
     @classmethod
     def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
@@ -115,7 +135,7 @@ class TrainBatch:
                 raise BatchError(f"trajectory {traj.id} has no reward: only finished, rewarded trajectories train")
             rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
                                   logprobs=traj.token_logprobs(), versions=traj.token_versions(),
-                                  reward=traj.reward, group=traj.group_key))
+                                  reward=traj.reward, group=traj.group_key, temperatures=token_temperatures(traj)))
         return cls.from_rows(rows, pad_id=pad_id)
 
     def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
@@ -127,4 +147,28 @@ class TrainBatch:
         return TrainBatch(tokens=self.tokens[idx], lengths=self.lengths[idx], generated=self.generated[idx],
                           behaviour_logprobs=self.behaviour_logprobs[idx], versions=self.versions[idx],
                           rewards=self.rewards[idx], groups=tuple(self.groups[i] for i in idx.tolist()),
-                          advantages=None if self.advantages is None else self.advantages[idx])
+                          advantages=None if self.advantages is None else self.advantages[idx],
+                          temperatures=self.temperatures[idx])
+
+
+def segment_temperature(trajectory: Trajectory, index: int, segment: Segment) -> float:
+    """The temperature a trainer scores generated `segment`'s tokens at: the one they were sampled with.
+    Raises BatchError for sampling a trainer cannot reproduce (greedy, or a top-p nucleus)."""
+    where = f"trajectory {trajectory.id}, segment {index}"
+    if segment.top_p is not None and segment.top_p < 1.0:
+        raise BatchError(f"{where} was sampled with top_p {segment.top_p:g}: the trainers score tokens over the "
+                         "whole vocabulary, so its logprobs cannot be matched; sample with top_p 1")
+    if segment.temperature is None:
+        return UNRECORDED_TEMPERATURE
+    if not segment.temperature > 0:
+        raise BatchError(f"{where} was sampled greedily (temperature {segment.temperature:g}): a deterministic "
+                         "choice has no sampling logprob to train on; sample with a temperature above 0")
+    return segment.temperature
+
+
+def token_temperatures(trajectory: Trajectory) -> np.ndarray:
+    """Per token of ``trajectory.context()``: the temperature a generated token was sampled at, 1 elsewhere."""
+    parts = [np.full(used, segment_temperature(trajectory, i, trajectory.segments[i])
+                     if trajectory.segments[i].generated else 1.0, np.float32)
+             for i, used in trajectory.branch()]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)

@@ -33,6 +33,11 @@ the truncation keeps pushing the token's probability down, at most with weight `
 truncation as V-trace (Espeholt et al. 2018). ``C = 3`` by default, the value dual-clip PPO recommends;
 fresh tokens never come near it, so it only acts on stale ones.
 
+Temperature. ``beh_t`` is the logprob of the distribution the engine sampled from, at the temperature
+the agent asked for (``tau_t``, recorded per segment), so the trainer scores each token at that same
+temperature, ``logp_t = log softmax(z_t / tau_t)[a_t]`` (`token_logprobs`): the ratio compares like with
+like at any temperature, and is ~1 for a fresh token.
+
 KL penalty to a reference policy (optional): the non-negative estimator ``k3`` (Schulman 2020),
 
     kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
@@ -49,6 +54,9 @@ one prompt, and each answer's advantage is its reward normalised within the grou
 with the population standard deviation; a group whose rewards are all equal (or a group of one) gets
 advantage 0 and so no gradient. PPO-clip here takes the advantages it is given, or ``R_i - mean(R)``
 over the batch (`baseline_advantages`): a baseline without a critic.
+
+The settings (``eps_low`` = ``clip_ratio``, ``eps_high`` = ``clip_ratio_high``, ``C`` = ``ratio_cap``,
+``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``) are the recipe's `AlgorithmSpec`, taken as it is.
 """
 
 from __future__ import annotations
@@ -58,7 +66,9 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-DEFAULT_RATIO_CAP = 3.0
+from sfhpc.config.recipe import AlgorithmSpec
+
+DEFAULT_ALGORITHM = AlgorithmSpec()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,36 +111,53 @@ def baseline_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean()
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Per-position log-probability of each token given the tokens before it, ``[batch, seq]``.
+def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor,
+                         groups: Sequence[Hashable]) -> torch.Tensor:
+    """The advantages `algorithm` trains with when none are given: GRPO's `group_advantages` (with its
+    ``advantage_eps``) or PPO-clip's `baseline_advantages`."""
+    if algorithm.name == "grpo":
+        return group_advantages(rewards, groups, algorithm.advantage_eps)
+    return baseline_advantages(rewards)
+
+
+def tempered(logits: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """`logits` ``[batch, seq - 1, vocab]`` (those that predict tokens 1..) divided by the temperature each
+    predicted token was sampled at: one number, or ``[batch, seq]`` per token (position 0 unused)."""
+    if isinstance(temperature, torch.Tensor):
+        per_token = temperature[:, 1:].to(device=logits.device, dtype=logits.dtype)
+        return logits / per_token.unsqueeze(-1)
+    return logits if temperature == 1.0 else logits / temperature
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """Per-position log-probability of each token given the tokens before it, ``[batch, seq]``, under the
+    policy at `temperature` (one number, or ``[batch, seq]``: the temperature each token was sampled at).
 
     Position 0 has no context and gets 0 (it is a prompt token, masked out anyway). `logits` is the
     model's ``[batch, seq, vocab]`` output; logits at position ``t - 1`` predict token ``t``.
     """
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = tempered(logits[:, :-1].float(), temperature)
     picked = torch.log_softmax(logits, dim=-1).gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
 def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, clip_low: float = 0.2, clip_high: float | None = None,
-                ratio_cap: float = DEFAULT_RATIO_CAP, ref_logprobs: torch.Tensor | None = None,
-                kl_coef: float = 0.0, normaliser: float | None = None) -> LossOutput:
-    """The clipped, truncated surrogate of the module docstring, averaged over masked tokens.
+                mask: torch.Tensor, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM, *,
+                ref_logprobs: torch.Tensor | None = None, normaliser: float | None = None) -> LossOutput:
+    """The clipped, truncated surrogate of the module docstring, averaged over masked tokens, with the
+    clip ranges, ratio cap and KL coefficient of `algorithm`.
 
-    `advantages` is ``[batch]`` (one per sequence) or ``[batch, seq]`` (per token). `clip_high` defaults
-    to `clip_low`. `normaliser` replaces the local token count in the mean: data-parallel ranks pass the
-    global count, so that their averaged gradients equal the gradient of the global token mean.
+    `advantages` is ``[batch]`` (one per sequence) or ``[batch, seq]`` (per token). `normaliser` replaces
+    the local token count in the mean: data-parallel ranks pass the global count, so that their averaged
+    gradients equal the gradient of the global token mean.
     """
-    if clip_high is None:
-        clip_high = clip_low
-    if not 0 <= clip_low < 1 or clip_high < 0:
-        raise ValueError(f"clip ranges must satisfy 0 <= clip_low < 1 and clip_high >= 0, "
-                         f"found {clip_low}, {clip_high}")
-    if ratio_cap <= 1 + clip_high:
-        raise ValueError(f"ratio_cap must exceed 1 + clip_high = {1 + clip_high}, found {ratio_cap}")
+    problems = algorithm.problems()
+    if problems:
+        key, problem = problems[0]
+        raise ValueError(f"algorithm.{key} {problem}")
+    clip_low, ratio_cap, kl_coef = algorithm.clip_ratio, algorithm.ratio_cap, algorithm.kl_coef
+    clip_high = clip_low if algorithm.clip_ratio_high is None else algorithm.clip_ratio_high
     if new_logprobs.shape != behaviour_logprobs.shape or new_logprobs.shape != mask.shape:
         raise ValueError(f"logprobs and mask must have one shape: {tuple(new_logprobs.shape)}, "
                          f"{tuple(behaviour_logprobs.shape)}, {tuple(mask.shape)}")
@@ -167,18 +194,19 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
 
 
 def grpo_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, rewards: torch.Tensor,
-              groups: Sequence[Hashable], mask: torch.Tensor, *, eps: float = 1e-6, **kwargs: object) -> LossOutput:
+              groups: Sequence[Hashable], mask: torch.Tensor, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM,
+              **kwargs: object) -> LossOutput:
     """GRPO: group-normalised advantages (`group_advantages`) in the clipped surrogate (`policy_loss`)."""
-    return policy_loss(new_logprobs, behaviour_logprobs, group_advantages(rewards, groups, eps), mask,
-                       **kwargs)  # type: ignore[arg-type]
+    advantages = group_advantages(rewards, groups, algorithm.advantage_eps)
+    return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, algorithm, **kwargs)  # type: ignore[arg-type]
 
 
-def ppo_clip_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor, *,
-                  advantages: torch.Tensor | None = None, rewards: torch.Tensor | None = None,
-                  **kwargs: object) -> LossOutput:
+def ppo_clip_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
+                  algorithm: AlgorithmSpec = DEFAULT_ALGORITHM, *, advantages: torch.Tensor | None = None,
+                  rewards: torch.Tensor | None = None, **kwargs: object) -> LossOutput:
     """PPO-clip with the given advantages, or with `baseline_advantages` of `rewards` when none are given."""
     if advantages is None:
         if rewards is None:
             raise ValueError("ppo_clip_loss needs advantages or rewards")
         advantages = baseline_advantages(rewards)
-    return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, **kwargs)  # type: ignore[arg-type]
+    return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, algorithm, **kwargs)  # type: ignore[arg-type]

@@ -36,14 +36,14 @@ from typing import Any
 
 import torch
 
-from sfhpc.config.recipe import Recipe, TrainingSpec
+from sfhpc.config.recipe import AlgorithmSpec, Recipe, TrainingSpec
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
-from sfhpc.trainer.losses import policy_loss
-from sfhpc.trainer.torch_trainer import StepMetrics, TrainerConfig, batch_advantages
+from sfhpc.trainer.losses import policy_loss, tempered
+from sfhpc.trainer.torch_trainer import StepMetrics, batch_advantages, check_algorithm
 
 # megatron-core's forward, DDP and optimizer address the CUDA device directly. Tests that exercise the
 # wiring on CPU machines through their own shim (tests/trainer/megatron_shim) turn this off.
@@ -199,8 +199,9 @@ def load_hf_weights(model: Any, hf_weights: dict[str, torch.Tensor], layout: nam
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
-                            temperature: float = 1.0) -> torch.Tensor:
-    """`sfhpc.trainer.losses.token_logprobs` on this rank's vocabulary shard of the logits, ``[B, T]``.
+                            temperature: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """`sfhpc.trainer.losses.token_logprobs` on this rank's vocabulary shard of the logits, ``[B, T]``
+    (`temperature`: one number, or the ``[B, T]`` temperature each token was sampled at).
 
     `logits` is ``[B, T, padded_vocab / tp]``. Padded vocabulary entries are masked to the lowest float so
     they take no probability; position 0 gets 0 as in `token_logprobs`.
@@ -208,9 +209,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_si
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = logits[:, :-1].float()
-    if temperature != 1.0:
-        logits = logits / temperature
+    logits = tempered(logits[:, :-1].float(), temperature)
     width = logits.shape[-1]
     first = ps.get_tensor_model_parallel_rank() * width
     padded = torch.arange(first, first + width, device=logits.device) >= vocab_size
@@ -221,7 +220,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_si
     return torch.nn.functional.pad(-nll.t(), (1, 0))
 
 
-_DEFAULT_CONFIG = TrainerConfig()
+_DEFAULT_ALGORITHM = AlgorithmSpec()
 _DEFAULT_TRAINING = TrainingSpec(backend="megatron")
 
 
@@ -232,7 +231,7 @@ class MegatronTrainer:
     Every trainer rank constructs one with the same arguments; `dist` says where it sits among them.
     """
 
-    def __init__(self, model_dir: str | Path, config: TrainerConfig = _DEFAULT_CONFIG, *,
+    def __init__(self, model_dir: str | Path, algorithm: AlgorithmSpec = _DEFAULT_ALGORITHM, *,
                  training: TrainingSpec = _DEFAULT_TRAINING, dist: DistSpec | None = None,
                  initial_version: int = 0, seed: int = 0) -> None:
         if REQUIRE_CUDA and not torch.cuda.is_available():
@@ -245,7 +244,7 @@ class MegatronTrainer:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.config = config
+        self.algorithm = config = check_algorithm(algorithm)
         self.dist = dist or DistSpec.single()
         self.model_dir = Path(model_dir)
         self.sizes = ParallelSizes.from_training(training, self.dist.world_size)
@@ -282,7 +281,7 @@ class MegatronTrainer:
         self.model_config.no_sync_func = self.model.no_sync
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=config.learning_rate, weight_decay=config.weight_decay,
-                            adam_beta1=config.adam_betas[0], adam_beta2=config.adam_betas[1],
+                            adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
                             adam_eps=config.adam_eps, clip_grad=config.max_grad_norm, bf16=False, fp16=False,
                             params_dtype=torch.float32, use_distributed_optimizer=False),
             [self.model])
@@ -310,7 +309,7 @@ class MegatronTrainer:
 
     # -- training ---------------------------------------------------------------------------------------
     def advantages(self, batch: TrainBatch) -> torch.Tensor:
-        return batch_advantages(batch, self.config)
+        return batch_advantages(batch, self.algorithm)
 
     def logits(self, tokens: torch.Tensor, model: Any = None) -> torch.Tensor:
         """This tensor-parallel rank's vocabulary shard of the logits, ``[B, T, padded_vocab / tp]``
@@ -324,9 +323,10 @@ class MegatronTrainer:
         return net(input_ids=tokens, position_ids=positions, attention_mask=None)
 
     def logprobs(self, batch: TrainBatch, model: Any = None) -> torch.Tensor:
-        """Per-token log-probabilities of the batch under the current weights, ``[B, T]`` (pipeline 1)."""
+        """Per-token log-probabilities of the batch under the current weights, ``[B, T]`` (pipeline 1), each
+        at the temperature its token was sampled with."""
         return vocab_parallel_logprobs(self.logits(batch.tokens, model), batch.tokens.to(self.device),
-                                       self.layout.vocab_size, self.config.temperature)
+                                       self.layout.vocab_size, batch.temperatures)
 
     def train_step(self, batch: TrainBatch, *, sharded: bool = False) -> StepMetrics:
         """One optimisation step on `batch`: forward, loss, backward, gradient clipping, Adam.
@@ -337,8 +337,8 @@ class MegatronTrainer:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         start = time.perf_counter()
-        cfg, dp = self.config, self.sizes.data
-        if sharded and batch.advantages is None and cfg.algorithm == "grpo" and dp > 1:
+        cfg, dp = self.algorithm, self.sizes.data
+        if sharded and batch.advantages is None and cfg.name == "grpo" and dp > 1:
             raise BatchError("a sharded GRPO batch must carry advantages computed over the global batch")
         local = batch.with_advantages(self.advantages(batch))
         if dp > 1 and not sharded:
@@ -356,11 +356,9 @@ class MegatronTrainer:
 
         def loss_func(mb: TrainBatch, ref: torch.Tensor | None, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
             new = vocab_parallel_logprobs(logits, mb.tokens.to(self.device), self.layout.vocab_size,
-                                          cfg.temperature)
+                                          mb.temperatures)
             out = policy_loss(new, mb.behaviour_logprobs.to(self.device), mb.advantages.to(self.device),
-                              mb.generated.to(self.device), clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high,
-                              ratio_cap=cfg.ratio_cap, ref_logprobs=ref, kl_coef=cfg.kl_coef,
-                              normaliser=normaliser)
+                              mb.generated.to(self.device), cfg, ref_logprobs=ref, normaliser=normaliser)
             stats.append(torch.tensor([float(out.loss.detach()), out.ratio_sum, float(out.clipped),
                                        float(out.truncated), out.kl_sum], dtype=torch.float64))
             # The schedule divides each microbatch's loss by their number; ours is already a share of the
@@ -499,7 +497,7 @@ class MegatronTrainer:
             "step": self.step,
             "policy_version": self.policy_version,
             "rng": ckpt.rng_state(),
-            "config": dataclasses.asdict(self.config),
+            "algorithm": dataclasses.asdict(self.algorithm),
             "parallel": dataclasses.asdict(self.sizes),
         }
         writer = self.dp_rank == 0
@@ -535,14 +533,13 @@ class MegatronTrainer:
             torch.distributed.barrier()
 
     @classmethod
-    def from_recipe(cls, recipe: Recipe, model_dir: str | Path, *, dist: DistSpec | None = None,
-                    **config_overrides: Any) -> MegatronTrainer:
-        """The trainer a recipe describes: its algorithm's settings and its training section's parallelism."""
+    def from_recipe(cls, recipe: Recipe, model_dir: str | Path, *, dist: DistSpec | None = None) -> MegatronTrainer:
+        """The trainer a recipe describes: its algorithm section as it is, and its training section's
+        parallelism."""
         if recipe.training.backend != "megatron":
             raise TrainerError(f"{recipe.source or recipe.name}: training.backend is {recipe.training.backend!r}, "
                                "not 'megatron'")
-        return cls(model_dir, TrainerConfig.from_algorithm(recipe.algorithm, **config_overrides),
-                   training=recipe.training, dist=dist, seed=recipe.seed)
+        return cls(model_dir, recipe.algorithm, training=recipe.training, dist=dist, seed=recipe.seed)
 
 
 def _init_parallel_state(dist: DistSpec, sizes: ParallelSizes, device: torch.device) -> None:

@@ -23,7 +23,6 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
 
 import torch
 
@@ -32,36 +31,17 @@ from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
-from sfhpc.trainer.losses import DEFAULT_RATIO_CAP, baseline_advantages, group_advantages, policy_loss, token_logprobs
+from sfhpc.trainer.losses import DEFAULT_ALGORITHM, algorithm_advantages, policy_loss, token_logprobs
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-    """Optimisation settings. `from_algorithm` takes the recipe's algorithm section."""
-
-    algorithm: Literal["grpo", "ppo"] = "grpo"
-    learning_rate: float = 1e-4
-    clip_ratio: float = 0.2  # eps_low (and eps_high unless clip_ratio_high is given)
-    clip_ratio_high: float | None = None
-    ratio_cap: float = DEFAULT_RATIO_CAP  # truncation C of the importance ratio (see losses.py)
-    kl_coef: float = 0.0  # > 0 keeps a frozen copy of the initial weights as the reference
-    max_grad_norm: float = 1.0
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    adam_eps: float = 1e-8
-    temperature: float = 1.0  # the engine's sampling temperature, if its logprobs are of the tempered policy
-    advantage_eps: float = 1e-6
-
-    def __post_init__(self) -> None:
-        if self.algorithm not in ("grpo", "ppo"):
-            raise TrainerError(f"algorithm must be 'grpo' or 'ppo', found {self.algorithm!r}")
-        if self.learning_rate <= 0 or self.max_grad_norm <= 0 or self.temperature <= 0:
-            raise TrainerError("learning_rate, max_grad_norm and temperature must be positive")
-
-    @classmethod
-    def from_algorithm(cls, spec: AlgorithmSpec, **overrides: Any) -> TrainerConfig:
-        return cls(algorithm=spec.name, learning_rate=spec.learning_rate, clip_ratio=spec.clip_ratio,
-                   kl_coef=spec.kl_coef, **overrides)
+def check_algorithm(algorithm: AlgorithmSpec) -> AlgorithmSpec:
+    """`algorithm` if every setting is in range (a recipe's always is: the loader checks the same), else
+    a TrainerError naming the first that is not. For trainers built in code."""
+    problems = algorithm.problems()
+    if problems:
+        key, problem = problems[0]
+        raise TrainerError(f"algorithm.{key}: {problem}")
+    return algorithm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,24 +67,23 @@ class StepMetrics:
         return dataclasses.asdict(self)
 
 
-def batch_advantages(batch: TrainBatch, config: TrainerConfig) -> torch.Tensor:
+def batch_advantages(batch: TrainBatch, algorithm: AlgorithmSpec) -> torch.Tensor:
     """The batch's own advantages, or the algorithm's: group-normalised (GRPO) or mean baseline (PPO).
     Shared by every training backend, so they agree on what a step optimises."""
     if batch.advantages is not None:
         return batch.advantages
-    if config.algorithm == "grpo":
-        return group_advantages(batch.rewards, batch.groups, config.advantage_eps)
-    return baseline_advantages(batch.rewards)
+    return algorithm_advantages(algorithm, batch.rewards, batch.groups)
 
 
 class TorchTrainer:
-    """Loads the policy from a Hugging Face folder and trains it one batch at a time."""
+    """Loads the policy from a Hugging Face folder and trains it one batch at a time, as the recipe's
+    `AlgorithmSpec` says (loss settings and AdamW's)."""
 
-    def __init__(self, model_dir: str | Path, config: TrainerConfig = TrainerConfig(), *,
+    def __init__(self, model_dir: str | Path, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM, *,
                  dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.config = config
+        self.algorithm = algorithm = check_algorithm(algorithm)
         self.dist = dist or DistSpec.single()
         self.model_dir = Path(model_dir)
         if not (self.model_dir / "config.json").is_file():
@@ -115,28 +94,29 @@ class TorchTrainer:
         model.config.use_cache = False
         self.model = model.train()
         self.reference = None
-        if config.kl_coef != 0.0:
+        if algorithm.kl_coef != 0.0:
             self.reference = copy.deepcopy(model).eval().requires_grad_(False)
         self.dist.init_process_group()
         self._forward_model: torch.nn.Module = self.model
         if self.dist.distributed:
             # DDP broadcasts rank 0's parameters at construction, so all ranks start identical.
             self._forward_model = torch.nn.parallel.DistributedDataParallel(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.learning_rate,
-                                           betas=config.adam_betas, eps=config.adam_eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algorithm.learning_rate,
+                                           betas=(algorithm.adam_beta1, algorithm.adam_beta2), eps=algorithm.adam_eps,
+                                           weight_decay=algorithm.weight_decay)
         self.step = 0
         self.policy_version = initial_version
 
     # -- training -----------------------------------------------------------------------------------
     def advantages(self, batch: TrainBatch) -> torch.Tensor:
-        return batch_advantages(batch, self.config)
+        return batch_advantages(batch, self.algorithm)
 
     def logprobs(self, batch: TrainBatch, model: torch.nn.Module | None = None) -> torch.Tensor:
-        """Per-token log-probabilities of the batch under the current weights (or `model`), ``[B, T]``."""
+        """Per-token log-probabilities of the batch under the current weights (or `model`), ``[B, T]``, each
+        at the temperature its token was sampled with (``batch.temperatures``)."""
         net = model if model is not None else self._forward_model
         logits = net(input_ids=batch.tokens, attention_mask=batch.attention_mask, use_cache=False).logits
-        return token_logprobs(logits, batch.tokens, self.config.temperature)
+        return token_logprobs(logits, batch.tokens, batch.temperatures)
 
     def train_step(self, batch: TrainBatch, *, sharded: bool = False) -> StepMetrics:
         """One optimisation step on `batch`: forward, loss, backward, grad clipping, AdamW.
@@ -145,8 +125,8 @@ class TorchTrainer:
         with advantages already computed over the global batch (``batch.advantages``).
         """
         start = time.perf_counter()
-        cfg, rank, world = self.config, self.dist.rank, self.dist.world_size
-        if sharded and batch.advantages is None and cfg.algorithm == "grpo" and world > 1:
+        cfg, rank, world = self.algorithm, self.dist.rank, self.dist.world_size
+        if sharded and batch.advantages is None and cfg.name == "grpo" and world > 1:
             raise BatchError("a sharded GRPO batch must carry advantages computed over the global batch")
         local = batch.with_advantages(self.advantages(batch))
         if world > 1 and not sharded:
@@ -161,10 +141,8 @@ class TorchTrainer:
             with torch.no_grad():
                 ref_logprobs = self.logprobs(local, self.reference)
         global_tokens = self._sum([float(local.num_generated)])[0]
-        out = policy_loss(new_logprobs, local.behaviour_logprobs, local.advantages, local.generated,
-                          clip_low=cfg.clip_ratio, clip_high=cfg.clip_ratio_high, ratio_cap=cfg.ratio_cap,
-                          ref_logprobs=ref_logprobs, kl_coef=cfg.kl_coef,
-                          normaliser=max(global_tokens, 1.0) / world)
+        out = policy_loss(new_logprobs, local.behaviour_logprobs, local.advantages, local.generated, cfg,
+                          ref_logprobs=ref_logprobs, normaliser=max(global_tokens, 1.0) / world)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()  # DDP averages gradients over ranks here
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
@@ -225,7 +203,7 @@ class TorchTrainer:
                 "step": self.step,
                 "policy_version": self.policy_version,
                 "rng": ckpt.rng_state(),
-                "config": dataclasses.asdict(self.config),
+                "algorithm": dataclasses.asdict(self.algorithm),
                 "model_config": self.model.config.to_dict(),
                 "world_size": self.dist.world_size,
             }, path)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
+from sfhpc.config.recipe import AlgorithmSpec
 from sfhpc.engine.tokenizer import ByteTokenizer
 from sfhpc.trainer.batch import TrainBatch, TrainRow
-from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+from sfhpc.trainer.torch_trainer import TorchTrainer
 
 GROUP, GROUPS, NEW_TOKENS, STEPS = 8, 8, 3, 40
 DIGITS = range(ord("0"), ord("9") + 1)
@@ -36,7 +37,7 @@ def sample(model: torch.nn.Module, prompt: list[int], n: int,
 
 def test_grpo_raises_the_reward_of_a_verifiable_task(tiny_model_dir: Path) -> None:
     torch.set_num_threads(1)
-    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(learning_rate=3e-3), seed=0)
+    trainer = TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=3e-3), seed=0)
     prompt = ByteTokenizer().apply_chat_template([{"role": "user", "content": "Say a digit."}])
     gen = torch.Generator().manual_seed(0)
     sampler, sampler_version = copy.deepcopy(trainer.model).eval(), trainer.policy_version

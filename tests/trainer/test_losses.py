@@ -7,7 +7,9 @@ import math
 import pytest
 import torch
 
+from sfhpc.config.recipe import AlgorithmSpec
 from sfhpc.trainer.losses import (
+    algorithm_advantages,
     baseline_advantages,
     group_advantages,
     grpo_loss,
@@ -31,7 +33,7 @@ def test_clipping_on_both_sides() -> None:
     # loss = -(1.2 - 0.8 + 0.5 - 1.5) / 4 = 0.15
     new = lp(math.log(1.5), math.log(0.5), math.log(0.5), math.log(1.5))
     out = policy_loss(new, torch.zeros(1, 4, dtype=torch.float64), torch.tensor([[1.0, -1.0, 1.0, -1.0]]),
-                      torch.ones(1, 4, dtype=torch.bool), clip_low=0.2)
+                      torch.ones(1, 4, dtype=torch.bool), AlgorithmSpec(clip_ratio=0.2))
     assert out.loss.item() == pytest.approx(0.15)
     assert (out.tokens, out.clipped, out.truncated) == (4, 2, 0)
     assert out.ratio_sum == pytest.approx(4.0)
@@ -43,7 +45,7 @@ def test_asymmetric_clip_range() -> None:
     # eps_low 0.2, eps_high 0.28 (DAPO's "clip higher"): r=1.25 with A=+1 is inside [0.8, 1.28]
     new = lp(math.log(1.25))
     out = policy_loss(new, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([1.0]), torch.ones(1, 1, dtype=bool),
-                      clip_low=0.2, clip_high=0.28)
+                      AlgorithmSpec(clip_ratio=0.2, clip_ratio_high=0.28))
     assert out.loss.item() == pytest.approx(-1.25)
     assert out.clipped == 0
 
@@ -71,6 +73,14 @@ def test_group_normalisation() -> None:
     adv = group_advantages(rewards, groups, eps=0.0 + 1e-12)
     s = math.sqrt(2.0)
     assert adv.tolist() == pytest.approx([1, -1, -1, 1, -1 / s, -1 / s, 2 / s, 0, 0, 0], abs=1e-6)
+
+
+def test_the_algorithm_picks_the_advantages() -> None:
+    rewards, groups = torch.tensor([1.0, 0.0, 4.0, 4.0]), ["a", "a", "b", "b"]
+    grpo = algorithm_advantages(AlgorithmSpec(name="grpo", advantage_eps=1.0), rewards, groups)
+    assert grpo.tolist() == pytest.approx([0.5 / 1.5, -0.5 / 1.5, 0.0, 0.0])  # std 0.5 + eps 1
+    ppo = algorithm_advantages(AlgorithmSpec(name="ppo"), rewards, groups)
+    assert ppo.tolist() == pytest.approx([-1.25, -2.25, 1.75, 1.75])  # minus the batch mean 2.25
 
 
 def test_grpo_loss_uses_group_advantages() -> None:
@@ -112,7 +122,7 @@ def test_a_very_stale_token_is_truncated_at_the_cap() -> None:
     # -7.389 with gradient weight 7.389; truncated, it is C * A = -3 and the gradient weight is C.
     new = lp(-1.0)
     out = policy_loss(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([-1.0]),
-                      torch.ones(1, 1, dtype=bool), ratio_cap=3.0)
+                      torch.ones(1, 1, dtype=bool), AlgorithmSpec(ratio_cap=3.0))
     assert out.loss.item() == pytest.approx(3.0)
     assert (out.truncated, out.clipped) == (1, 0)
     assert out.ratio_sum == pytest.approx(math.exp(2.0))  # the metric reports the real ratio
@@ -121,7 +131,7 @@ def test_a_very_stale_token_is_truncated_at_the_cap() -> None:
     # With A = +1 the upper clip already applies: surrogate (1 + eps) * A, no gradient.
     new = lp(-1.0)
     out = policy_loss(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([1.0]),
-                      torch.ones(1, 1, dtype=bool), ratio_cap=3.0)
+                      torch.ones(1, 1, dtype=bool), AlgorithmSpec(ratio_cap=3.0))
     assert out.loss.item() == pytest.approx(-1.2)
     out.loss.backward()
     assert new.grad.item() == 0.0
@@ -133,8 +143,8 @@ def test_kl_penalty_to_a_reference() -> None:
     base = policy_loss(new, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([0.0]),
                        torch.ones(1, 1, dtype=bool))
     out = policy_loss(new, torch.tensor([[-1.0]], dtype=torch.float64), torch.tensor([0.0]),
-                      torch.ones(1, 1, dtype=bool), ref_logprobs=torch.tensor([[-0.5]], dtype=torch.float64),
-                      kl_coef=0.1)
+                      torch.ones(1, 1, dtype=bool), AlgorithmSpec(kl_coef=0.1),
+                      ref_logprobs=torch.tensor([[-0.5]], dtype=torch.float64))
     k3 = math.exp(0.5) - 0.5 - 1.0
     assert out.kl_sum == pytest.approx(k3)
     assert out.loss.item() - base.loss.item() == pytest.approx(0.1 * k3)
@@ -157,12 +167,19 @@ def test_token_logprobs_align_logits_with_the_next_token() -> None:
     assert got.flatten().tolist() == pytest.approx([0.0, z0[2].item(), z1[0].item()])
     tempered = token_logprobs(logits, tokens, temperature=2.0)
     assert tempered[0, 1].item() == pytest.approx(torch.log_softmax(logits[0, 0] / 2, -1)[2].item())
+    # Per token: each token at the temperature it was sampled at (token 1 at 0.5, token 2 at 1.5; position 0
+    # is never predicted, its entry unused).
+    per_token = token_logprobs(logits, tokens, temperature=torch.tensor([[9.0, 0.5, 1.5]]))
+    assert per_token.flatten().tolist() == pytest.approx(
+        [0.0, torch.log_softmax(logits[0, 0] / 0.5, -1)[2].item(), torch.log_softmax(logits[0, 1] / 1.5, -1)[0].item()])
 
 
 def test_bad_settings_are_rejected() -> None:
     one = torch.zeros(1, 1)
-    with pytest.raises(ValueError, match="ratio_cap"):
-        policy_loss(one, one, torch.zeros(1), torch.ones(1, 1, dtype=bool), ratio_cap=1.1)
+    with pytest.raises(ValueError, match="algorithm.ratio_cap must be more than 1"):
+        policy_loss(one, one, torch.zeros(1), torch.ones(1, 1, dtype=bool), AlgorithmSpec(ratio_cap=1.1))
+    with pytest.raises(ValueError, match="algorithm.clip_ratio must be from 0"):
+        policy_loss(one, one, torch.zeros(1), torch.ones(1, 1, dtype=bool), AlgorithmSpec(clip_ratio=1.0))
     with pytest.raises(ValueError, match="one shape"):
         policy_loss(torch.zeros(1, 2), one, torch.zeros(1), torch.ones(1, 1, dtype=bool))
     with pytest.raises(ValueError, match="one group per reward"):

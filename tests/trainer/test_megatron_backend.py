@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfhpc.config.recipe import ModelSpec, TrainingSpec, load_recipe
+from sfhpc.config.recipe import AlgorithmSpec, ModelSpec, TrainingSpec, load_recipe
 from sfhpc.trainer.errors import CheckpointError, TrainerError
 from sfhpc.trainer.losses import token_logprobs
-from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+from sfhpc.trainer.torch_trainer import TorchTrainer
 from tests.conftest import RECIPES
 from tests.trainer.conftest import toy_batch
 
@@ -30,7 +30,7 @@ from sfhpc.trainer import megatron_backend as mb  # noqa: E402  (after the skip:
 from tests.trainer.megatron_shim import cpu_shim  # noqa: E402
 from tests.trainer.megatron_shim.models import GQA, build_gqa_model  # noqa: E402
 
-CONFIG = TrainerConfig(learning_rate=1e-3)
+CONFIG = AlgorithmSpec(learning_rate=1e-3)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,10 +14,10 @@ from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer.batch import PAD_ID, TrainBatch, TrainRow
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
-from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+from sfhpc.trainer.torch_trainer import TorchTrainer
 from tests.trainer.conftest import toy_batch
 
-CONFIG = TrainerConfig(learning_rate=1e-3)
+CONFIG = AlgorithmSpec(learning_rate=1e-3)
 
 
 def weights(trainer: TorchTrainer) -> dict[str, torch.Tensor]:
@@ -135,15 +135,35 @@ def test_bad_batches_are_rejected() -> None:
     assert TrainBatch.from_rows([row, row]).groups == (0, 1)  # no group: each row is a group of its own
 
 
-def test_config_from_the_recipe_algorithm() -> None:
-    cfg = TrainerConfig.from_algorithm(AlgorithmSpec(name="ppo", learning_rate=3e-5, clip_ratio=0.1, kl_coef=0.01))
-    assert (cfg.algorithm, cfg.learning_rate, cfg.clip_ratio, cfg.kl_coef) == ("ppo", 3e-5, 0.1, 0.01)
-    with pytest.raises(TrainerError, match="positive"):
-        TrainerConfig(learning_rate=0.0)
+def test_the_recipe_algorithm_reaches_the_optimiser(tiny_model_dir: Path) -> None:
+    spec = AlgorithmSpec(name="ppo", learning_rate=3e-5, weight_decay=0.01, adam_beta1=0.8, adam_beta2=0.95,
+                         adam_eps=1e-6)
+    trainer = TorchTrainer(tiny_model_dir, spec)
+    assert trainer.algorithm is spec
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (3e-5, 0.01, (0.8, 0.95), 1e-6)
+    with pytest.raises(TrainerError, match="algorithm.learning_rate: must be more than 0, found 0.0"):
+        TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=0.0))
+
+
+def test_max_grad_norm_clips_the_step(tiny_model_dir: Path) -> None:
+    def first_moments(max_grad_norm: float) -> tuple[float, torch.Tensor]:
+        trainer = TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=1e-3, max_grad_norm=max_grad_norm))
+        grad_norm = trainer.train_step(toy_batch()).grad_norm
+        # After one step Adam's first moment is (1 - beta1) * the gradient it was given: the clipped one.
+        moments = torch.cat([s["exp_avg"].flatten() for s in trainer.optimizer.state.values()])
+        return grad_norm, moments / (1 - 0.9)
+
+    free_norm, free = first_moments(1e6)
+    clipped_norm, clipped = first_moments(1e-3)
+    assert clipped_norm == pytest.approx(free_norm, rel=1e-4)  # the metric is the norm before clipping
+    assert free_norm > 1e-3
+    assert float(free.norm()) == pytest.approx(free_norm, rel=1e-3)
+    assert float(clipped.norm()) == pytest.approx(1e-3, rel=1e-3)  # scaled down to max_grad_norm
 
 
 def test_kl_reference_and_ppo_advantages(tiny_model_dir: Path) -> None:
-    trainer = TorchTrainer(tiny_model_dir, TrainerConfig(algorithm="ppo", learning_rate=1e-2, kl_coef=0.1))
+    trainer = TorchTrainer(tiny_model_dir, AlgorithmSpec(name="ppo", learning_rate=1e-2, kl_coef=0.1))
     first = trainer.train_step(toy_batch())
     second = trainer.train_step(toy_batch())
     assert first.kl == pytest.approx(0.0, abs=1e-9)  # the reference is the initial policy

@@ -25,17 +25,17 @@ def main() -> int:
     activate()
     from megatron.core import parallel_state
 
-    from sfhpc.config.recipe import TrainingSpec
+    from sfhpc.config.recipe import AlgorithmSpec, TrainingSpec
     from sfhpc.trainer import megatron_backend
     from sfhpc.trainer.distributed import DistSpec
-    from sfhpc.trainer.torch_trainer import TorchTrainer, TrainerConfig
+    from sfhpc.trainer.torch_trainer import TorchTrainer
     from tests.trainer.conftest import toy_batch
 
     torch.set_num_threads(1)
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     comm = MPI.COMM_WORLD.Split(0, MPI.COMM_WORLD.Get_rank())  # a sub-communicator, as the runtime gives
     spec = DistSpec.from_mpi(comm, host="127.0.0.1")
-    config = TrainerConfig(learning_rate=1e-3)
+    config = AlgorithmSpec(learning_rate=1e-3)
     batches = [toy_batch(rows=8, seed=s) for s in range(2)]
     for layout in sys.argv[3:]:
         tp, pp = (int(x) for x in layout.split("x"))

@@ -1,0 +1,78 @@
+"""The recipe's algorithm section: every setting of the loss and the optimiser, checked where it is written."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config import load_recipe
+from sfhpc.config.recipe import AlgorithmSpec
+from sfhpc.errors import ConfigError
+from tests.config.test_config_files import GOOD_RECIPE
+
+EVERY_KEY = """\
+algorithm:
+  name: ppo
+  group_size: 4
+  learning_rate: 2.0e-5
+  clip_ratio: 0.1
+  clip_ratio_high: 0.28
+  ratio_cap: 5
+  kl_coef: 0.05
+  max_grad_norm: 0.5
+  weight_decay: 0.01
+  adam_beta1: 0.85
+  adam_beta2: 0.95
+  adam_eps: 1.0e-6
+  advantage_eps: 1.0e-4
+  temperature: 0.7
+"""
+
+
+def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD_RECIPE + EVERY_KEY)
+    spec = load_recipe(path).algorithm
+    assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, clip_ratio=0.1, clip_ratio_high=0.28,
+                                 ratio_cap=5.0, kl_coef=0.05, max_grad_norm=0.5, weight_decay=0.01, adam_beta1=0.85,
+                                 adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4, temperature=0.7)
+    # The test names every field: a setting added later without a recipe key would show here.
+    assert {f.name for f in dataclasses.fields(AlgorithmSpec)} == {
+        line.split(":")[0].strip() for line in EVERY_KEY.splitlines()[1:]}
+
+
+@pytest.mark.parametrize(("section", "fragments"), [
+    ("{learning_rate: 0}", ["algorithm.learning_rate", "more than 0, found 0"]),
+    ("{learning_rate: .nan}", ["algorithm.learning_rate", "found nan"]),
+    ("{group_size: 1}", ["algorithm.group_size", "at least 2 for GRPO, found 1"]),
+    ("{name: ppo, group_size: 0}", ["algorithm.group_size", "at least 1, found 0"]),
+    ("{clip_ratio: 1.0}", ["algorithm.clip_ratio", "less than 1", "found 1.0"]),
+    ("{clip_ratio_high: -0.1}", ["algorithm.clip_ratio_high", "0 or more", "found -0.1"]),
+    ("{clip_ratio_high: 2.5}", ["algorithm.ratio_cap", "more than 1 + the upper clip range = 3.5", "found 3.0"]),
+    ("{ratio_cap: 1.1}", ["algorithm.ratio_cap", "= 1.2", "found 1.1"]),
+    ("{kl_coef: -1}", ["algorithm.kl_coef", "0 or more, found -1"]),
+    ("{max_grad_norm: 0}", ["algorithm.max_grad_norm", "more than 0"]),
+    ("{weight_decay: -0.01}", ["algorithm.weight_decay", "0 or more"]),
+    ("{adam_beta2: 1}", ["algorithm.adam_beta2", "less than 1, found 1"]),
+    ("{adam_eps: 0}", ["algorithm.adam_eps", "more than 0"]),
+    ("{advantage_eps: 0}", ["algorithm.advantage_eps", "more than 0"]),
+    ("{temperature: 0}", ["algorithm.temperature", "more than 0 and at most 2", "greedy"]),
+    ("{temperature: 2.5}", ["algorithm.temperature", "found 2.5"]),
+    ("{adam_betas: [0.9, 0.99]}", ["algorithm.adam_betas", "unknown key"]),
+])
+def test_out_of_range_settings_name_the_key_and_line(tmp_path: Path, section: str, fragments: list[str]) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD_RECIPE + f"algorithm: {section}\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}:6: algorithm.") and "\n" not in message, message
+    for fragment in fragments:
+        assert fragment in message, message
+
+
+def test_the_defaults_are_in_range() -> None:
+    assert AlgorithmSpec().problems() == []
+    assert AlgorithmSpec(name="ppo", group_size=1).problems() == []  # PPO has no groups to compare
