@@ -76,17 +76,31 @@ class Role:
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """The policy model. Without ``path`` sfhpc builds its own small Llama-architecture model."""
+    """The policy model: a Hugging Face folder (``path``), or, without one, a small one sfhpc builds in the
+    run folder (`sfhpc.model.tiny`: a BPE tokenizer trained on generated text and the task's, a chat
+    template, random weights of ``architecture``); the fields below ``path`` shape that built model."""
 
     name: str = "tiny-llama"
     path: str | None = None
+    architecture: Literal["llama", "qwen2"] = "llama"
     layers: int = 4
     hidden_size: int = 256
     heads: int = 4
     max_seq_len: int = 256
+    tokenizer_vocab: int = 512         # the built tokenizer's size: 256 bytes, the chat's special tokens, merges
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     warm_start_steps: int = 0          # supervised steps on the task's reply format before RL (built model only)
     warm_start_learning_rate: float = 1e-3
+
+    def validate(self, where: Where) -> None:
+        if self.hidden_size != self.heads * 64:
+            raise where.child("hidden_size").error(
+                f"must be heads x 64 = {self.heads * 64} (vLLM's CPU attention needs 64-wide heads), found "
+                f"{self.hidden_size}")
+        if not 264 <= self.tokenizer_vocab <= 65536:
+            raise where.child("tokenizer_vocab").error(
+                f"must be between 264 (the 256 bytes and the chat's special tokens) and 65536, found "
+                f"{self.tokenizer_vocab}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,9 +20,11 @@ Two chat formats, as the architectures' instruct models use them:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -71,10 +73,17 @@ _WORDS_TEXT = ("the a an is are was what which who how many letter number word f
 _WORDS = tuple(_WORDS_TEXT.split(" "))
 
 
-def corpus(seed: int, lines: int = 4000) -> Iterator[str]:
+# How text is cut into words before merges, as Llama 3's and Qwen2's tokenizers cut it: a run of newlines is one
+# piece wherever it stands (GPT-2's pattern splits "\n\n" in two before a word and not at the end of a text,
+# so a generation prompt ending in "\n\n" would not be a prefix of the same turn with its reply).
+SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def corpus(seed: int, lines: int = 4000, texts: Iterable[str] = ()) -> Iterator[str]:
     """Text to train the tokenizer on: sentences of common words, single letters and numbers, so the
-    merges cover what sfhpc's tasks and chat turns say (any other text still encodes: the BPE is
-    byte-level)."""
+    merges cover what sfhpc's tasks and chat turns say, then `texts` (what the model will read: a task's
+    messages) as they are. Any other text still encodes: the BPE is byte-level."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     for _ in range(lines):
@@ -89,20 +98,36 @@ def corpus(seed: int, lines: int = 4000) -> Iterator[str]:
                 parts.append(str(rng.randint(0, 999)))
         sentence = " ".join(parts)
         yield sentence[:1].upper() + sentence[1:] + rng.choice(".?!:")
+    yield from texts
 
 
-def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0) -> Any:
-    """A byte-level BPE trained on `corpus`, wrapped as a ``PreTrainedTokenizerFast`` with `chat`'s special
-    tokens and template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
+    """The text the chat template writes around messages (role names, separators), between its special
+    tokens, `repeats` times: so a role header is one or two tokens, not a spelling of bytes."""
+    import jinja2
+
+    messages = [{"role": role, "content": ""} for role in ("system", "user", "assistant", "tool")]
+    rendered = jinja2.Template(chat.template).render(messages=messages, add_generation_prompt=True,
+                                                     bos_token=chat.bos or "")
+    pieces = [p for p in re.split("|".join(re.escape(t) for t in chat.special_tokens), rendered) if p]
+    for _ in range(repeats):
+        yield from pieces
+
+
+def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, texts: Iterable[str] = ()) -> Any:
+    """A byte-level BPE trained on `corpus` (with `texts`) and the template's own text, wrapped as a
+    ``PreTrainedTokenizerFast`` with `chat`'s special tokens and template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    bpe.train_from_iterator(corpus(seed), trainer=trainer)
+    bpe.train_from_iterator(itertools.chain(corpus(seed, texts=texts), template_texts(chat)), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=chat.eos, pad_token=chat.pad,
                                    bos_token=chat.bos, chat_template=chat.template, model_max_length=4096)
 
@@ -130,8 +155,9 @@ def model_config(architecture: Architecture, *, vocab_size: int, layers: int, hi
 
 def build_hf_model(out_dir: str | Path, architecture: Architecture = "qwen2", *, layers: int = 2,
                    hidden_size: int = 128, heads: int = 2, kv_heads: int | None = None, tokenizer_vocab: int = 512,
-                   max_seq_len: int = 512, dtype: str = "bfloat16", seed: int = 0) -> Path:
-    """Train the tokenizer, initialise the model from `seed` and save both into `out_dir` (safetensors)."""
+                   max_seq_len: int = 512, dtype: str = "bfloat16", seed: int = 0, texts: Iterable[str] = ()) -> Path:
+    """Train the tokenizer (on `corpus`, `texts` included), initialise the model from `seed` and save both
+    into `out_dir` (safetensors)."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -140,7 +166,7 @@ def build_hf_model(out_dir: str | Path, architecture: Architecture = "qwen2", *,
     chat = FORMATS[architecture]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed)
+    tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed, texts=texts)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
            (("eos_token_id", chat.eos), ("pad_token_id", chat.pad), ("bos_token_id", chat.bos)) if token}
     vocab = -(-len(tokenizer) // 64) * 64  # embedding rows padded to a multiple of 64, as real models do

@@ -1,32 +1,57 @@
-"""Build the project's own small Llama-architecture model, saved so vLLM and torch load it locally.
+"""The model sfhpc builds when a recipe names no ``model.path``: a small Hugging Face folder, made on the spot.
 
-No hub download: the configuration is written here and the weights are initialised from a seed. The
-vocabulary is `sfhpc.engine.tokenizer`'s byte-level one, so engine, endpoint and trainer agree on ids
-without a tokenizer file (vLLM runs with ``skip_tokenizer_init=True``). ``head_dim`` is 64 because
-vLLM's CPU attention does not support smaller heads.
+It is an ordinary Hugging Face folder (`sfhpc.model.hf_folder`): a byte-level BPE tokenizer trained here on
+generated sentences and on the text of the run's task (so the task's prompts and replies are a few tokens
+each), the chat template of its architecture, and random weights from the recipe's seed. Engine, endpoint,
+trainer and warm start load it as they load any user's folder, through ``AutoTokenizer`` and
+``AutoModelForCausalLM``; nothing in sfhpc treats it otherwise. No hub download.
 """
 
 from __future__ import annotations
 
-import json
+import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sfhpc.config.recipe import ModelSpec
-from sfhpc.engine import tokenizer as tok
+from sfhpc.model.hf_folder import HEAD_DIM, build_hf_model
+from sfhpc.tasks.base import Task
 
-HEAD_DIM = 64
+TASK_TEXT_CONVERSATIONS = 2000  # the task's format examples the tokenizer is trained on
+
+
+def task_texts(task: Task, seed: int, conversations: int = TASK_TEXT_CONVERSATIONS) -> Iterator[str]:
+    """The messages of the task's format examples (`Task.warm_start_examples`, which leave the task's own
+    sampler where it is), one text each."""
+    rng = random.Random(seed)
+    for conversation in task.warm_start_examples(rng, conversations):
+        for message in conversation:
+            content = message.get("content")
+            if isinstance(content, str) and content:
+                yield content
+
+
+def build_tiny_model(spec: ModelSpec, out_dir: str | Path, seed: int = 0, task: Task | None = None) -> Path:
+    """Train the tokenizer (on `task`'s text too, when given), initialise the model from `seed` and save the
+    folder into `out_dir`."""
+    texts = list(task_texts(task, seed)) if task is not None else []
+    return build_hf_model(out_dir, spec.architecture, layers=spec.layers, hidden_size=spec.hidden_size,
+                          heads=spec.heads, tokenizer_vocab=spec.tokenizer_vocab, max_seq_len=spec.max_seq_len,
+                          dtype=spec.dtype, seed=seed, texts=texts)
 
 
 def llama_config(spec: ModelSpec) -> dict[str, Any]:
-    """The Hugging Face ``LlamaConfig`` fields of the model a recipe describes."""
+    """The ``LlamaConfig`` keys of a Llama shaped by `spec`, with the embedding rows a built tokenizer of
+    ``spec.tokenizer_vocab`` tokens gets: the weights' shapes, for benchmarks and tests that need the default
+    model's tensors without building its tokenizer."""
     if spec.hidden_size != spec.heads * HEAD_DIM:
-        raise ValueError(f"model.hidden_size must be model.heads x {HEAD_DIM} = {spec.heads * HEAD_DIM} "
-                         f"(vLLM's CPU attention needs head_dim {HEAD_DIM}), found {spec.hidden_size}")
+        raise ValueError(f"hidden_size must be heads x {HEAD_DIM} = {spec.heads * HEAD_DIM} (vLLM's CPU attention "
+                         f"needs head_dim {HEAD_DIM}), found {spec.hidden_size}")
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "vocab_size": tok.VOCAB_SIZE,
+        "vocab_size": -(-spec.tokenizer_vocab // 64) * 64,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.hidden_size * 8 // 3 // 16 * 16,   # SwiGLU's usual 8/3, rounded to 16
         "num_hidden_layers": spec.layers,
@@ -34,28 +59,8 @@ def llama_config(spec: ModelSpec) -> dict[str, Any]:
         "num_key_value_heads": spec.heads,
         "head_dim": HEAD_DIM,
         "max_position_embeddings": spec.max_seq_len,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
         "hidden_act": "silu",
-        "bos_token_id": tok.BOS,
-        "eos_token_id": tok.EOS,
-        "pad_token_id": tok.PAD,
         "tie_word_embeddings": False,
         "torch_dtype": spec.dtype,
     }
-
-
-def build_tiny_model(spec: ModelSpec, out_dir: str | Path, seed: int = 0) -> Path:
-    """Initialise the model from `seed` and save it (config.json + model.safetensors) into `out_dir`."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**llama_config(spec)))
-    model.to(getattr(torch, spec.dtype)).save_pretrained(out)
-    # The marker that tells `sfhpc.engine.tokenizer.load_tokenizer` this folder speaks the byte vocabulary.
-    marker = {tok.BYTE_MARKER_KEY: "byte", "seed": seed, "spec": spec.__dict__}
-    (out / tok.MODEL_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    return out

@@ -56,7 +56,7 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
                 from sfhpc.model.tiny import build_tiny_model
                 from sfhpc.model.warm_start import warm_start
 
-                build_tiny_model(recipe.model, path, seed=recipe.seed)
+                build_tiny_model(recipe.model, path, seed=recipe.seed, task=task)
                 if recipe.model.warm_start_steps:
                     loss = warm_start(path, task, steps=recipe.model.warm_start_steps,
                                       learning_rate=recipe.model.warm_start_learning_rate, seed=recipe.seed)

@@ -58,6 +58,12 @@ def test_chat_tokens_and_stop_ids_are_the_templates(built: tuple[str, Path]) -> 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, after b?"}]
     ids = tokenizer.apply_chat_template(messages)
     assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    # The generation prompt is where the reply starts in the same conversation re-rendered with it (a
+    # newline run is one piece wherever it stands), so what the warm start trains is what RL samples after.
+    answered = tokenizer.apply_chat_template([*messages, {"role": "assistant", "content": "c"}],
+                                             add_generation_prompt=False)
+    assert answered[: len(ids)] == ids
+    assert answered[len(ids):len(ids) + 2] == [*tokenizer.encode("c"), tokenizer.chat_stop_ids[0]]
     head = {"qwen2": "<|im_start|>", "llama": "<|begin_of_text|>"}[arch]
     assert hf.convert_ids_to_tokens(ids[0]) == head  # the template's special tokens are in the prompt
     end_of_turn = {"qwen2": "<|im_end|>", "llama": "<|eot_id|>"}[arch]
@@ -126,13 +132,27 @@ def test_a_history_spelled_otherwise_forks_and_the_last_branch_is_trained(tmp_pa
     assert int(batch.generated[0].sum()) == len(reply)  # only the last reply is trained on
 
 
-def test_byte_folders_and_runs_keep_the_byte_tokenizer(tmp_path: Path) -> None:
+def test_the_default_model_is_a_hugging_face_folder_with_its_tasks_text_in_the_tokenizer(tmp_path: Path) -> None:
+    """The model a recipe without ``model.path`` builds is an ordinary Hugging Face folder, spoken to through
+    `HFTokenizer`; its tokenizer is trained on the task's text too, so the task's words are single tokens."""
+    from sfhpc.config.recipe import TaskSpec
+    from sfhpc.model.folder import model_folder_problem
     from sfhpc.model.tiny import build_tiny_model
+    from sfhpc.tasks import get_task
 
-    folder = build_tiny_model(ModelSpec(layers=1, hidden_size=64, heads=1), tmp_path / "tiny")
-    assert tokenizer_kind(folder) == "byte" and isinstance(load_tokenizer(folder), ByteTokenizer)
+    spec = ModelSpec(layers=1, hidden_size=64, heads=1)
+    folder = build_tiny_model(spec, tmp_path / "tiny", task=get_task(TaskSpec("guess-number")))
+    assert model_folder_problem(folder) is None and tokenizer_kind(folder) == "hf"
+    tokenizer = load_tokenizer(folder)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.vocab_size == 512
+    generic = load_tokenizer(build_tiny_model(spec, tmp_path / "generic"))
+    assert len(tokenizer.encode("guess 0-9")) < len(generic.encode("guess 0-9"))
+    assert [len(tokenizer.encode(w)) for w in ("guess", " higher", " lower", "7")] == [1, 1, 1, 1]
+    assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"  # ModelSpec.architecture
+
+
+def test_folders_without_a_tokenizer_and_runs_from_before_models_had_one(tmp_path: Path) -> None:
     assert tokenizer_kind(tmp_path) is None
     with pytest.raises(ValueError, match="holds no tokenizer"):
         load_tokenizer(tmp_path)
     assert isinstance(run_tokenizer({}, None), ByteTokenizer)  # a store from before runs named their model
-    assert isinstance(run_tokenizer({"model": str(folder)}, None), ByteTokenizer)
