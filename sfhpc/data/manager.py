@@ -25,12 +25,13 @@ import dataclasses
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
 from sfhpc.data import layout
 from sfhpc.data.errors import InvalidRequest, TrajectoryExists, TrajectoryFinished, UnknownTrajectory
+from sfhpc.data.rank_intervals import RankInterval
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory, branch_of
 
@@ -177,6 +178,7 @@ class TrajectoryManager:
             raise InvalidRequest(f"flush_every must be at least 1, found {flush_every}")
         self.store, self.max_staleness, self.flush_every = store, max_staleness, flush_every
         self._lock = threading.RLock()
+        self._timeline_drain: Callable[[], Sequence[RankInterval]] | None = None  # see follow_timeline
         self._live: dict[str, _Live] = {}
         self._closed: dict[str, Status] = {}  # consumed, stale, aborted: only the status is kept in memory
         self._groups: dict[str, list[str]] = {}  # group key -> live member ids, oldest group first
@@ -555,13 +557,24 @@ class TrajectoryManager:
 
     def flush(self) -> None:
         """Write every buffered record to the store (no-op without a store)."""
+    def follow_timeline(self, drain: Callable[[], Sequence[RankInterval]]) -> None:
+        """Every flush (and the close) also writes the rank intervals `drain` returns: the controller's
+        timeline reaches the store with the trajectories, never later than the next flush."""
+        self._timeline_drain = drain
+
         with self._lock:
             self._finished_since_flush = 0
             if self.store is not None:
                 self.store.flush()
 
+                self._take_timeline()
     def close(self) -> None:
         """Flush and close the store (trajectories still open stay resumable from it)."""
         with self._lock:
             if self.store is not None:
                 self.store.close()
+                self._take_timeline()
+
+    def _take_timeline(self) -> None:
+        if self._timeline_drain is not None and not self.store.closed:
+            self.store.add_intervals(self._timeline_drain())

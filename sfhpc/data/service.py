@@ -93,6 +93,9 @@ class ManagerServer:
         self.first_one_way_failure: OneWayFailure | None = None
         self.last_seen: dict[int, float] = {}  # client rank -> time.monotonic() of its latest request
         self.episodes_ended: dict[int, int] = {}  # client rank -> episodes it reported as ended (finish, fail)
+        # Called with the client's rank after each episode end is counted (the scheduler's timeline hears of
+        # an idle rollout rank at once); it runs on the serving thread.
+        self.on_episode_end: Callable[[int], object] | None = None
 
     def _handle(self, source: int, request: Any) -> None:
         self.last_seen[source] = time.monotonic()
@@ -117,6 +120,11 @@ class ManagerServer:
         self.served += 1
         if method in EPISODE_ENDS:
             self.episodes_ended[source] = self.episodes_ended.get(source, 0) + 1
+            if self.on_episode_end is not None:
+                try:
+                    self.on_episode_end(source)
+                except Exception:  # bookkeeping: the caller's reply must still go out
+                    log.exception("the episode-end hook failed for rank %d", source)
         if wants_reply:
             self.comm.send(reply, dest=source, tag=REPLY_TAG)
         elif reply[0] == "error":
