@@ -2,8 +2,9 @@
 
 Throughput comes from the run's ``metrics.jsonl`` where there is one (tokens trained and generated over
 the steps' wall time); without it, from the store alone (generated tokens of the trained trajectories
-over the span from the first trajectory to the last consumption mark). The bubble fraction (the share
-of time ranks sat idle) is shown where a run recorded it (a ``bubble_fraction`` per step), else "not recorded".
+over the span from the first trajectory to the last consumption mark). The bubble fraction (waiting
+rank-seconds over all rank-seconds, per role) comes from the store's timeline; a store without one shows
+the mean of a ``bubble_fraction`` per step in ``metrics.jsonl`` where there is one, else "not recorded".
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class RunFigures:
     generated_tokens_per_s: float | None
     throughput_source: str  # "metrics.jsonl" or "store"
     bubble_fraction: float | None  # None: not recorded
+    bubble_by_role: dict[str, float | None]  # from the timeline; empty when the store has none
     mean_reward: float | None
     curve: pd.Series  # reward mean per step
 
@@ -49,8 +51,7 @@ class Comparison:
             ("trained tokens/s", *both(lambda r: _num(r.trained_tokens_per_s, 0))),
             ("generated tokens/s", *both(lambda r: _num(r.generated_tokens_per_s, 0))),
             ("throughput from", *both(lambda r: r.throughput_source)),
-            ("bubble fraction", *both(lambda r: "not recorded" if r.bubble_fraction is None
-                                      else f"{r.bubble_fraction:.1%}")),
+            ("bubble fraction", *both(_bubble_text)),
             ("mean reward", *both(lambda r: _num(r.mean_reward, 4))),
         ]
 
@@ -90,12 +91,16 @@ def figures(run: Run) -> RunFigures:
         if span > 0:
             generated_rate = float(trained["generated_tokens"].sum()) / span
             trained_rate = float(trained["tokens"].sum()) / span
-    if "bubble_fraction" in steps and steps["bubble_fraction"].notna().any():
+    timeline = run.bubble()
+    by_role: dict[str, float | None] = {}
+    if timeline is not None and timeline.overall is not None:
+        bubble, by_role = timeline.overall, timeline.by_role
+    elif "bubble_fraction" in steps and steps["bubble_fraction"].notna().any():
         bubble = float(steps["bubble_fraction"].dropna().mean())
     rewards = trained["reward"].dropna()
     return RunFigures(name=run.path.parent.name, steps=int(trained["consumed_step"].nunique()), trajectories=len(df),
                       trained_tokens_per_s=trained_rate, generated_tokens_per_s=generated_rate,
-                      throughput_source=source, bubble_fraction=bubble,
+                      throughput_source=source, bubble_fraction=bubble, bubble_by_role=by_role,
                       mean_reward=float(rewards.mean()) if len(rewards) else None, curve=curve)
 
 
@@ -123,6 +128,13 @@ def plot_rewards(comparison: Comparison, out: Path) -> Path:
     finally:
         plt.close(fig)
     return out
+
+
+def _bubble_text(figures: RunFigures) -> str:
+    if figures.bubble_fraction is None:
+        return "not recorded"
+    roles = ", ".join(f"{role} {'-' if v is None else f'{v:.1%}'}" for role, v in figures.bubble_by_role.items())
+    return f"{figures.bubble_fraction:.1%}" + (f" ({roles})" if roles else "")
 
 
 def _names(a: str, b: str) -> tuple[str, str]:

@@ -1,8 +1,8 @@
 """The panels of ``sfhpc traj plot`` (and of the report): a run over its training steps, as one PNG.
 
 Each panel is a `Panel`: a title and a function that draws it from the run's data or says it has
-nothing to draw (None). Panels without data are left out, so a panel whose data only some runs record
-(the per-rank timeline, once runs record one) is one more entry in `PANELS`.
+nothing to draw (None). Panels without data are left out: the per-rank timeline (a Gantt chart of every
+rank's states over the run, with the bubble fraction in its title) is drawn only for a store that has one.
 The PNG names its panels in its metadata (key ``Panels``), for tools and tests to check.
 """
 
@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from sfhpc.analysis.run import Run
+from sfhpc.data.rank_intervals import BubbleFraction
 from sfhpc.errors import SfhpcError
 
 PANELS_KEY = "Panels"
@@ -30,6 +31,8 @@ class PlotData:
     steps: pd.DataFrame  # step, reward_mean, generated_mean (generated tokens per trajectory)
     staleness: pd.Series  # per consumed trajectory: versions behind the trainer when trained
     tokens_by_version: dict[int, int]
+    timeline: pd.DataFrame = dataclasses.field(default_factory=pd.DataFrame)  # `Run.timeline()`
+    bubble: BubbleFraction | None = None
 
     @classmethod
     def of(cls, run: Run) -> PlotData:
@@ -39,7 +42,8 @@ class PlotData:
         steps = pd.DataFrame({"reward_mean": by_step["reward"].mean().astype("float64"),
                               "generated_mean": by_step["generated_tokens"].mean().astype("float64")})
         steps = steps.rename_axis("step").reset_index()
-        return cls(steps, trained["staleness"].dropna().astype("int64"), run.tokens_by_version())
+        return cls(steps, trained["staleness"].dropna().astype("int64"), run.tokens_by_version(), run.timeline(),
+                   run.bubble())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +94,49 @@ def _versions(ax: Any, data: PlotData) -> bool:
     return True
 
 
+# One colour per state; waiting (the bubble) stands out in grey against the working states.
+STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
+                 "waiting": "lightgrey"}
+MAX_LABELLED_RANKS = 12  # beyond this many ranks the timeline labels only some of them
+
+
+def _timeline(ax: Any, data: PlotData) -> bool:
+    """Every rank's states over the run, one row per rank (a Gantt chart)."""
+    timeline = data.timeline
+    if not len(timeline):
+        return False
+    start = float(timeline["t_start"].min())
+    ranks = sorted(timeline["rank"].unique().tolist())
+    roles = timeline.groupby("rank")["role"].first()
+    for row, rank in enumerate(ranks):
+        mine = timeline[timeline["rank"] == rank]
+        for state, part in mine.groupby("state", sort=False):
+            bars = list(zip((part["t_start"] - start).to_numpy(), part["seconds"].to_numpy()))
+            ax.broken_barh(bars, (row - 0.4, 0.8), color=STATE_COLOURS.get(str(state), "black"), linewidth=0)
+    bubble = data.bubble
+    by_role = {} if bubble is None else bubble.by_role
+    if len(ranks) <= MAX_LABELLED_RANKS:
+        ax.set_yticks(range(len(ranks)), [f"{rank} {roles[rank]}" + (f"\n{by_role[roles[rank]]:.0%} waiting"
+                                                                      if by_role.get(roles[rank]) is not None else "")
+                                          for rank in ranks], fontsize="small")
+    else:  # many ranks: a few rank numbers along the axis
+        ticks = np.unique(np.linspace(0, len(ranks) - 1, MAX_LABELLED_RANKS).astype(int))
+        ax.set_yticks(ticks, [str(ranks[i]) for i in ticks], fontsize="small")
+        ax.set_ylabel("rank")
+    ax.set_ylim(-0.6, len(ranks) - 0.4)
+    ax.invert_yaxis()
+    ax.set(xlabel="seconds since the run started")
+    from matplotlib.patches import Patch
+
+    present = [s for s in STATE_COLOURS if s in set(timeline["state"])]
+    ax.legend(handles=[Patch(color=STATE_COLOURS[s], label=s) for s in present], fontsize="x-small",
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=len(present), frameon=False,
+              handlelength=1, columnspacing=0.8)
+    if bubble is not None and bubble.overall is not None:
+        ax.set_title(f"rank timeline: bubble {bubble.overall:.1%}", pad=16)
+    return True
+
+
 def _whole_numbers(ax: Any) -> None:
     """Steps and versions are whole numbers: no tick at 0.5."""
     from matplotlib.ticker import MaxNLocator
@@ -98,7 +145,7 @@ def _whole_numbers(ax: Any) -> None:
 
 
 PANELS = (Panel("reward", _reward), Panel("reply length", _length), Panel("staleness when trained", _staleness),
-          Panel("tokens per policy version", _versions))
+          Panel("tokens per policy version", _versions), Panel("rank timeline", _timeline))
 
 
 def draw(data: PlotData, target: Path | IO[bytes], title: str = "") -> list[str]:
@@ -112,7 +159,8 @@ def draw(data: PlotData, target: Path | IO[bytes], title: str = "") -> list[str]
     drawn = []
     for panel, ax in zip(PANELS, axes):
         if panel.draw(ax, data):
-            ax.set_title(panel.title)
+            if not ax.get_title():  # (a panel may title itself with a figure of its own)
+                ax.set_title(panel.title)
             ax.grid(alpha=0.3)
             drawn.append(panel.title)
         else:

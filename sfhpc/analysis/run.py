@@ -18,6 +18,9 @@ Frames (columns typed; missing values are <NA>):
   split it into count as one reply, its versions are every version that wrote it.
 - `segments()`: one row per recorded segment, every branch; `used` is how many of its tokens the current
   branch uses (0: off the branch).
+- `timeline()`: one row per state interval of a rank (the run's timeline; empty for a store that has
+  none): rank, role, state (generating, training, syncing, lent, waiting), t_start, t_end (Unix s), seconds,
+  step; `bubble()` sums it up (waiting rank-seconds / all, per role; None when the store keeps no timeline).
 - `steps()`: one row per training step, from the store's consumption marks (`policy_version`: the
   trainer's version when it took the batch), joined with the run folder's ``metrics.jsonl`` when there is
   one (its `version` is the version the step produced; its columns that clash with the store's get a
@@ -37,6 +40,7 @@ import pandas as pd
 from sfhpc.analysis.columns import columns_frame, store_columns
 from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store
 from sfhpc.data import open_store
+from sfhpc.data.rank_intervals import BubbleFraction
 from sfhpc.data.store import ConsumptionMark, StoreReader
 from sfhpc.data.trajectory import NO_VERSION, Trajectory
 from sfhpc.engine.tokenizer import run_tokenizer
@@ -61,7 +65,10 @@ TURN_DTYPES: dict[str, str] = {
 SEGMENT_DTYPES: dict[str, str] = {
     "trajectory": STR, "index": INT, "kind": STR, "parent": INT, "fork_at": INT, "tokens": INT, "used": INT,
     "min_version": OPT_INT, "max_version": OPT_INT, "versions": INT, "engine": STR, "t_start": FLOAT,
-    "t_end": FLOAT, "finish_reason": STR,
+    "t_end": FLOAT, "finish_reason": STR, "temperature": OPT_FLOAT, "top_p": OPT_FLOAT,
+}
+TIMELINE_DTYPES: dict[str, str] = {
+    "rank": INT, "role": STR, "state": STR, "t_start": FLOAT, "t_end": FLOAT, "seconds": FLOAT, "step": INT,
 }
 STEP_DTYPES: dict[str, str] = {
     "step": INT, "policy_version": INT, "trajectories": INT, "reward_mean": OPT_FLOAT, "tokens": INT,
@@ -162,12 +169,21 @@ class Run:
     def steps(self) -> pd.DataFrame:
         return self._frame("steps")
 
+    def timeline(self) -> pd.DataFrame:
+        return self._frame("timeline")
+
+    def bubble(self) -> BubbleFraction | None:
+        """The bubble fraction of the run's timeline; None when the store keeps none (schema 1)."""
+        return self.store.bubble() if self.store.records_timeline else None
+
     def _frame(self, name: str) -> pd.DataFrame:
         if self._frames is None:
             self._frames = {}
         if name not in self._frames:
             if name in ("turns", "segments"):
                 self._frames.update(self._collect_replies())
+            elif name == "timeline":
+                self._frames["timeline"] = _timeline_frame(self.store.table("timeline"))
             elif name == "trajectories":
                 columns = store_columns(self.store)
                 self._frames["trajectories"] = columns_frame(columns.columns, TRAJECTORY_DTYPES)
@@ -304,9 +320,17 @@ def _segment_rows(trajectory: Trajectory) -> list[dict[str, Any]]:
             "trajectory": trajectory.id, "index": index, "kind": seg.kind.value, "parent": seg.parent,
             "fork_at": seg.fork_at, "tokens": len(seg), "used": used.get(index, 0), "min_version": oldest,
             "max_version": newest, "versions": count, "engine": seg.engine, "t_start": seg.t_start,
-            "t_end": seg.t_end, "finish_reason": seg.finish_reason,
+            "t_end": seg.t_end, "finish_reason": seg.finish_reason, "temperature": seg.temperature,
+            "top_p": seg.top_p,
         })
     return rows
+
+
+def _timeline_frame(rows: np.ndarray) -> pd.DataFrame:
+    columns = {"rank": rows["rank"], "role": np.char.decode(rows["role"], "utf-8"),
+               "state": np.char.decode(rows["state"], "utf-8"), "t_start": rows["t_start"], "t_end": rows["t_end"],
+               "seconds": rows["t_end"] - rows["t_start"], "step": rows["step"]}
+    return pd.DataFrame({name: pd.Series(columns[name], dtype=dtype) for name, dtype in TIMELINE_DTYPES.items()})
 
 
 def _in_range(values: pd.Series, spec: Range) -> pd.Series:

@@ -2,7 +2,8 @@
 
 Sections: the store (trajectories, tokens, training steps, writer sessions); counts by status; reward and
 length per range of training steps; how stale the trained trajectories were; partial rollouts (a
-generation cut by a weight update or a restart and continued) and how many policy versions wrote them.
+generation cut by a weight update or a restart and continued) and how many policy versions wrote them;
+the bubble fraction of the ranks' timeline (waiting rank-seconds / all, per role), or "not recorded".
 Everything comes from the run's trajectory frame, which is computed over whole tables (fast on big stores).
 """
 
@@ -18,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from sfhpc.analysis.run import Run
+from sfhpc.data.rank_intervals import BubbleFraction
 from sfhpc.data.trajectory import Status
 from sfhpc.table import format_table
 
@@ -32,9 +34,12 @@ class Summary:
     step_ranges: list[dict[str, Any]]  # first, last, steps, trajectories, reward_mean, generated_mean, ...
     staleness: dict[int, int]  # versions behind the trainer when trained -> trajectories
     partial: dict[str, Any]  # trajectories, by_versions {how many versions wrote it: trajectories}
+    bubble: BubbleFraction | None = None  # None: the store records no timeline (or an empty one)
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out["bubble"] = None if self.bubble is None else self.bubble.as_dict()
+        return out
 
     def format(self) -> str:
         s = self.store
@@ -45,6 +50,7 @@ class Summary:
                  ("training steps", f"{s['steps']:,}"), ("mean reward", _num(s["mean_reward"], 4))]
         if s["span_s"] is not None:
             rows.append(("span", f"{s['span_s']:.1f} s"))
+        rows.append(("bubble fraction", "not recorded" if self.bubble is None else self.bubble.format()))
         parts = [format_table(("store", ""), rows)]
         if self.step_ranges:
             parts.append(format_table(
@@ -84,7 +90,13 @@ def summarize(run: Run) -> Summary:
     return Summary(store=store, by_status=by_status, step_ranges=_step_ranges(trained),
                    staleness={int(k): int(v) for k, v in staleness.value_counts().sort_index().items()},
                    partial={"trajectories": len(partial),
-                            "by_versions": {int(k): int(v) for k, v in by_versions.items()}})
+                            "by_versions": {int(k): int(v) for k, v in by_versions.items()}},
+                   bubble=_bubble(run))
+
+
+def _bubble(run: Run) -> BubbleFraction | None:
+    bubble = run.bubble()
+    return bubble if bubble is not None and bubble.overall is not None else None
 
 
 def _step_ranges(trained: pd.DataFrame) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import SCALARS, Even
 
 from sfhpc.analysis import open_run
 from sfhpc.analysis.summary import summarize
+from sfhpc.data.store import open_store
 from tests.conftest import run_sfhpc
 
 pytestmark = [pytest.mark.mpi]
@@ -42,7 +43,9 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     recipe.write_text(RECIPE + f"output_dir: {folder / 'runs'}\n")
     done = run_sfhpc("run", str(recipe), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    (folder / "stdout.txt").write_text(done.stdout)  # what the run printed at its end
+    return run_dir
 
 
 def test_summary_counts_what_the_run_recorded(run_dir: Path) -> None:
@@ -79,3 +82,35 @@ def test_report_of_the_run(run_dir: Path, tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     page = out.read_text()
     assert page.count("data:image/png;base64,") == 1 and "best reward:" in page and "worst reward:" in page
+
+
+def test_the_store_holds_every_ranks_timeline_and_the_printed_bubble_fraction(run_dir: Path) -> None:
+    """Rank 1 trains, rank 2 rolls out (the controller, rank 0, has no working state). Their intervals
+    follow each other without a gap from the run's start to its end, the trainer trained once per step,
+    and the fraction the run printed is the one the store's timeline gives."""
+    printed = re.search(r"bubble fraction: ([\d.]+)% \(trainer ([\d.]+)%, rollout ([\d.]+)%\)",
+                        (run_dir.parent.parent / "stdout.txt").read_text())
+    assert printed, "the run prints its bubble fraction"
+    with open_store(run_dir / "trajectories.h5") as store:
+        rows = store.table("timeline")
+        bubble = store.bubble()
+        created = store.table("trajectories")["created"]
+    assert sorted(set(rows["rank"].tolist())) == [1, 2]
+    for rank, role in ((1, b"trainer"), (2, b"rollout")):
+        mine = rows[rows["rank"] == rank]
+        assert set(mine["role"].tolist()) == {role}
+        np.testing.assert_array_equal(mine["t_start"][1:], mine["t_end"][:-1])  # back to back, in order
+        assert (mine["t_end"] > mine["t_start"]).all() and mine["t_start"][0] <= created.min()
+        assert set(mine["state"].tolist()) <= {b"generating", b"training", b"syncing", b"waiting"}
+    trainer = rows[rows["rank"] == 1]
+    assert trainer[trainer["state"] == b"training"]["step"].tolist() == list(range(1, STEPS + 1))
+    assert b"generating" in rows[rows["rank"] == 2]["state"].tolist()
+    spans = {rank: rows[rows["rank"] == rank]["t_end"].max() - rows[rows["rank"] == rank]["t_start"].min()
+             for rank in (1, 2)}
+    assert abs(spans[1] - spans[2]) < 1.0  # both on the timeline for the whole run
+    assert 0 < bubble.overall < 1 and bubble.of("trainer") > 0  # the trainer waits for its batches
+    expected = [100 * bubble.overall, 100 * bubble.of("trainer"), 100 * bubble.of("rollout")]
+    np.testing.assert_allclose([float(g) for g in printed.groups()], expected, atol=0.051)
+    done = run_sfhpc("traj", "summary", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    assert re.search(rf"^bubble fraction +{re.escape(bubble.format())}$", done.stdout, re.M), done.stdout
