@@ -1,27 +1,43 @@
-"""Benchmark: end-to-end throughput of an RL recipe and where each step's time goes, per pipeline mode.
+"""Benchmark: the same long-tailed workload under ``sync``, ``async`` and ``seamless`` on the same ranks.
 
-    python -m sfhpc.bench.pipeline [--recipe recipes/demo.yaml] [--steps 30] [--modes async,sync]
+    sfhpc bench pipeline [--scales small,timing] [--modes sync,async,seamless] [--ranks 16] [--steps 8]
 
-Runs the recipe on this machine (``sfhpc run``: mpiexec, real vLLM engines, real training) once per
-mode for a short step budget, in one invocation so the modes see the same machine:
+One invocation runs every mode at each scale, one after the other on this machine (``mpiexec``, as
+``sfhpc run`` does), and reports per mode: trained tokens/s (the tokens of the training batches over the
+summed step times, the first step left out), the bubble fraction per role (waiting rank-seconds over all
+rank-seconds, from the run's timeline), tokens discarded (policy-generated tokens never trained on and
+off every trajectory's branch: stale, aborted or failed trajectories, and cut generations that were not
+continued), mean and max staleness of the trained tokens, how many times trainer ranks were lent to
+rollout and reclaimed, and the reclaim latency (the batch ready -> training started).
 
-* ``async``: the recipe as written if it is disaggregated (trainer and rollout on ranks of their own);
-* ``sync``: the same recipe colocated (rollout on the trainer's ranks), generate-then-train.
+Scales:
 
-From each run's ``metrics.jsonl`` it reports trained tokens/s end to end (tokens in the training batches
-over the summed step times), generated tokens/s, and how a step's time splits between *waiting for the
-batch* (the trainer idles: its bubble), *training* and *weight sync* (engines paused: rollout's bubble;
-in sync mode rollout also idles while the trainer trains). The first step (engine warm-up) is left out.
-Model build, warm start and engine start are not in the step times. Results: ``runs/bench/pipeline.json``
-and a bar chart ``runs/bench/pipeline.png``; each run's own folder is under ``runs/bench/pipeline/``.
+* ``small``: the recipe ``--recipe`` (default ``recipes/bench-pipeline.yaml``: the ``repeat-letter`` task,
+  whose reply lengths are long-tailed) with real vLLM engines and real torch training. Measured.
+* ``timing``: ``--ranks`` ranks (16-64) with the test engine and trainer as timing models: decode steps,
+  prompts, weight loads and training steps *sleep* the time that `sfhpc.bench.cost_model` gives, calibrated
+  on the small scale's ``async`` run (or, without one, the published figures of a 7B model on an L40S
+  engine and an H100 trainer). The scheduler, trajectory manager, store, endpoint, agents, weight
+  broadcast and MPI are the real ones; only compute is modelled, and the output says so.
+
+Modes on the same ranks: ``async`` runs the recipe as written (trainer and rollout on ranks of their own);
+``seamless`` is the same with the trainer's nodes tagged ``rollout`` so that idle trainer ranks are lent to
+rollout; ``sync`` colocates: every one of those ranks both trains and generates, generate-then-train (the
+usual synchronous baseline). A mode this version cannot run is reported as not available.
+
+Results: ``runs/bench/pipeline.json``, the table on stdout, one timeline chart per scale and mode
+(``pipeline-SCALE-MODE.png``: every rank's states over time) and a throughput chart (``pipeline.png``);
+each run's folder and log are under ``runs/bench/pipeline/SCALE/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,28 +47,58 @@ from sfhpc.bench import read_recipe_mapping, run_as_script
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
 
-MODES = ("async", "sync")
+MODES = ("sync", "async", "seamless")
+SCALES = ("small", "timing")
+DEFAULT_RECIPE = Path("recipes/bench-pipeline.yaml")
+MIN_TIMING_RANKS = 4  # controller, one trainer, two rollout ranks
+# Statuses whose generated tokens were thrown away (never trained on).
+DISCARDED_STATUSES = ("stale", "aborted", "failed")
+STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
+                 "waiting": "lightgray"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sfhpc.bench.pipeline", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", type=Path, default=Path("recipes/demo.yaml"))
-    p.add_argument("--steps", type=int, default=30, help="training steps per mode (the first is left out)")
+    p = argparse.ArgumentParser(prog="sfhpc bench pipeline", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", type=Path, default=DEFAULT_RECIPE, help="the small scale's recipe")
+    p.add_argument("--scales", default=",".join(SCALES), help="comma-separated, from: " + ", ".join(SCALES))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated, from: " + ", ".join(MODES))
+    p.add_argument("--steps", type=int, default=8, help="training steps per run (the first is left out)")
+    p.add_argument("--timing-steps", type=int, default=None, help="steps per timing-model run (default --steps)")
+    p.add_argument("--ranks", type=int, default=16, help="ranks of the timing-model runs (16-64)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/pipeline.json"), help="JSON result file")
     args = p.parse_args(argv)
-    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown or not args.modes:
-        raise SfhpcError(f"--modes: unknown mode {unknown[0] if unknown else '(none)'!r}; choose from "
-                         + ", ".join(MODES))
-    if args.steps < 2:
+    args.modes = _choices(args.modes, MODES, "--modes")
+    args.scales = _choices(args.scales, SCALES, "--scales")
+    if args.steps < 2 or (args.timing_steps is not None and args.timing_steps < 2):
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
+    if args.ranks < MIN_TIMING_RANKS:
+        raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
+                         f"rollout ranks), found {args.ranks}")
     return args
 
 
+def _choices(text: str, known: Sequence[str], option: str) -> list[str]:
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in known]
+    if unknown or not chosen:
+        raise SfhpcError(f"{option}: unknown value {unknown[0] if unknown else '(none)'!r}; choose from "
+                         + ", ".join(known))
+    return [m for m in known if m in chosen]  # in the order of the table
+
+
+# -- the recipes ----------------------------------------------------------------------------------------
+def role_ranks(role: Mapping[str, Any]) -> int:
+    """Ranks a role of plain recipe data owns (0 when colocated, `tasks` when placed with another)."""
+    if "colocate_with" in role:
+        return 0
+    if "place_with" in role:
+        return int(role.get("tasks", 1))
+    return int(role.get("nodes", 1)) * int(role.get("tasks_per_node", 1))
+
+
 def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Path) -> dict[str, Any]:
-    """The base recipe (as loaded from YAML) for one mode and a short budget."""
+    """The base recipe (disaggregated, as loaded from YAML) for one mode and a short budget, on the same
+    ranks: async as written, seamless with the trainer's nodes tagged rollout, sync colocated on them all."""
     recipe = json.loads(json.dumps(base))  # a deep copy of plain YAML data
     recipe["name"] = f"{base.get('name', 'recipe')}-{mode}"
     recipe["output_dir"] = str(output_dir)
@@ -61,35 +107,71 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
     budgets.pop("wall_minutes", None)
     recipe.setdefault("pipeline", {})["mode"] = mode
     roles = recipe.setdefault("roles", {})
-    if mode == "sync":
-        trainer = roles.setdefault("trainer", {})
+    trainer, rollout = roles.setdefault("trainer", {}), roles.setdefault("rollout", {})
+    if "colocate_with" in rollout:
+        raise SfhpcError(f"the pipeline benchmark needs a disaggregated recipe (rollout on ranks of its own) to run "
+                         f"async and seamless; {base.get('name')!r} colocates rollout with the trainer")
+    if mode in ("sync", "seamless"):
         trainer["tags"] = sorted(set(trainer.get("tags", ["train"])) | {"rollout"})
+    if mode == "sync":
+        # The same ranks, every one of them training and generating.
+        trainer.update(nodes=1, tasks_per_node=role_ranks(trainer) + role_ranks(rollout))
         roles["rollout"] = {"colocate_with": "trainer"}
-    elif "colocate_with" in roles.get("rollout", {}):
-        raise SfhpcError("async mode needs a disaggregated recipe (rollout on ranks of its own); "
-                         f"{base.get('name')!r} colocates rollout with the trainer")
     return recipe
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Throughput and the split of step time, over the steps after the first."""
-    steady = rows[1:]
-    step_s = sum(r["step_s"] for r in steady)
-    train_s = sum(r["train_s"] for r in steady)
-    sync_s = sum(r["sync_s"] for r in steady)
-    trained = sum(r["trained_tokens"] for r in steady)
-    generated = sum(r["generated_tokens"] for r in steady)
-    return {"steps": len(steady), "step_seconds": step_s,
-            "median_step_s": statistics.median(r["step_s"] for r in steady),
-            "trained_tokens": trained, "generated_tokens": generated,
-            "trained_tokens_per_s": trained / step_s, "generated_tokens_per_s": generated / step_s,
-            "wait_share": max(0.0, step_s - train_s - sync_s) / step_s, "train_share": train_s / step_s,
-            "sync_share": sync_s / step_s, "reward_first": rows[0]["reward_mean"],
-            "reward_last": rows[-1]["reward_mean"], "max_staleness": max(r.get("max_staleness", 0) for r in rows)}
+def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0) -> dict[str, Any]:
+    """The workload of the timing scale on `ranks` ranks: the long-tailed ``repeat-letter`` task, test engines
+    and a trainer that are timing models of `costs` (a `CostModel` with one GPU type for engines and
+    trainers alike). A quarter of the ranks train, the rest but the controller generate."""
+    trainers = max(1, (ranks - 1) // 4)
+    rollouts = ranks - 1 - trainers
+    device = next(iter(costs.devices.values()))
+    prompts = max(4, 2 * rollouts)
+    recipe: dict[str, Any] = {
+        "name": f"bench-timing-{ranks}",
+        "seed": seed,
+        "model": {"max_seq_len": 256},
+        "algorithm": {"name": "grpo", "group_size": 4},
+        "pipeline": {"mode": "async", "max_staleness": 1},
+        "budgets": {"steps": 8, "prompts_per_step": prompts, "max_new_tokens": 130},
+        "task": {"name": "repeat-letter", "options": {"max_count": 128, "alpha": 1.0}},
+        "engine": {"name": "test", "writes_to_budget": True, "token_delay_s": round(device.decode_base_s, 6),
+                   "per_sequence_s": round(device.decode_per_sequence_s, 7),
+                   "prefill_per_token_s": round(device.prefill_per_token_s, 8),
+                   "weight_load_s": round(costs.weight_sync_s(rollouts), 4)},
+        "training": {"backend": "timing", "timing_per_token_s": round(device.train_per_token_s, 8)},
+        "roles": {"controller": {"place_with": "trainer"},
+                  "trainer": {"tags": ["train"], "nodes": 1, "tasks_per_node": trainers},
+                  "rollout": {"tags": ["rollout"], "nodes": 1, "tasks_per_node": rollouts}},
+    }
+    if model_path is not None:
+        recipe["model"]["path"] = model_path
+    return recipe
 
 
-def run_mode(recipe_data: dict[str, Any], path: Path) -> tuple[Path, dict[str, Any]]:
-    """Write `recipe_data` to `path`, run it with ``sfhpc run`` and summarize its metrics."""
+def timing_costs(calibration: dict[str, Any] | None) -> Any:
+    """The cost model of the timing scale: calibrated on the small scale's async run when there is one."""
+    from sfhpc.bench.cost_model import CostModel
+
+    if calibration is None:
+        published = CostModel.published("qwen2.5-7b", ("h100", "l40s"))
+        # One GPU type per run here: engines decode at the L40S's pace, the trainer trains at the H100's.
+        engine, trainer = published.device("l40s"), published.device("h100")
+        import dataclasses
+
+        device = dataclasses.replace(engine, train_per_token_s=trainer.train_per_token_s)
+        return dataclasses.replace(published, devices={"gpu": device},
+                                   source=published.source + " (engines L40S, trainer H100)")
+    return CostModel.calibrated_from(calibration["rows"], trainer_gpus=calibration["trainers"],
+                                     rollout_engines=calibration["engines"], concurrency=calibration["concurrency"],
+                                     weight_bytes=calibration["weight_bytes"])
+
+
+# -- one run ----------------------------------------------------------------------------------------------
+def run_mode(recipe_data: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Write `recipe_data` to `path`, run it on this machine and measure it. A mode this version refuses
+    before a job starts comes back as ``{"available": False, "reason": ...}``."""
     from sfhpc.config import load_recipe
     from sfhpc.launch.local import local_cluster_map, run_local
     from sfhpc.launch.resolve import resolve
@@ -99,18 +181,177 @@ def run_mode(recipe_data: dict[str, Any], path: Path) -> tuple[Path, dict[str, A
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe_data, sort_keys=False))
     recipe = load_recipe(str(path))
-    check_runnable(recipe)
+    mode = recipe.pipeline.mode
+    try:
+        check_runnable(recipe)
+    except SfhpcError as exc:
+        if mode != "seamless":
+            raise
+        return {"available": False, "reason": str(exc).split(": ", 2)[-1]}
     plan = resolve(recipe, local_cluster_map(recipe))
     run_dir = new_run_dir(recipe.output_dir, recipe.name)
-    print(f"== {recipe.name}: {plan.world_size} ranks, run folder {run_dir}", flush=True)
-    if run_local(plan, str(path), None, run_dir) != 0:
-        raise SfhpcError(f"the {recipe.pipeline.mode} run failed; its logs are in {run_dir / 'logs'}")
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return run_dir, summarize(rows)
+    log = path.with_suffix(".log")
+    print(f"== {recipe.name}: {plan.world_size} ranks, {recipe.budgets.steps} steps; run folder {run_dir}, "
+          f"log {log}", flush=True)
+    started = time.monotonic()
+    with open(log, "w", encoding="utf-8") as output:
+        code = run_local(plan, str(path), None, run_dir, output=output)
+    wall_s = time.monotonic() - started
+    if code != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]).strip()
+        raise SfhpcError(f"the {mode} run of {recipe.name} failed (exit {code}); its log is {log}: {tail[-400:]}")
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    figures = {"available": True, "run_dir": str(run_dir), "ranks": plan.world_size, "wall_s": wall_s,
+               "trainer_ranks": sum("trainer" in s.roles for s in plan.ranks()),
+               "rollout_ranks": sum("rollout" in s.roles for s in plan.ranks()), **summarize(metrics)}
+    figures.update(store_figures(run_dir))
+    figures["events"] = [e.get("event") for e in read_events(run_dir)]
+    figures["ran_as"] = next((e["mode"] for e in read_events(run_dir) if e.get("event") == "pipeline"), mode)
+    return figures
 
 
-def plot(results: list[dict[str, Any]], out: Path) -> Path | None:
-    """Mean seconds per step, split into wait for batch / train / weight sync, one bar per mode."""
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Throughput, the split of the controller's step time, staleness and lending, over the steps after the
+    first (engine warm-up)."""
+    steady = rows[1:]
+    step_s = sum(r["step_s"] for r in steady)
+    train_s = sum(r["train_s"] for r in steady)
+    sync_s = sum(r["sync_s"] for r in steady)
+    trained = sum(r["trained_tokens"] for r in steady)
+    generated = sum(r["generated_tokens"] for r in steady)
+    weights = [r["generated_tokens"] for r in steady]
+    stale = [r.get("mean_staleness", 0.0) for r in steady]
+    reclaims = [r["reclaim_s"] for r in steady if r.get("reclaim_s")]
+    last = rows[-1] if rows else {}
+    return {"steps": len(steady), "step_seconds": step_s,
+            "median_step_s": statistics.median(r["step_s"] for r in steady),
+            "trained_tokens": trained, "generated_tokens": generated,
+            "trained_tokens_per_s": trained / step_s, "generated_tokens_per_s": generated / step_s,
+            "wait_share": max(0.0, step_s - train_s - sync_s) / step_s, "train_share": train_s / step_s,
+            "sync_share": sync_s / step_s, "reward_first": rows[0]["reward_mean"],
+            "reward_last": rows[-1]["reward_mean"],
+            "mean_staleness": sum(w * s for w, s in zip(weights, stale)) / max(sum(weights), 1),
+            "max_staleness": max(r.get("max_staleness", 0) for r in rows),
+            "lends": int(last.get("lends", 0)), "reclaims": int(last.get("reclaims", 0)),
+            "reclaim_latency_mean_s": statistics.mean(reclaims) if reclaims else None,
+            "reclaim_latency_max_s": max(reclaims) if reclaims else None}
+
+
+def read_events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def discarded_tokens(statuses: Sequence[str], generated: Sequence[int], segment_kinds: Sequence[str],
+                     segment_tokens: Sequence[int], segment_used: Sequence[int],
+                     segment_discarded_status: Sequence[bool]) -> int:
+    """Policy-generated tokens never to be trained on: every generated token of a stale, aborted or failed
+    trajectory, and in the others the generated segments' tokens off the trajectory's branch (a cut
+    generation that was not continued from its prefix). `segment_discarded_status` marks the segments of
+    trajectories already counted whole."""
+    whole = sum(int(g) for s, g in zip(statuses, generated) if s in DISCARDED_STATUSES)
+    off_branch = sum(int(t) - int(u) for k, t, u, d in zip(segment_kinds, segment_tokens, segment_used,
+                                                            segment_discarded_status)
+                     if k == "generated" and not d)
+    return whole + off_branch
+
+
+def store_figures(run_dir: Path) -> dict[str, Any]:
+    """Tokens discarded, and the bubble fraction and intervals of the run's timeline (when the store has one)."""
+    from sfhpc.analysis import open_run
+
+    figures: dict[str, Any] = {}
+    with open_run(run_dir) as run:
+        trajectories = run.trajectories()
+        segments = run.segments()
+        status_of = dict(zip(trajectories["id"], trajectories["status"]))
+        dropped = [status_of.get(t) in DISCARDED_STATUSES for t in segments["trajectory"]]
+        figures["tokens_discarded"] = discarded_tokens(
+            list(trajectories["status"]), list(trajectories["generated_tokens"]), list(segments["kind"]),
+            list(segments["tokens"]), list(segments["used"]), dropped)
+        figures["trajectories_by_status"] = {str(k): int(v) for k, v in trajectories["status"].value_counts().items()}
+        figures["timeline"] = after_first_step(timeline_rows(run_dir))
+    if figures["timeline"]:
+        from sfhpc.data.rank_intervals import bubble_fraction
+
+        rows = figures["timeline"]
+        bubble = bubble_fraction([r["role"] for r in rows], [r["state"] for r in rows], [r["t_start"] for r in rows],
+                                 [r["t_end"] for r in rows])
+        figures["bubble"] = bubble.as_dict()
+        figures["bubble_text"] = bubble.format()
+    else:
+        figures["bubble"] = None
+        figures["bubble_text"] = "not recorded"
+    return figures
+
+
+def after_first_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timeline from the end of the first training step on, intervals clipped there: like the step
+    figures, it leaves out the start-up (ranks coming up while the first episodes were handed out)."""
+    ends = [r["t_end"] for r in rows if r["state"] == "training"]
+    if not ends:
+        return rows
+    cutoff = min(ends)
+    return [{**r, "t_start": max(r["t_start"], cutoff)} for r in rows if r["t_end"] > cutoff]
+
+
+def timeline_rows(run_dir: Path) -> list[dict[str, Any]]:
+    """The store's timeline table as plain rows (empty for a store without one)."""
+    from sfhpc.data import open_store
+
+    with open_store(run_dir / "trajectories.h5") as store:
+        try:
+            rows = store.table("timeline")
+        except KeyError:
+            return []
+        return [{"rank": int(r["rank"]), "role": _text(r["role"]), "state": _text(r["state"]),
+                 "t_start": float(r["t_start"]), "t_end": float(r["t_end"]), "step": int(r["step"])} for r in rows]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# -- output ---------------------------------------------------------------------------------------------
+def _pct(value: float | None) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{100 * value:.1f}%"
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _by_role(by_role: Mapping[str, float | None]) -> str:
+    return ", ".join(f"{role} {_pct(value)}" for role, value in by_role.items()) or "-"
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    rows = []
+    for r in results:
+        if not r.get("available", True):
+            rows.append([r["scale"], r["mode"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+                         "not available"])
+            continue
+        sync = next((s for s in results if s["scale"] == r["scale"] and s["mode"] == "sync" and s.get("available")),
+                    None)
+        ratio = f"{r['trained_tokens_per_s'] / sync['trained_tokens_per_s']:.2f}x" if sync else "-"
+        bubble = r.get("bubble") or {}
+        ran_as = "" if r.get("ran_as", r["mode"]) == r["mode"] else f" (as {r['ran_as']})"
+        rows.append([r["scale"], r["mode"] + ran_as,
+                     str(r["ranks"]), str(r["steps"]), f"{r['trained_tokens_per_s']:,.0f}", ratio,
+                     _pct(bubble.get("overall")), _by_role(bubble.get("by_role") or {}),
+                     f"{r['tokens_discarded']:,}", f"{r['mean_staleness']:.2f}/{r['max_staleness']}",
+                     f"{r['lends']}/{r['reclaims']}",
+                     f"{_secs(r['reclaim_latency_mean_s'])}/{_secs(r['reclaim_latency_max_s'])}", f"{r['wall_s']:.0f}"])
+    return format_table(["scale", "mode", "ranks", "steps", "trained tok/s", "vs sync", "bubble", "bubble by role",
+                         "discarded tok", "staleness mean/max", "lends/reclaims",
+                         "reclaim s mean/max", "wall s"], rows)
+
+
+def timeline_chart(result: dict[str, Any], out: Path) -> Path | None:
+    """Every rank's states over time (one row per rank), or the controller's step phases without a timeline."""
     try:
         import matplotlib
 
@@ -118,45 +359,146 @@ def plot(results: list[dict[str, Any]], out: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig, ax = plt.subplots(figsize=(7, 1.2 + 0.7 * len(results)))
-    labels = [f"{r['mode']}\n{r['trained_tokens_per_s']:,.0f} trained tok/s" for r in results]
-    left = [0.0] * len(results)
-    for key, name, color in (("wait_share", "waiting for the batch (trainer idle)", "tab:gray"),
-                             ("train_share", "training", "tab:blue"),
-                             ("sync_share", "weight sync (engines paused)", "tab:orange")):
-        widths = [r[key] * r["step_seconds"] / r["steps"] for r in results]
-        ax.barh(labels, widths, left=left, color=color, label=name)
-        left = [a + b for a, b in zip(left, widths)]
-    ax.set_xlabel("seconds per training step (mean over the steps after the first)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.35 - 0.1 * len(results)), ncol=3, fontsize=8)
+    rows = result.get("timeline") or []
+    title = (f"{result['scale']} scale, {result['mode']}: {result['trained_tokens_per_s']:,.0f} trained tok/s, "
+             f"bubble {_pct((result.get('bubble') or {}).get('overall'))}")
+    if result["scale"] == "timing":
+        title += " (compute modelled)"
+    ranks = sorted({r["rank"] for r in rows})
+    fig, ax = plt.subplots(figsize=(10, 1.0 + 0.22 * max(len(ranks), 3)))
+    if rows:
+        t0 = min(r["t_start"] for r in rows)
+        for row, rank in enumerate(ranks):
+            for state, colour in STATE_COLOURS.items():
+                spans = [(r["t_start"] - t0, r["t_end"] - r["t_start"]) for r in rows
+                         if r["rank"] == rank and r["state"] == state]
+                if spans:
+                    ax.broken_barh(spans, (row - 0.4, 0.8), color=colour, label=state if row == 0 else None)
+        ax.set_yticks(range(len(ranks)))
+        roles = {r["rank"]: r["role"] for r in rows}
+        ax.set_yticklabels([f"{rank} {roles[rank]}" for rank in ranks], fontsize=6)
+        ax.set_xlabel("seconds since the first recorded interval")
+        handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in STATE_COLOURS.values()]
+        ax.legend(handles, list(STATE_COLOURS), loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=5, fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no timeline recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(fig)
     return out
 
 
+def throughput_chart(results: list[dict[str, Any]], out: Path) -> Path | None:
+    """Trained tokens/s per mode, one panel per scale."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    scales = [s for s in SCALES if any(r["scale"] == s for r in results)]
+    fig, axes = plt.subplots(1, len(scales), figsize=(4.5 * len(scales), 3), squeeze=False)
+    for ax, scale in zip(axes[0], scales):
+        mine = [r for r in results if r["scale"] == scale and r.get("available", True)]
+        ax.bar([r["mode"] for r in mine], [r["trained_tokens_per_s"] for r in mine],
+               color=["tab:gray", "tab:blue", "tab:purple"][: len(mine)])
+        ax.set_title(f"{scale} scale" + (" (compute modelled)" if scale == "timing" else " (measured)"), fontsize=9)
+        ax.set_ylabel("trained tokens/s")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def weight_bytes(model_dir: Path) -> float:
+    """Bytes of the engines' weights in a model folder (safetensors files)."""
+    return float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or 1.0
+
+
+# -- the benchmark -----------------------------------------------------------------------------------------
+def run_scale(scale: str, base: dict[str, Any], modes: Sequence[str], steps: int, bench_dir: Path,
+              modelled: str) -> list[dict[str, Any]]:
+    """Every mode of one scale. The model the first run builds (and warm-starts) is every later run's
+    ``model.path``: each mode starts from the same policy, and the build is paid once."""
+    base = json.loads(json.dumps(base))
+    results = []
+    for mode in modes:
+        data = recipe_for_mode(base, mode, steps, bench_dir / scale)
+        figures = run_mode(data, bench_dir / scale / f"{data['name']}.yaml")
+        result = {"scale": scale, "mode": mode, "modelled": modelled, **figures}
+        if not figures["available"]:
+            print(f"{scale} scale, seamless: not available ({figures['reason']})", flush=True)
+        model = base.setdefault("model", {})
+        if figures["available"] and not model.get("path"):
+            model["path"] = str(Path(figures["run_dir"]).resolve() / "model")
+            model.pop("warm_start_steps", None)
+        result["model"] = model.get("path")
+        results.append(result)
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    base = read_recipe_mapping(args.recipe)
-    bench_dir = args.out.parent
-    results = []
-    for mode in args.modes:
-        data = recipe_for_mode(base, mode, args.steps, bench_dir / "pipeline")
-        run_dir, summary = run_mode(data, bench_dir / "pipeline" / f"{data['name']}.yaml")
-        results.append({"mode": mode, "run_dir": str(run_dir), **summary})
-    rows = [[r["mode"], str(r["steps"]), f"{r['median_step_s']:.2f}", f"{r['trained_tokens_per_s']:,.0f}",
-             f"{r['generated_tokens_per_s']:,.0f}", f"{100 * r['wait_share']:.0f}%", f"{100 * r['train_share']:.0f}%",
-             f"{100 * r['sync_share']:.0f}%", str(r["max_staleness"])] for r in results]
-    print(f"pipeline throughput, recipe {args.recipe}, {args.steps} steps per mode (first step left out)")
-    print(format_table(["mode", "steps", "median step s", "trained tok/s", "generated tok/s", "wait for batch",
-                        "train", "weight sync", "max staleness"], rows))
+    bench_dir = args.out.parent / "pipeline"
+    started = time.monotonic()
+    results: list[dict[str, Any]] = []
+    notes: dict[str, str] = {}
+    calibration = None
+    model_path: str | None = None
+    if "small" in args.scales:
+        base = read_recipe_mapping(args.recipe)
+        notes["small"] = ("measured: real vLLM engines, real torch training, MPI, the trajectory manager and store "
+                          f"(recipe {args.recipe})")
+        print(f"small scale: {notes['small']}", flush=True)
+        small = run_scale("small", base, args.modes, args.steps, bench_dir, modelled="nothing")
+        results += small
+        calibrating = next((r for r in small if r["mode"] == "async" and r.get("available")), None)
+        if calibrating is not None:
+            run_dir = Path(calibrating["run_dir"])
+            model_dir = Path(calibrating["model"])
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+            budgets = base.get("budgets", {})
+            in_flight = (int(budgets.get("prompts_per_step", 16)) * int(base.get("algorithm", {}).get("group_size", 8))
+                         * (int(base.get("pipeline", {}).get("max_staleness", 1)) + 1))
+            calibration = {"rows": rows, "trainers": calibrating["trainer_ranks"],
+                           "engines": calibrating["rollout_ranks"],
+                           "concurrency": max(1, in_flight // max(calibrating["rollout_ranks"], 1)),
+                           "weight_bytes": weight_bytes(model_dir)}
+            model_path = str(model_dir)
+    if "timing" in args.scales:
+        costs = timing_costs(calibration)
+        base = timing_recipe(args.ranks, costs, model_path=model_path)
+        notes["timing"] = ("modelled: engine decode/prefill/weight-load times and trainer step times (timing-model "
+                           f"test engine and 'timing' trainer backend; {costs.source}); real: the scheduler, "
+                           "trajectory manager, store, agents, endpoint, weight broadcast and MPI")
+        print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
+        results += run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
+                             modelled=notes["timing"])
+    elapsed = time.monotonic() - started
+    print(f"pipeline benchmark, {args.steps} steps per run (the first left out), long-tailed workload "
+          f"(repeat-letter), {elapsed:.0f} s in all")
+    print(table(results))
+    for scale, note in notes.items():
+        print(f"{scale}: {note}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    charts = []
+    for r in results:
+        if r.get("available", True):
+            chart = timeline_chart(r, args.out.with_name(f"{args.out.stem}-{r['scale']}-{r['mode']}.png"))
+            if chart is not None:
+                charts.append(str(chart))
+                r["chart"] = str(chart)
+    summary_chart = throughput_chart(results, args.out.with_suffix(".png"))
+    if summary_chart is not None:
+        charts.append(str(summary_chart))
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
+                                    "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
                                     "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
-    chart = plot(results, args.out.with_suffix(".png"))
-    if chart is not None:
-        print(f"chart: {chart}")
+    if charts:
+        print("charts: " + ", ".join(charts))
     return 0
 
 

@@ -174,18 +174,29 @@ class AlgorithmSpec:
 @dataclasses.dataclass(frozen=True)
 class TrainingSpec:
     """The training backend: ``torch`` (CPU default; DDP over gloo across trainer ranks) or ``megatron``
-    (megatron-core, for GPUs; trainer ranks = tensor x pipeline x data parallel)."""
+    (megatron-core, for GPUs; trainer ranks = tensor x pipeline x data parallel), or ``timing``, a timing
+    model for benchmarks (`sfhpc.trainer.timing_trainer`): it learns nothing, a step lasts
+    ``timing_step_s`` plus ``timing_per_token_s`` per trained token over the trainer ranks, and the policy
+    version moves as a real trainer's would."""
 
-    backend: Literal["torch", "megatron"] = "torch"
+    backend: Literal["torch", "megatron", "timing"] = "torch"
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
     checkpoint_every: int = 0          # steps between trainer checkpoints (0: only at the end of the run)
+    timing_step_s: float = 0.0         # backend timing: seconds of every step
+    timing_per_token_s: float = 0.0    # backend timing: seconds per trained token on one trainer rank
 
     def validate(self, where: Where) -> None:
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
-        if self.backend == "torch" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
+        for key in ("timing_step_s", "timing_per_token_s"):
+            if not getattr(self, key) >= 0:
+                raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
+            if getattr(self, key) and self.backend != "timing":
+                raise where.child(key).error("sets the 'timing' backend's step time; leave it out for "
+                                             f"'{self.backend}'")
+        if self.backend != "megatron" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise where.child("backend").error("tensor/pipeline parallelism needs backend 'megatron'")
 
 
@@ -203,16 +214,29 @@ class EngineSpec:
     """The rollout engine: ``vllm`` (the policy model served by vLLM), or ``test``, the deterministic test
     engine: not a language model (it writes lower-case letters, its "weights" are a hash of the policy's),
     for exercising the pipeline, preemption and scheduling without vLLM's start-up cost.
-    ``token_delay_s`` paces the test engine's generation (0 for vLLM)."""
+    ``token_delay_s`` paces the test engine's generation (0 for vLLM).
+
+    The test engine as a timing model (`sfhpc.engine.scripted`): a decode step takes ``token_delay_s`` plus
+    ``per_sequence_s`` for every sequence in flight, a prompt ``prefill_per_token_s`` per token, a weight
+    load ``weight_load_s``; with ``writes_to_budget`` it never ends a reply on its own, so every reply is
+    as long as the task lets it be (a model that answers at the length asked for)."""
 
     name: Literal["vllm", "test"] = "vllm"
     token_delay_s: float = 0.0
+    per_sequence_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    weight_load_s: float = 0.0
+    writes_to_budget: bool = False
 
     def validate(self, where: Where) -> None:
-        if not self.token_delay_s >= 0:
-            raise where.child("token_delay_s").error(f"must be 0 or more seconds, found {self.token_delay_s}")
-        if self.name == "vllm" and self.token_delay_s:
-            raise where.child("token_delay_s").error("paces the 'test' engine only; leave it out for vLLM")
+        timing = ("token_delay_s", "per_sequence_s", "prefill_per_token_s", "weight_load_s")
+        for key in timing:
+            if not getattr(self, key) >= 0:
+                raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
+        if self.name == "vllm":
+            for key in (*timing, "writes_to_budget"):
+                if getattr(self, key):
+                    raise where.child(key).error("paces the 'test' engine only; leave it out for vLLM")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,6 +11,13 @@ Its weights are two named values: ``seed`` (int) picks the hash, ``scale`` (floa
 the logits. In an RL run (``engine: {name: test}``) it is sent the policy's real tensors instead: their
 digest becomes the seed, so every new version generates differently, as a model would. A per-token delay
 makes generation slow enough for pauses and stop signals to land mid-generation.
+
+Timing model. With the delays of a cost model (`sfhpc.bench.cost_model`) the engine stands in for a
+GPU engine's *speed* while its text stays a hash: a decode step of a batch costs ``token_delay +
+per_sequence_delay * in_flight`` (memory-bound decoding: every sequence in flight gets one token per
+step, and each one makes the step a little longer), a request's prompt costs ``prefill_delay`` per token
+before its first token, and a weight load pauses generation for ``load_delay``. Compute is modelled;
+the streaming, pausing, interrupting and the versions of the tokens are the engine's real ones.
 """
 
 from __future__ import annotations
@@ -36,13 +43,15 @@ class ScriptedEngine(RolloutEngine):
 
     def __init__(self, *, seed: int = 0, scale: float = 3.0, vocab: Sequence[int] = DEFAULT_VOCAB,
                  window: int = 8, token_delay: float = 0.0, max_model_len: int = 256, name: str = "scripted",
-                 version: int = 0) -> None:
+                 version: int = 0, per_sequence_delay: float = 0.0, prefill_delay: float = 0.0,
+                 load_delay: float = 0.0) -> None:
         super().__init__(name, version=version)
         if len(set(vocab)) != len(vocab) or len(vocab) < 2:
             raise ValueError("vocab must hold at least two distinct token ids")
         self.vocab = tuple(vocab)
         self.window = window
         self.token_delay = token_delay
+        self.per_sequence_delay, self.prefill_delay, self.load_delay = per_sequence_delay, prefill_delay, load_delay
         self._seed = seed
         self._scale = scale
         self._max_model_len = max_model_len
@@ -96,6 +105,10 @@ class ScriptedEngine(RolloutEngine):
                 return self.vocab[i], logprobs[i]
         return self.vocab[kept[-1]], logprobs[kept[-1]]
 
+    def step_delay(self) -> float:
+        """Seconds until the next token of every request in flight: the timing model's decode step."""
+        return self.token_delay + self.per_sequence_delay * len(self._active)
+
     # -- the engine ----------------------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         if request.request_id in self._active:
@@ -112,8 +125,10 @@ class ScriptedEngine(RolloutEngine):
             if budget <= 0:
                 yield GenerationChunk(rid, (), (), (), "length")
                 return
+            if self.prefill_delay:
+                await asyncio.sleep(self.prefill_delay * len(context))
             while True:
-                await asyncio.sleep(self.token_delay)  # also yields to other requests when the delay is 0
+                await asyncio.sleep(self.step_delay())  # also yields to other requests when the delay is 0
                 # No await between this check and the sample: once pause() returned, no old request
                 # produces a token, and every token carries the version that really produced it.
                 if self.paused or self.pauses != epoch or rid in self._aborted:
@@ -144,6 +159,11 @@ class ScriptedEngine(RolloutEngine):
 
     async def _resume_generation(self) -> None:
         return
+
+    async def load_weights(self, weights: Iterable[tuple[str, Any]], *, version: int | None = None) -> int:
+        if self.load_delay:
+            await asyncio.sleep(self.load_delay)  # the timing model's pause for a version's load, once per version
+        return await super().load_weights(weights, version=version)
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         named = dict(weights)

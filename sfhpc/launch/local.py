@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import IO
 
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.config.recipe import Recipe
@@ -47,10 +48,12 @@ def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None
 
 
 def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
-              probe: bool = False) -> int:
-    """Start every rank with mpiexec and wait; returns mpiexec's exit code."""
+              probe: bool = False, output: IO[str] | None = None) -> int:
+    """Start every rank with mpiexec and wait; returns mpiexec's exit code. The ranks' output goes to this
+    process's, or to `output` (a file) when given."""
     env = dict(os.environ)
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe), env=env)
+    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe), env=env,
+                           stdout=output, stderr=None if output is None else subprocess.STDOUT)

@@ -24,11 +24,19 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
     restored from the trainer state file `resume_from` when the run continues from a checkpoint."""
     from sfhpc.trainer.distributed import DistSpec
 
+    if recipe.training.backend == "timing":  # a timing model (benchmarks): sleeps the modelled step
+        from sfhpc.trainer.timing_trainer import TimingTrainer
+
+        trainer: Any = TimingTrainer(layout.trainers, step_s=recipe.training.timing_step_s,
+                                     per_token_s=recipe.training.timing_per_token_s)
+        if resume_from is not None:
+            trainer.load_checkpoint(resume_from)
+        return trainer
     dist = DistSpec.from_mpi(layout.trainers)
     if recipe.training.backend == "megatron":
         from sfhpc.trainer.megatron_backend import MegatronTrainer
 
-        trainer: Any = MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
+        trainer = MegatronTrainer.from_recipe(recipe, model_dir, dist=dist)
     else:
         from sfhpc.trainer.torch_trainer import TorchTrainer
 

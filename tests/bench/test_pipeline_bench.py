@@ -1,17 +1,24 @@
-"""The pipeline benchmark's own logic: the recipes it derives per mode and the figures it computes.
-
-(Running it is `make bench`: two real runs with vLLM engines, minutes; the RL runs it is made of are
-tested in tests/rl.)
-"""
+"""The pipeline benchmark: the recipes it derives per mode on the same ranks, the figures it computes, and
+one real invocation at the timing scale (mpiexec, the real scheduler, manager, store and agents; engines
+and trainer are timing models) that writes its table, JSON and a timeline chart for every mode."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from sfhpc.bench.pipeline import recipe_for_mode, summarize
+from sfhpc.bench.cost_model import CostModel
+from sfhpc.bench.pipeline import (
+    after_first_step,
+    discarded_tokens,
+    recipe_for_mode,
+    summarize,
+    timing_costs,
+    timing_recipe,
+)
 from sfhpc.config import load_recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch.local import local_cluster_map
@@ -26,37 +33,121 @@ def _resolved(data: dict, tmp_path: Path):  # type: ignore[no-untyped-def]
     return recipe, resolve(recipe, local_cluster_map(recipe))
 
 
-def test_the_demo_recipe_becomes_a_short_async_run_and_a_colocated_sync_run(tmp_path: Path) -> None:
-    demo = yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())
-    async_recipe, async_plan = _resolved(recipe_for_mode(demo, "async", 7, tmp_path / "out"), tmp_path)
-    sync_recipe, sync_plan = _resolved(recipe_for_mode(demo, "sync", 7, tmp_path / "out"), tmp_path)
-    for recipe, mode in ((async_recipe, "async"), (sync_recipe, "sync")):
+def test_every_mode_runs_the_same_workload_on_the_same_ranks(tmp_path: Path) -> None:
+    base = yaml.safe_load((ROOT / "recipes" / "bench-pipeline.yaml").read_text())
+    base["roles"]["rollout"]["tasks_per_node"] = 3
+    as_loaded = json.loads(json.dumps(base))
+    plans = {}
+    for mode in ("sync", "async", "seamless"):
+        recipe, plan = _resolved(recipe_for_mode(base, mode, 7, tmp_path / "out"), tmp_path)
         assert recipe.pipeline.mode == mode and recipe.budgets.steps == 7 and recipe.budgets.wall_minutes is None
-        assert recipe.name == f"demo-{mode}" and recipe.output_dir == str(tmp_path / "out")
-        assert recipe.algorithm == load_recipe(str(ROOT / "recipes" / "demo.yaml")).algorithm  # same learning
-    # async keeps rollout on ranks of its own; sync runs it on the trainer's ranks.
-    assert [sorted(c.roles) for c in async_plan.components] == [["controller", "trainer"], ["rollout"]]
-    assert [sorted(c.roles) for c in sync_plan.components] == [["controller", "rollout", "trainer"]]
-    assert demo == yaml.safe_load((ROOT / "recipes" / "demo.yaml").read_text())  # the loaded data is left as it was
-    colocated = recipe_for_mode(demo, "sync", 3, tmp_path)
+        assert recipe.name == f"bench-pipeline-{mode}" and recipe.output_dir == str(tmp_path / "out")
+        assert recipe.task.name == "repeat-letter" and recipe.algorithm.group_size == 4  # the same learning
+        plans[mode] = plan
+    assert {p.world_size for p in plans.values()} == {5}  # controller + 1 trainer + 3 rollout, in every mode
+    # async: rollout on ranks of its own; seamless: the same, the trainer's node tagged rollout (lendable);
+    # sync: every one of those ranks trains and generates.
+    assert [sorted(c.roles) for c in plans["async"].components] == [["controller", "trainer"], ["rollout"]]
+    assert [sorted(c.roles) for c in plans["seamless"].components] == [["controller", "trainer"], ["rollout"]]
+    assert [sorted(c.roles) for c in plans["sync"].components] == [["controller", "rollout", "trainer"]]
+    sync_ranks = [s for s in plans["sync"].ranks() if "trainer" in s.roles]
+    assert len(sync_ranks) == 4 and all("rollout" in s.roles for s in sync_ranks)
+    seamless = recipe_for_mode(base, "seamless", 7, tmp_path)
+    assert "rollout" in seamless["roles"]["trainer"]["tags"]
+    assert base == as_loaded  # the loaded data is left as it was
     with pytest.raises(SfhpcError, match="disaggregated"):
-        recipe_for_mode(colocated, "async", 3, tmp_path)
+        recipe_for_mode(recipe_for_mode(base, "sync", 3, tmp_path), "async", 3, tmp_path)
 
 
-def test_throughput_and_the_split_of_step_time_leave_the_first_step_out() -> None:
-    def row(step: int, step_s: float, train_s: float, sync_s: float, reward: float) -> dict:
+def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) -> None:
+    rows = [{"trained_tokens": 1000, "train_s": 2.0, "generated_tokens": 300, "step_s": 3.0, "sync_s": 0.1}] * 4
+    costs = timing_costs({"rows": rows, "trainers": 1, "engines": 2, "concurrency": 8, "weight_bytes": 2e7})
+    device = costs.device("cpu")
+    assert device.train_per_token_s == pytest.approx(2.0 / 1000)
+    assert device.tokens_per_s(8) == pytest.approx(300 / 3.0 / 2)  # one engine's decode rate, as measured
+    recipe, plan = _resolved(timing_recipe(32, costs, model_path=None), tmp_path)
+    assert plan.world_size == 32
+    assert (recipe.engine.name, recipe.engine.writes_to_budget, recipe.training.backend) == ("test", True, "timing")
+    assert recipe.engine.token_delay_s == pytest.approx(device.decode_base_s, rel=1e-3)
+    assert recipe.engine.per_sequence_s == pytest.approx(device.decode_per_sequence_s, rel=1e-3)
+    assert recipe.training.timing_per_token_s == pytest.approx(device.train_per_token_s, rel=1e-3)
+    assert sum("trainer" in s.roles for s in plan.ranks()) == 7 and recipe.task.name == "repeat-letter"
+    published = timing_costs(None)
+    assert "published" in published.source and set(published.devices) == {"gpu"}
+    assert published.device("gpu").train_per_token_s == CostModel.published().device("h100").train_per_token_s
+
+
+def test_throughput_staleness_and_reclaims_leave_the_first_step_out() -> None:
+    def row(step: int, step_s: float, train_s: float, sync_s: float, reward: float, **extra: float) -> dict:
         return {"step": step, "step_s": step_s, "train_s": train_s, "sync_s": sync_s, "trained_tokens": 1000,
-                "generated_tokens": 200, "reward_mean": reward, "max_staleness": step % 2}
+                "generated_tokens": 100 * step, "reward_mean": reward, "max_staleness": step % 2,
+                "mean_staleness": 0.5 * (step - 1), **extra}
 
-    rows = [row(1, 30.0, 1.0, 1.0, 0.0), row(2, 2.0, 1.0, 0.5, 0.2), row(3, 2.0, 1.0, 0.1, 0.4)]
+    rows = [row(1, 30.0, 1.0, 1.0, 0.0), row(2, 2.0, 1.0, 0.5, 0.2, reclaim_s=0.25, lends=1, reclaims=1),
+            row(3, 2.0, 1.0, 0.1, 0.4, reclaim_s=0.75, lends=2, reclaims=2)]
     got = summarize(rows)
     assert got["steps"] == 2 and got["step_seconds"] == 4.0
-    assert got["trained_tokens_per_s"] == 500.0 and got["generated_tokens_per_s"] == 100.0
+    assert got["trained_tokens_per_s"] == 500.0 and got["generated_tokens_per_s"] == 125.0
     assert got["train_share"] == 0.5 and got["sync_share"] == pytest.approx(0.15)
     assert got["wait_share"] == pytest.approx(0.35)
+    assert got["mean_staleness"] == pytest.approx((200 * 0.5 + 300 * 1.0) / 500)  # weighted by generated tokens
     assert (got["reward_first"], got["reward_last"], got["max_staleness"]) == (0.0, 0.4, 1)
+    assert (got["lends"], got["reclaims"]) == (2, 2)
+    assert got["reclaim_latency_mean_s"] == 0.5 and got["reclaim_latency_max_s"] == 0.75
+    assert summarize(rows[:2] + [row(3, 2.0, 1.0, 0.1, 0.4)])["lends"] == 0  # no lending columns: none
+
+
+def test_discarded_tokens_are_whole_dropped_trajectories_and_cuts_off_the_branch() -> None:
+    statuses = ["consumed", "stale", "finished", "failed"]
+    generated = [10, 7, 5, 3]
+    # consumed: a cut of 4 tokens that was continued (on the branch) and one of 2 that was not (off it).
+    kinds = ["prompt", "generated", "generated", "generated", "generated", "generated", "generated"]
+    tokens = [5, 4, 6, 2, 7, 5, 3]
+    used = [5, 4, 6, 0, 7, 5, 3]
+    dropped = [False, False, False, False, True, False, True]
+    assert discarded_tokens(statuses, generated, kinds, tokens, used, dropped) == 7 + 3 + 2
+    assert discarded_tokens(["consumed"], [6], ["generated"], [6], [6], [False]) == 0
+
+
+def test_the_timeline_leaves_the_start_up_out() -> None:
+    rows = [{"rank": 2, "role": "rollout", "state": "generating", "t_start": 0.0, "t_end": 50.0},
+            {"rank": 1, "role": "trainer", "state": "waiting", "t_start": 0.0, "t_end": 50.0},
+            {"rank": 1, "role": "trainer", "state": "training", "t_start": 50.0, "t_end": 51.0},
+            {"rank": 2, "role": "rollout", "state": "waiting", "t_start": 50.0, "t_end": 52.0},
+            {"rank": 1, "role": "trainer", "state": "training", "t_start": 53.0, "t_end": 54.0}]
+    kept = after_first_step(rows)
+    assert [(r["state"], r["t_start"], r["t_end"]) for r in kept] == [
+        ("waiting", 51.0, 52.0), ("training", 53.0, 54.0)]
 
 
 def test_bad_options_get_one_line() -> None:
-    assert_one_line_error(run_sfhpc("bench", "pipeline", "--modes", "seamless"), "--modes", "seamless")
-    assert_one_line_error(run_sfhpc("bench", "pipeline", "--recipe", "nope.yaml"), "nope.yaml")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--modes", "fast"), "--modes", "fast")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "huge"), "--scales", "huge")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--ranks", "2"), "--ranks")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--recipe", "nope.yaml"), "nope.yaml")
+
+
+@pytest.mark.mpi
+def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> None:
+    out = tmp_path / "bench" / "pipeline.json"
+    done = run_sfhpc("bench", "pipeline", "--scales", "timing", "--ranks", "8", "--steps", "4", "--out", str(out),
+                     timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    results = {r["mode"]: r for r in report["results"]}
+    assert list(results) == ["sync", "async", "seamless"]
+    assert "modelled" in report["modelled"]["timing"] and "real: the scheduler" in report["modelled"]["timing"]
+    for mode in ("sync", "async"):
+        r = results[mode]
+        assert r["available"] and r["ranks"] == 8 and r["steps"] == 3, r
+        assert r["trained_tokens_per_s"] > 0 and r["tokens_discarded"] >= 0
+        assert Path(r["chart"]).stat().st_size > 0 and r["timeline"]
+    seamless = results["seamless"]
+    assert not seamless["available"] or Path(seamless["chart"]).exists()
+    # The long tail leaves the synchronous pipeline waiting; overlapping rollout with training waits less.
+    assert results["sync"]["bubble"]["overall"] > 0
+    assert results["async"]["bubble"]["overall"] < results["sync"]["bubble"]["overall"]
+    assert out.with_suffix(".png").exists()
+    table = done.stdout[done.stdout.index("pipeline benchmark"):].splitlines()
+    for mode in ("sync", "async", "seamless"):
+        assert any(line.split()[:2] == ["timing", mode] for line in table if line.strip()), mode
