@@ -1,0 +1,487 @@
+"""The RL loop of the controller on a simulated clock, per pipeline mode, and the figures it measures.
+
+The loop is the controller's (`sfhpc.rl.controller.run_loop`): hand out episodes (one step's groups in
+``sync``, up to ``max_staleness + 1`` steps of them otherwise), wait for the oldest complete, fresh
+groups, train, bring every engine to the new weights. The `Scheduler` is the real one, built from the
+plan of a scaled tag map: it picks the least loaded engine for every episode, owns every rank's state,
+and in ``seamless`` lends and reclaims the trainer's ranks. What is modelled is compute only: how long
+decoding, prefill, a training step, a weight broadcast and a lend or reclaim take (`CostModel`).
+
+Modes:
+
+* ``sync``: generate-then-train on every GPU. The trainer's GPUs hold engines too (colocated): after the
+  batch they put the engine to sleep and load the trainer (the reclaim cost), after the weight update
+  they wake it again (the lend cost). The rollout GPUs wait while the trainer trains.
+* ``async``: the trainer's GPUs only train; rollout GPUs keep generating; a weight update pauses the
+  engines and interrupted generations continue with the new weights (partial rollout). Groups whose
+  oldest token is more than ``max_staleness`` versions behind the policy are dropped (tokens discarded).
+* ``seamless``: ``async``, and while the trainer waits for its batch the scheduler lends the trainer's
+  ranks (their pool tagged ``rollout``) to rollout; new episodes go to them by load. When the batch is
+  ready they are reclaimed: their unfinished generations continue on rollout ranks from their prefix
+  (prefilled there), and training starts once the trainer's state is back. Without lendable ranks it
+  runs as ``async`` (and says so in `SimResult.note`).
+
+Time accounting per rank, over the measured steps (after `warmup_steps`): generating (an engine with a
+sequence in its batch), training, syncing (weight update), switching (an engine woken or put to sleep on
+a trainer GPU, the trainer state moved), waiting (everything else). Bubble fraction = waiting
+rank-seconds / total rank-seconds, per role.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import heapq
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from sfhpc.bench.cost_model import CostModel
+from sfhpc.rl.messages import Episode
+from sfhpc.rl.scheduler import RankState, Scheduler
+from sfhpc.sim.clock import EventQueue
+from sfhpc.sim.cluster import SimCluster
+from sfhpc.sim.engine import SimEngine
+from sfhpc.sim.workload import Group, Sample, Workload
+from sfhpc.tasks.base import Problem
+
+MODES = ("sync", "async", "seamless")
+REPLACE_EVERY_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+    mode: str
+    workload: Workload
+    prompts_per_step: int      # GRPO groups per training step
+    steps: int = 6
+    warmup_steps: int = 2      # left out of the figures (the pipeline filling up)
+    max_staleness: int = 2
+    seed: int = 0
+    timeline: bool = False     # record busy-rank counts over time (for a chart)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r}: choose from {', '.join(MODES)}")
+        if self.steps <= self.warmup_steps:
+            raise ValueError(f"steps ({self.steps}) must be more than warmup_steps ({self.warmup_steps})")
+
+
+@dataclasses.dataclass
+class SimResult:
+    mode: str
+    gpus: int
+    trainer_gpus: int
+    rollout_gpus: int
+    measured_steps: int
+    seconds: float                      # simulated, over the measured steps
+    trained_tokens: int
+    generated_tokens: int
+    trained_tokens_per_s: float
+    generated_tokens_per_s: float
+    step_s_mean: float
+    bubble: dict[str, float]            # role -> waiting rank-seconds / total rank-seconds
+    shares: dict[str, dict[str, float]]  # role -> state -> share of rank-seconds
+    tokens_discarded: int
+    groups_discarded: int
+    staleness_mean: float
+    staleness_max: int
+    lends: int
+    reclaims: int
+    reclaim_latency_mean_s: float       # batch ready -> training started
+    reclaim_latency_max_s: float
+    migrated_samples: int               # generations continued elsewhere from their prefix (reclaims)
+    events: int
+    note: str = ""
+    timeline: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
+    phases: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.pop("timeline")
+        data.pop("phases")
+        return data
+
+
+class PipelineSim:
+    def __init__(self, cluster: SimCluster, cost: CostModel, config: SimConfig) -> None:
+        self.cluster, self.cost, self.config = cluster, cost, config
+        self.mode = config.mode
+        self.clock = EventQueue()
+        lending = self.mode == "seamless" and cluster.lending_allowed
+        # The real scheduler, its timeline on the simulated clock (sums only: no interval is kept).
+        self.scheduler = Scheduler(cluster.plan(colocated=self.mode == "sync"), lending=lending,
+                                   clock=lambda: self.clock.now, keep_intervals=False)
+        self.note = ""
+        if self.mode == "seamless" and not self.scheduler.lendable_ranks:
+            self.note = "no lendable ranks (the trainer's pool is not tagged rollout): ran as async"
+        self.trainer_ranks = self.scheduler.trainer_ranks
+        self.trainer_gpu = cluster.trainer_pool.gpu_type or ""
+        engine_ranks = set(self.scheduler.rollout_ranks) | set(self.scheduler.lendable_ranks)
+        on_trainer = set(self.trainer_ranks)
+        self.engines: dict[int, SimEngine] = {}
+        for rank in sorted(engine_ranks):
+            gpu = cluster.gpu_type(rank)
+            # Engines on trainer GPUs sleep until lent (seamless); colocated ones start awake (sync).
+            self.engines[rank] = SimEngine(rank, gpu, cost.device(gpu), self.clock, self._turn_ended,
+                                           available=not (rank in on_trainer and self.mode != "sync"),
+                                           on_busy_change=self._busy_changed if config.timeline else None)
+        self.rng = np.random.default_rng(config.seed)
+        self.ahead = 1 if self.mode == "sync" else config.max_staleness + 1
+        self.version = 0
+        self.step = 0
+        self.groups_out = 0
+        self.next_group = 0
+        self.next_sample = 0
+        self.samples: dict[int, Sample] = {}      # in flight, by id (the Episode's seed)
+        self.ended: dict[int, int] = defaultdict(int)  # rank -> episodes that ended there
+        self.ready: list[tuple[int, Group]] = []  # complete groups, oldest first
+        self.in_env: dict[int, set[Sample]] = defaultdict(set)  # rank -> samples waiting on their environment
+        self.waiting_for_batch = False
+        self.top_up_pending = False
+        self.lent_at = 0.0
+        self.lent: tuple[int, ...] = ()
+        self.done = False
+        # Figures (over the measured window).
+        self.window_start: float | None = None
+        self.window_end = 0.0
+        self.trainer_s: dict[str, float] = defaultdict(float)  # state -> seconds of every trainer rank
+        self.sync_s = 0.0
+        self.trained_tokens = 0
+        self.generated_tokens = 0
+        self.staleness: list[int] = []
+        self.tokens_discarded = 0
+        self.groups_discarded = 0
+        self.reclaim_latency: list[float] = []
+        self.migrated = 0
+        self.lends_at_start = 0
+        self.reclaims_at_start = 0
+        self.step_started = 0.0
+        self.step_times: list[float] = []
+        self.phases: list[dict[str, float]] = []
+        self.timeline: dict[str, list[tuple[float, float]]] = {"trainer": [], "rollout": []}
+        self._busy = {"trainer": 0, "rollout": 0}
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        self.clock.at(0.0, self._start_step)
+        # Hundreds of thousands of live samples: the cyclic collector would rescan them on every few
+        # thousand allocations (most of the run's time); what the run leaves is collected once at the end.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.clock.run()
+        finally:
+            if collecting:
+                gc.enable()
+        return self._result()
+
+    @property
+    def measuring(self) -> bool:
+        return self.window_start is not None
+
+    def _start_step(self, _: Any = None) -> None:
+        if self.step == self.config.steps:
+            self._finish()
+            return
+        self.step += 1
+        self.step_started = self.clock.now
+        if self.step == self.config.warmup_steps + 1:
+            self._open_window()
+        self.scheduler.begin_step(self.step)
+        self.phases.append({"step": self.step, "start": self.clock.now})
+        self.waiting_for_batch = True
+        if self.scheduler.lendable_ranks and len(self.ready) < self.config.prompts_per_step:
+            self._lend()
+        self._keep_rollouts_busy()
+        self._try_take_batch()
+
+    def _keep_rollouts_busy(self) -> None:
+        """The controller's hand-out: top the groups out up to `ahead` steps' worth, by load."""
+        cfg = self.config
+        new = max(0, cfg.prompts_per_step * self.ahead - self.groups_out)
+        if not new:
+            return
+        episodes = []
+        workload = cfg.workload
+        size = workload.group_size
+        replies = workload.replies(self.rng, new * size)
+        samples = self.samples
+        for g in range(new):
+            group = Group(self.next_group)
+            problem = Problem(f"p{self.next_group}", None)
+            key = f"g{self.next_group}"
+            self.next_group += 1
+            for k in range(size):
+                sample = Sample(self.next_sample, group, replies[g * size + k], workload.prompt_tokens,
+                                workload.observation_tokens)
+                self.next_sample += 1
+                group.members.append(sample)
+                samples[sample.id] = sample
+                episodes.append(Episode(problem, key, sample.id))
+        self.groups_out += new
+        self._hand_out(episodes)
+
+    def _hand_out(self, episodes: list[Episode]) -> None:
+        for rank, share in self.scheduler.assign(episodes, ended=self.ended).items():
+            self.engines[rank].admit(self.samples[e.seed] for e in share)
+
+    def _turn_ended(self, sample: Sample, engine: SimEngine) -> None:
+        if not sample.finish_turn():
+            self.in_env[engine.rank].add(sample)
+            self.clock.after(self.config.workload.env_s, self._env_answered, sample)
+            return
+        rank = engine.rank
+        self.ended[rank] += 1
+        if self.scheduler.in_flight(rank, self.ended) == 0:  # (before that, its state on the timeline holds)
+            self.scheduler.observe(self.ended, (rank,))
+        del self.samples[sample.id]
+        group = sample.group
+        group.finished += 1
+        if group.finished == len(group.members):
+            self._group_complete(group)
+
+    def _env_answered(self, sample: Sample) -> None:
+        if sample not in self.in_env[sample.rank]:
+            return  # moved at a reclaim (and admitted where it continues)
+        self.in_env[sample.rank].discard(sample)
+        self.engines[sample.rank].admit((sample,))
+
+    def _stale(self, group: Group) -> bool:
+        oldest = group.oldest_version if group.oldest_version is not None else self.version
+        return self.version - oldest > self.config.max_staleness
+
+    def _group_complete(self, group: Group) -> None:
+        if self._stale(group):
+            self._drop(group)
+            return
+        heapq.heappush(self.ready, (group.index, group))
+        self._try_take_batch()
+
+    def _drop(self, group: Group) -> None:
+        """A stale group: its tokens are thrown away and it is replaced (as the trajectory manager does)."""
+        group.dropped = True
+        self.groups_out -= 1
+        if self.measuring:
+            self.groups_discarded += 1
+            self.tokens_discarded += sum(sum(s.replies) for s in group.members)
+        if self.waiting_for_batch and not self.top_up_pending:
+            # Replaced in one hand-out per simulated second (the controller notices drops as it polls).
+            self.top_up_pending = True
+            self.clock.after(REPLACE_EVERY_S, self._top_up)
+
+    def _top_up(self, _: Any = None) -> None:
+        self.top_up_pending = False
+        if self.waiting_for_batch:
+            self._keep_rollouts_busy()
+
+    def _try_take_batch(self) -> None:
+        per_step = self.config.prompts_per_step
+        if not self.waiting_for_batch or len(self.ready) < per_step:
+            return
+        self.waiting_for_batch = False
+        groups = [heapq.heappop(self.ready)[1] for _ in range(per_step)]
+        self.groups_out -= per_step
+        tokens = 0
+        for group in groups:
+            for sample in group.members:
+                tokens += sample.trained_tokens
+                if self.measuring:
+                    self.generated_tokens += sum(sample.replies)
+                    self.staleness.append(self.version - max(sample.first_version, 0))
+        self.batch_tokens = tokens
+        self.batch_ready_at = self.clock.now
+        self.phases[-1]["batch_ready"] = self.clock.now
+        n = len(self.trainer_ranks)
+        if self.mode == "async" or (self.mode == "seamless" and not self.lent):
+            self.clock.after(0.0, self._train)
+            return
+        if self.mode == "seamless":
+            self._reclaim()
+        else:
+            for rank in self.trainer_ranks:  # colocated: every trainer GPU's engine to sleep
+                self.engines[rank].pause()
+        switch = self.cost.reclaim_s(self.trainer_gpu, n)
+        self._account_trainer("switching", switch)
+        self.clock.after(switch, self._train)
+
+    def _lend(self) -> None:
+        self.lent = self.scheduler.lend(self.scheduler.lendable_ranks)
+        self.lent_at = self.clock.now
+        self.lend_s = self.cost.lend_s(self.trainer_gpu, len(self.trainer_ranks))
+        self.clock.after(self.lend_s, self._lent_engines_awake, self.step)
+
+    def _lent_engines_awake(self, step: int) -> None:
+        if step != self.step or not self.lent:
+            return  # reclaimed before it woke
+        for rank in self.lent:
+            self.engines[rank].resume()
+
+    def _reclaim(self) -> None:
+        """Batch ready: the lent ranks back to the trainer; their unfinished generations continue on rollout
+        ranks from their prefix."""
+        ranks = self.scheduler.reclaim()
+        self._account_trainer("switching", min(self.lend_s, self.clock.now - self.lent_at))
+        moved: list[Sample] = []
+        in_env: set[Sample] = set()
+        for rank in ranks:
+            engine = self.engines[rank]
+            out = engine.evict()
+            engine.available = False
+            env = self.in_env.pop(rank, set())
+            in_env |= env
+            self.scheduler.withdraw(rank, len(out) + len(env))
+            moved.extend(out)
+            moved.extend(env)
+        self.lent = ()
+        if not moved:
+            return
+        if self.measuring:
+            self.migrated += len(moved)
+        plan = self.scheduler.assign([Episode(Problem(str(s.id), None), "", s.id) for s in moved], ended=self.ended)
+        for rank, share in plan.items():
+            samples = [self.samples[e.seed] for e in share]
+            for sample in samples:
+                if sample in in_env:  # still waiting for its environment: it answers to the new rank
+                    sample.rank = rank
+                    self.in_env[rank].add(sample)
+            self.engines[rank].admit(s for s in samples if s not in in_env)
+
+    def _train(self, _: Any = None) -> None:
+        self.phases[-1]["train_start"] = self.clock.now
+        self.reclaim_latency.append(self.clock.now - self.batch_ready_at)
+        self.scheduler.set_state(self.trainer_ranks, RankState.TRAINING)
+        train_s = self.cost.train_s(self.trainer_gpu, self.batch_tokens, gpus=len(self.trainer_ranks))
+        self._account_trainer("training", train_s)
+        if self.measuring:
+            self.trained_tokens += self.batch_tokens
+        self.clock.after(train_s, self._sync)
+
+    def _sync(self, _: Any = None) -> None:
+        """Every engine pauses and takes the new weights (interrupted sequences stay in their batch)."""
+        self.phases[-1]["sync_start"] = self.clock.now
+        self.scheduler.set_state(self.scheduler.entries, RankState.SYNCING)
+        for engine in self.engines.values():
+            engine.pause()
+        sync_s = self.cost.weight_sync_s(len(self.engines))
+        self._account_trainer("syncing", sync_s)
+        if self.measuring:
+            self.sync_s += sync_s
+        self.clock.after(sync_s, self._synced)
+
+    def _synced(self, _: Any = None) -> None:
+        self.version += 1
+        now = self.clock.now
+        self.phases[-1]["end"] = now
+        self.step_times.append(now - self.step_started)
+        for rank, engine in self.engines.items():
+            engine.version = self.version
+            if rank in self.trainer_ranks and self.mode != "sync":
+                continue  # a trainer GPU's engine sleeps until it is lent
+            if rank not in self.trainer_ranks:
+                engine.resume()
+        self.scheduler.set_state(self.scheduler.entries, RankState.IDLE)  # generating where episodes are out
+        if self.ready:  # the new version may leave complete groups too far behind
+            keep = []
+            for index, group in self.ready:
+                if self._stale(group):
+                    self._drop(group)
+                else:
+                    keep.append((index, group))
+            heapq.heapify(keep)
+            self.ready = keep
+        if self.mode == "sync":
+            if self.step == self.config.steps:
+                self._start_step()
+                return
+            wake = self.cost.lend_s(self.trainer_gpu, len(self.trainer_ranks))
+            self._account_trainer("switching", wake)
+            self.clock.after(wake, self._colocated_awake)
+            self.trainer_wake_ends = now + wake
+        self._start_step()
+
+    def _colocated_awake(self, _: Any = None) -> None:
+        for rank in self.trainer_ranks:
+            self.engines[rank].resume()
+
+    # -- figures -------------------------------------------------------------------------------------
+    def _account_trainer(self, state: str, seconds: float) -> None:
+        if self.measuring and not self.done:
+            self.trainer_s[state] += seconds
+
+    def _busy_changed(self, engine: SimEngine, busy: bool) -> None:
+        role = "trainer" if engine.rank < self.cluster.trainer_gpus else "rollout"
+        self._busy[role] += 1 if busy else -1
+        self.timeline[role].append((self.clock.now, self._busy[role]))
+
+    def _open_window(self) -> None:
+        self.window_start = self.clock.now
+        for engine in self.engines.values():
+            engine._advance()
+            engine.generating_s = 0.0
+        self.lends_at_start, self.reclaims_at_start = self.scheduler.lends, self.scheduler.reclaims
+        self.timeline_at_start = self.scheduler.timeline.bubble(including_open=True)
+        self.reclaim_latency.clear()
+        self.step_times.clear()
+
+    def _finish(self) -> None:
+        self.window_end = self.clock.now
+        for engine in self.engines.values():
+            engine._advance()
+        self.timeline_at_end = self.scheduler.timeline.bubble(including_open=True)
+        self.done = True
+        self.clock.stop()
+
+    def _result(self) -> SimResult:
+        assert self.window_start is not None
+        window = self.window_end - self.window_start
+        trainer = set(self.trainer_ranks)
+        gen = {"trainer": 0.0, "rollout": 0.0}
+        for rank, engine in self.engines.items():
+            gen["trainer" if rank in trainer else "rollout"] += engine.generating_s
+        n_trainer, n_rollout = len(trainer), len(self.engines) - len(trainer & set(self.engines))
+        # The trainer's own phases are the same on each of its ranks (they train together); a trainer
+        # rank's waiting is what is left after them and after its engine's generating.
+        trainer_total = window * n_trainer
+        t_shares = {
+            "training": self.trainer_s["training"] * n_trainer,
+            "syncing": self.trainer_s["syncing"] * n_trainer,
+            "switching": self.trainer_s["switching"] * n_trainer,
+            "generating": gen["trainer"],
+        }
+        t_shares["waiting"] = max(0.0, trainer_total - sum(t_shares.values()))
+        rollout_total = window * n_rollout
+        r_shares = {"generating": gen["rollout"], "syncing": self.sync_s * n_rollout}
+        r_shares["waiting"] = max(0.0, rollout_total - sum(r_shares.values()))
+        shares = {"trainer": {k: v / trainer_total for k, v in t_shares.items()},
+                  "rollout": {k: v / rollout_total for k, v in r_shares.items()} if rollout_total else {}}
+        # The bubble as a run reports it: from the scheduler's timeline (waiting rank-seconds / all), over
+        # the measured window; roles as the timeline names them ("trainer,rollout" for colocated ranks).
+        before, after = self.timeline_at_start, self.timeline_at_end
+        bubble = {}
+        for role, total in after.total_s.items():
+            seconds = total - before.total_s.get(role, 0.0)
+            if seconds > 0:
+                bubble[role] = (after.waiting_s.get(role, 0.0) - before.waiting_s.get(role, 0.0)) / seconds
+        waiting = sum(after.waiting_s.values()) - sum(before.waiting_s.values())
+        bubble["all"] = waiting / (sum(after.total_s.values()) - sum(before.total_s.values()))
+        latency = self.reclaim_latency or [0.0]
+        return SimResult(
+            mode=self.mode, gpus=self.cluster.gpus, trainer_gpus=self.cluster.trainer_gpus,
+            rollout_gpus=self.cluster.rollout_gpus, measured_steps=self.config.steps - self.config.warmup_steps,
+            seconds=window, trained_tokens=self.trained_tokens, generated_tokens=self.generated_tokens,
+            trained_tokens_per_s=self.trained_tokens / window, generated_tokens_per_s=self.generated_tokens / window,
+            step_s_mean=sum(self.step_times) / max(len(self.step_times), 1), bubble=bubble, shares=shares,
+            tokens_discarded=self.tokens_discarded, groups_discarded=self.groups_discarded,
+            staleness_mean=sum(self.staleness) / max(len(self.staleness), 1),
+            staleness_max=max(self.staleness, default=0),
+            lends=self.scheduler.lends - self.lends_at_start, reclaims=self.scheduler.reclaims - self.reclaims_at_start,
+            reclaim_latency_mean_s=sum(latency) / len(latency), reclaim_latency_max_s=max(latency),
+            migrated_samples=self.migrated, events=self.clock.events, note=self.note,
+            timeline=self.timeline, phases=self.phases)
+
+
+def simulate(cluster: SimCluster, cost: CostModel, config: SimConfig) -> SimResult:
+    """One mode on one cluster: the measured figures."""
+    return PipelineSim(cluster, cost, config).run()
