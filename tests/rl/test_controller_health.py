@@ -17,6 +17,7 @@ from sfhpc.rl import messages as msg
 from sfhpc.rl.controller import Controller
 from sfhpc.rl.health import RolloutStalled, TooManyFailures
 from sfhpc.rl.live_status import LiveStatus
+from sfhpc.rl.timeline import Timeline
 
 RECIPE = """\
 name: faults
@@ -59,7 +60,8 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0) -> Controller:
     values = {
         "recipe": load_recipe(path), "run_dir": tmp_path, "manager": TrajectoryManager(), "version": 0,
         "layout": _Attributes(world=world), "server": _Attributes(first_one_way_failure=None, last_seen={}),
-        "scheduler": _Attributes(rollout_ranks=(1, 2)), "stop_watch": _Attributes(stop_requested=lambda: None),
+        "scheduler": _Attributes(rollout_ranks=(1, 2), begin_step=lambda step: None, timeline=Timeline()),
+        "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
         "groups_out": 2, "stale_groups": 0, "open_groups": {}, "restart": 0, "started": time.monotonic(),
         "live": LiveStatus(tmp_path, restart=0, job_id=None),
