@@ -52,8 +52,8 @@ class Timeline:
         """`rank` is in `state` from now on (nothing changes when it already is)."""
         state = str(state)
         with self._lock:
-            current = self._open[rank]
-            if current.state == state:
+            current = self._open.get(rank)
+            if current is None or current.state == state:  # (None: closed, the run is over)
                 return
             now = self.clock()
             self._close(rank, current, now)
@@ -64,7 +64,8 @@ class Timeline:
             return self._open[rank].state
 
     def close(self) -> None:
-        """End every open interval now (the run ends); the ranks leave the timeline."""
+        """End every open interval now (the run ends); the ranks leave the timeline and later changes are
+        not recorded."""
         with self._lock:
             now = self.clock()
             for rank, current in self._open.items():
