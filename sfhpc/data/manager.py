@@ -555,25 +555,25 @@ class TrajectoryManager:
 
     # -- durability ------------------------------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Write every buffered record to the store (no-op without a store)."""
     def follow_timeline(self, drain: Callable[[], Sequence[RankInterval]]) -> None:
         """Every flush (and the close) also writes the rank intervals `drain` returns: the controller's
         timeline reaches the store with the trajectories, never later than the next flush."""
         self._timeline_drain = drain
 
+    def flush(self) -> None:
+        """Write every buffered record to the store (no-op without a store)."""
         with self._lock:
             self._finished_since_flush = 0
             if self.store is not None:
+                self._take_timeline()
                 self.store.flush()
 
-                self._take_timeline()
     def close(self) -> None:
         """Flush and close the store (trajectories still open stay resumable from it)."""
         with self._lock:
             if self.store is not None:
-                self.store.close()
                 self._take_timeline()
+                self.store.close()
 
     def _take_timeline(self) -> None:
         if self._timeline_drain is not None and not self.store.closed:
