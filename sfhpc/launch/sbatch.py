@@ -128,9 +128,22 @@ def component_flags(component: Component, time_minutes: int) -> dict[str, FlagVa
         "ntasks": component.num_tasks,
         "ntasks_per_node": component.tasks_per_node,
         "cpus_per_task": component.cpus_per_task,
-        "gpus_per_node": component.gpus_per_node or None,
         "time": time_minutes,
+        **gpu_flags(component),
     }
+
+
+def gpu_flags(component: Component) -> dict[str, FlagValue]:
+    """One GPU per rank. Where every task of the component uses GPUs, Slurm binds each to its own
+    (``--gpus-per-task`` with ``--gpu-bind=single:1``: one task per GPU). A component that also holds
+    GPU-less ranks (the controller placed with the trainers) cannot ask per task, since every task of a
+    component gets the same count: it asks ``--gpus-per-node`` and each GPU rank narrows
+    ``CUDA_VISIBLE_DEVICES`` to its own at start (`sfhpc.runtime.gpu_binding`)."""
+    if not component.gpus_per_node:
+        return {}
+    if component.tasks_per_node is None:
+        return {"gpus_per_node": component.gpus_per_node}
+    return {"gpus_per_task": component.gpus_per_node // component.tasks_per_node, "gpu_bind": "single:1"}
 
 
 def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None, python: str,

@@ -21,6 +21,7 @@ from sfhpc.errors import SfhpcError
 from sfhpc.launch import step_guard
 from sfhpc.launch.resolve import LaunchPlan
 from sfhpc.runtime import preemption
+from sfhpc.runtime.gpu_binding import bind_one_gpu
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
 from sfhpc.runtime.slurm_env import read_rank_environment
@@ -41,6 +42,8 @@ class RankProgram:
         identity = identify(self.plan, read_rank_environment())
         step_guard.arm(identity.rank)
         try:
+            # Before CUDA starts: a GPU rank that Slurm left seeing every GPU of its node takes its own.
+            bind_one_gpu(self.plan.components[identity.env.component], identity.env)
             result = self._run(identity)
         except SfhpcError as exc:  # a user error's mark keeps the step guard from requeueing the job
             step_guard.finished(exc.exit_code)
