@@ -334,11 +334,13 @@ class TrajectoryManager:
 
     def add_generated(self, trajectory_id: str, tokens: Sequence[int], logprobs: Sequence[float],
                       versions: int | Sequence[int], *, engine: str = "", finish_reason: str | None = None,
-                      started_at: float | None = None) -> None:
+                      started_at: float | None = None, temperature: float | None = None,
+                      top_p: float | None = None) -> None:
         """Append tokens the policy generated, with their sampling logprobs and policy version(s).
 
         `versions` is one version for every token, or one per token (a generation that spans a weight
-        update). `started_at` defaults to the trajectory's previous event.
+        update). `started_at` defaults to the trajectory's previous event. `temperature` and `top_p` are
+        the sampling the tokens were drawn with (None: unknown), kept on the segment for the trainer.
         """
         toks = np.asarray(tokens, np.int32)
         lps = np.asarray(logprobs, np.float32)
@@ -361,7 +363,7 @@ class TrajectoryManager:
             head = len(live.segments) - 1
             self._add(live, Segment(SegmentKind.GENERATED, head, len(live.segments[head]), toks, lps, vers,
                                     engine, live.last_event if started_at is None else started_at, now,
-                                    finish_reason or ""))
+                                    finish_reason or "", temperature, top_p))
             if live.status is Status.INTERRUPTED:
                 self._set_status(live, Status.RUNNING)
 

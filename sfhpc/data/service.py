@@ -234,10 +234,11 @@ class ManagerClient:
 
     def add_generated(self, trajectory_id: str, tokens: Sequence[int], logprobs: Sequence[float],
                       versions: int | Sequence[int], *, engine: str = "", finish_reason: str | None = None,
-                      started_at: float | None = None) -> None:
+                      started_at: float | None = None, temperature: float | None = None,
+                      top_p: float | None = None) -> None:
         self._call("add_generated", trajectory_id, list(tokens), list(logprobs),
                    int(versions) if isinstance(versions, numbers.Integral) else list(versions), engine=engine,
-                   finish_reason=finish_reason, started_at=started_at)
+                   finish_reason=finish_reason, started_at=started_at, temperature=temperature, top_p=top_p)
 
     def interrupt(self, trajectory_id: str) -> None:
         self._call("interrupt", trajectory_id)

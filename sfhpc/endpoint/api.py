@@ -66,8 +66,8 @@ class OpenAIApi:
 
     `token` is the bearer token every HTTP transport of this API demands (`EndpointServer`,
     `start_site`); the in-process client calls the API directly and needs none. `episodes` are the open
-    per-episode URLs (see `sfhpc.endpoint.episodes`). With a `sampling_rule` (an RL run's), requests for a
-    temperature or top-p the trainer cannot match are refused.
+    per-episode URLs (see `sfhpc.endpoint.episodes`). With a `sampling_rule` (an RL run's), a turn that asks
+    for no temperature gets the run's default, and sampling the trainer cannot match is refused.
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
@@ -97,7 +97,8 @@ class OpenAIApi:
         episode = None if identity.episode is None else self.episodes.get(identity.episode)
         request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity)
         if self.sampling_rule is not None:
-            self.sampling_rule.check(request.turn.sampling)
+            turn_request = dataclasses.replace(request.turn, sampling=self.sampling_rule.apply(request.turn.sampling))
+            request = dataclasses.replace(request, turn=turn_request)
         if episode is None:
             async with self.endpoint.turn(request.turn) as turn:
                 yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id))

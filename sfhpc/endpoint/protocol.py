@@ -4,7 +4,9 @@ Supported: ``/v1/chat/completions`` and ``/v1/completions`` with ``max_tokens`` 
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stream`` + ``stream_options.include_usage``,
 ``logprobs`` (the sampled token's logprob; no alternatives), ``user``. Parameters that would change what
 the model does and that the endpoint cannot honour (``n > 1``, ``stop`` strings, ``tools``, penalties,
-``logit_bias``, top-k alternatives, ``echo``) are refused with a 400 instead of being ignored silently.
+``logit_bias``, top-k alternatives, ``echo``, and vLLM's sampling extensions ``top_k``, ``min_p``,
+``repetition_penalty``) are refused with a 400 instead of being ignored silently. A ``temperature`` or
+``top_p`` left out stays None here: the endpoint fills in its default (`Sampling.resolved`).
 
 Extensions: ``stop_token_ids`` in the request (vLLM's name); in the response ``prompt_token_ids`` and
 ``trajectory_id`` at the top level and ``token_ids`` / ``token_versions`` (the weight version of each
@@ -63,6 +65,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                          presence_penalty=(None, 0, 0.0), frequency_penalty=(None, 0, 0.0), logit_bias=(None, {}),
                          tools=(None, []), tool_choice=(None, "none"), functions=(None, []),
                          response_format=(None, {"type": "text"}), stop=(None, [], ""))
+    fields.refuse_distribution_changes(top_k=(None, -1, 0), min_p=(None, 0, 0.0), repetition_penalty=(None, 1, 1.0))
     if route == "chat":
         prompt = _chat_prompt(fields, tokenizer)
         max_tokens = fields.integer("max_completion_tokens", low=1)
@@ -87,8 +90,8 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
     stop_ids = fields.token_list("stop_token_ids", tokenizer)
     sampling = Sampling(
         max_tokens=max_tokens,
-        temperature=fields.number("temperature", default=1.0, low=0.0, high=2.0),
-        top_p=fields.number("top_p", default=1.0, low=0.0, high=1.0, low_open=True),
+        temperature=fields.number("temperature", default=None, low=0.0, high=2.0),
+        top_p=fields.number("top_p", default=None, low=0.0, high=1.0, low_open=True),
         seed=fields.integer("seed", low=-_INT64, high=_INT64),
         stop_token_ids=default_stop if stop_ids is None else tuple(stop_ids),
     )
@@ -183,7 +186,8 @@ class _Fields:
             raise BadRequest(f"'{key}' must be in [{low}, {high}], found {value}", param=key)
         return value
 
-    def number(self, key: str, *, default: float, low: float, high: float, low_open: bool = False) -> float:
+    def number(self, key: str, *, default: float | None, low: float, high: float,
+               low_open: bool = False) -> float | None:
         value = self.body.get(key)
         if value is None:
             return default
@@ -212,6 +216,15 @@ class _Fields:
                 raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported by this endpoint "
                                  f"(it serves one sampled completion per request); leave it out",
                                  param=key)
+
+    def refuse_distribution_changes(self, **allowed: tuple[Any, ...]) -> None:
+        """Sampling extensions that reshape the distribution (vLLM's names): the engine is not asked for
+        them, so a request that sets one is refused rather than sampled otherwise than it asked."""
+        for key, values in allowed.items():
+            if key in self.body and self.body[key] not in values:
+                raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported: the endpoint samples from the "
+                                 f"model's whole distribution at the given temperature; leave '{key}' out",
+                                 param=key, code="unsupported_sampling")
 
 
 class ResponseBuilder:

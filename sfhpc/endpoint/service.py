@@ -40,36 +40,58 @@ T = TypeVar("T")
 log = logging.getLogger("sfhpc")
 
 
+# OpenAI's defaults, for a turn that asks for no temperature or top-p (and no rule gives another).
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How to sample one turn. ``max_tokens=None`` means: as many as the context has room for."""
+    """How to sample one turn. ``max_tokens=None`` means: as many as the context has room for;
+    ``temperature`` / ``top_p`` None: the agent asked for none (the run's default applies, see
+    `SamplingRule`, else OpenAI's). What the turn was sampled with is recorded on its segments."""
 
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+
+    def resolved(self, default_temperature: float = DEFAULT_TEMPERATURE) -> Sampling:
+        """This sampling with a default wherever the agent asked for none."""
+        return dataclasses.replace(
+            self, temperature=default_temperature if self.temperature is None else self.temperature,
+            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingRule:
-    """The sampling a run can train on. The trainer recomputes each token's logprob under the policy at
-    one temperature, and over the whole vocabulary: a token drawn at another temperature, or from a
-    top-p nucleus, has a behaviour logprob the trainer's cannot match, so its importance ratio would be
-    wrong. Such requests are refused (400) rather than recorded."""
+    """The sampling an RL run can train on, and its default temperature (``algorithm.temperature``).
 
-    temperature: float = 1.0
-    top_p: float = 1.0
+    The trainers score every generated token at the temperature it was sampled with (the segment records
+    it), over the whole vocabulary. So any temperature above 0 is served and trained on as it is; refused
+    with a 400 (``unsupported_sampling``), before anything is generated or recorded, is what the trainers
+    cannot reproduce: greedy decoding (temperature 0: a deterministic choice has no sampling logprob to
+    correct with) and a top-p nucleus below 1 (the trainers' logprobs are over the whole vocabulary; a
+    nucleus cut recomputed from float32 logits would not fall where the engine's did)."""
 
-    def check(self, sampling: Sampling) -> None:
-        if sampling.temperature != self.temperature:
-            raise BadRequest(f"temperature {sampling.temperature:g} cannot be trained on: this run's trainer "
-                             f"computes logprobs at temperature {self.temperature:g}; send {self.temperature:g} "
-                             f"or leave it out", param="temperature", code="unsupported_sampling")
-        if sampling.top_p != self.top_p:
-            raise BadRequest(f"top_p {sampling.top_p:g} cannot be trained on: this run's trainer computes "
-                             f"logprobs over the whole vocabulary (top_p {self.top_p:g}); leave it out",
-                             param="top_p", code="unsupported_sampling")
+    default_temperature: float = DEFAULT_TEMPERATURE
+
+    def apply(self, sampling: Sampling) -> Sampling:
+        """`sampling` with this run's defaults where the agent asked for none; a 400 for what cannot be
+        trained on."""
+        resolved = sampling.resolved(self.default_temperature)
+        assert resolved.temperature is not None and resolved.top_p is not None
+        if resolved.temperature == 0:
+            raise BadRequest("temperature 0 (greedy decoding) cannot be trained on: a deterministic choice has no "
+                             "sampling probability for the trainer to compare with; send a temperature above 0 "
+                             f"or leave it out (this run's default is {self.default_temperature:g})",
+                             param="temperature", code="unsupported_sampling")
+        if resolved.top_p != 1.0:
+            raise BadRequest(f"top_p {resolved.top_p:g} cannot be trained on: the trainer computes logprobs over the "
+                             "whole vocabulary, not a nucleus; leave top_p out (or send 1) and lower the "
+                             "temperature instead", param="top_p", code="unsupported_sampling")
+        return resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +263,7 @@ class Turn:
         self._locked = False
         self._stream: AsyncIterator[TokenDelta] | None = None
         self._max_new = 0
+        self._sampling = request.sampling.resolved()  # what the engine is asked for, and what is recorded
 
     async def __aenter__(self) -> Turn:
         ep, req = self._endpoint, self.request
@@ -318,14 +341,16 @@ class Turn:
 
     def _record(self, tokens: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
                 engine: RolloutEngine, finish_reason: str) -> None:
-        ep, tid = self._endpoint, self.trajectory_id
+        ep, tid, s = self._endpoint, self.trajectory_id, self._sampling
         if tokens:
+            # The sampling goes with the tokens: the trainer scores them at the same temperature.
             ep._sink_call(tid, ep.sink.add_generated, tid, list(tokens), list(logprobs), list(versions),
-                          engine=engine.name, finish_reason=finish_reason)
+                          engine=engine.name, finish_reason=finish_reason, temperature=s.temperature,
+                          top_p=s.top_p)
 
     async def _generate(self) -> AsyncIterator[TokenDelta]:
         ep, req, tid = self._endpoint, self.request, self.trajectory_id
-        s = req.sampling
+        s = self._sampling
         base = GenerationRequest(request_id=ep._next_request_id(), prompt_token_ids=req.prompt_token_ids,
                                  max_new_tokens=self._max_new, temperature=s.temperature, top_p=s.top_p,
                                  seed=s.seed, stop_token_ids=s.stop_token_ids)

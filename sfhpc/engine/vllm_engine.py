@@ -3,7 +3,10 @@
 A thin adapter from `RolloutEngine` to vLLM's ``AsyncLLM``:
 
 * ``generate`` submits ``TokensPrompt`` requests (the tokenizer lives in sfhpc, so vLLM runs with
-  ``skip_tokenizer_init``) and turns vLLM's cumulative outputs into deltas with per-token logprobs;
+  ``skip_tokenizer_init``) and turns vLLM's cumulative outputs into deltas with per-token logprobs. Those
+  are the logprobs of the distribution each token was sampled from, at the request's temperature
+  (``logprobs_mode="processed_logprobs"``; vLLM's default gives the untempered model's), which is what the
+  trainer compares its own, tempered the same way, with;
 * ``pause`` is ``pause_generation(mode="abort")``: every in-flight request ends with ``abort`` and its
   last output holds the partial tokens, which the caller continues later (partial rollout);
 * ``load_weights`` ships raw bytes plus a table of names, dtypes and shapes to the engine's worker
@@ -132,7 +135,7 @@ class VllmEngine(RolloutEngine):
         # generators cannot do ("CPU Generator does not use offset"), and the engine dies.
         on_cpu = not torch.cuda.is_available()
         args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
-                               enforce_eager=True, dtype=dtype, seed=seed,
+                               enforce_eager=True, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
                                enable_chunked_prefill=False if on_cpu else None)
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
         with insecure_serialization_while_starting():

@@ -41,9 +41,6 @@ from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
 log = logging.getLogger("sfhpc")
-# The trainers recompute logprobs at temperature 1 over the whole vocabulary (no recipe sets another), so
-# agents may sample only so: anything else is refused with a 400, never trained on with wrong ratios.
-TRAINED_SAMPLING = SamplingRule(temperature=1.0, top_p=1.0)
 
 
 class RolloutWorker:
@@ -58,7 +55,10 @@ class RolloutWorker:
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name, tokenizer=tokenizer,
-                                               token=new_run_token(), sampling_rule=TRAINED_SAMPLING),
+                                               token=new_run_token(),
+                                               # A turn without a temperature gets the recipe's; what the
+                                               # trainer cannot match is refused with a 400.
+                                               sampling_rule=SamplingRule(recipe.algorithm.temperature)),
                                      **_endpoint_address(recipe)).start()
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(
@@ -142,9 +142,13 @@ class RolloutWorker:
         cut = bool(recorded) and recorded[-1][1]
         remaining = reply_budget(self.task, self.recipe.budgets.max_new_tokens) - (len(replies[-1]) if cut else 0)
         if cut and remaining > 0:
+            # The continuation samples as the cut reply did: one reply, one temperature to train it at.
+            cut_run = trajectory.segments[trajectory.reply_spans()[-1][-1][0]]
+            temperature = self.recipe.algorithm.temperature if cut_run.temperature is None else cut_run.temperature
             request = TurnRequest(tuple(int(t) for t in trajectory.context()), trajectory_id=trajectory.id,
                                   task=trajectory.task, group=trajectory.group,
                                   sampling=Sampling(max_tokens=remaining, seed=episode.seed + len(replies),
+                                                    temperature=temperature,
                                                     stop_token_ids=tuple(tokenizer.chat_stop_ids)))
             result = await self.endpoint.complete(request)
             replies[-1] += result.token_ids

@@ -3,14 +3,21 @@ checkpoints that resume exactly."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
+import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from sfhpc.config.recipe import AlgorithmSpec
+from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory
+from sfhpc.endpoint.service import AgentEndpoint, Sampling, TurnRequest
+from sfhpc.engine.scripted import ScriptedEngine
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer.batch import PAD_ID, TrainBatch, TrainRow
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
@@ -121,6 +128,76 @@ def test_batch_from_trajectory_records() -> None:
     assert batch.groups == ("g", "g") and batch.rewards.tolist() == [1.0, 0.0]
     with pytest.raises(BatchError, match="no reward"):
         TrainBatch.from_trajectories([Trajectory("t3", segments[:1])])
+
+
+class ScriptedLogits(torch.nn.Module):
+    """The scripted test engine's logits in a causal LM's output shape, so that the trainer's own scoring
+    (`TorchTrainer.logprobs`: tempering, log-softmax, alignment) runs on the very distribution the engine
+    sampled from. Ids outside the engine's vocabulary get a logit that no temperature brings back."""
+
+    def __init__(self, engine: ScriptedEngine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.vocab_size = max(engine.vocab) + 1
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> types.SimpleNamespace:
+        b, t = input_ids.shape
+        logits = torch.full((b, t, self.vocab_size), -1e4)
+        for row in range(b):
+            ids = input_ids[row].tolist()
+            for pos in range(t):  # the logits at `pos` predict the token after ids[:pos + 1]
+                logits[row, pos, list(self.engine.vocab)] = torch.tensor(self.engine.logits(ids[:pos + 1]))
+        return types.SimpleNamespace(logits=logits)
+
+
+def test_logprobs_are_taken_at_the_temperature_each_turn_was_sampled_with(tiny_model_dir: Path) -> None:
+    engine, manager = ScriptedEngine(seed=3), TrajectoryManager()
+    endpoint = AgentEndpoint(engine, manager)
+    prompt = [ord(c) for c in "pick letters: "]
+
+    async def two_turns() -> str:
+        first = await endpoint.complete(TurnRequest(tuple(prompt), Sampling(max_tokens=12, temperature=0.7)))
+        follow_up = (*prompt, *first.token_ids, *[ord(c) for c in " more: "])
+        await endpoint.complete(TurnRequest(follow_up, Sampling(max_tokens=12, temperature=1.3, seed=5),
+                                            trajectory_id=first.trajectory_id))
+        return first.trajectory_id
+
+    tid = asyncio.run(two_turns())
+    manager.finish(tid, reward=1.0)
+    trajectory = manager.trajectory(tid)
+    generated = [s for s in trajectory.segments if s.generated]
+    assert [(s.temperature, s.top_p) for s in generated] == [(0.7, 1.0), (1.3, 1.0)]  # recorded per turn
+
+    batch = TrainBatch.from_trajectories([trajectory])
+    mask = batch.generated[0]
+    assert batch.temperatures[0, mask].unique().tolist() == pytest.approx([0.7, 1.3])
+    assert (batch.temperatures[0, ~mask] == 1.0).all()
+    trainer = TorchTrainer(tiny_model_dir, CONFIG)
+    with torch.no_grad():
+        scored = trainer.logprobs(batch, ScriptedLogits(engine))[0]
+        untempered = trainer.logprobs(dataclasses.replace(batch, temperatures=None), ScriptedLogits(engine))[0]
+    # The reference: the engine's own tempered distribution at each generated position.
+    context = batch.tokens[0].tolist()
+    reference = [engine.next_token_logprobs(context[:pos], float(batch.temperatures[0, pos]))[context[pos]]
+                 for pos in mask.nonzero().flatten().tolist()]
+    assert scored[mask].tolist() == pytest.approx(reference, abs=1e-5)
+    assert scored[mask].tolist() == pytest.approx(batch.behaviour_logprobs[0, mask].tolist(), abs=1e-5)
+    # Scored at temperature 1 instead, the ratio of these fresh tokens would be off by far more than numerics.
+    assert float((untempered[mask] - batch.behaviour_logprobs[0, mask]).abs().max()) > 0.1
+
+
+def test_sampling_the_trainer_cannot_reproduce_is_refused_in_the_batch() -> None:
+    prompt = Segment.of(SegmentKind.PROMPT, -1, 0, [257, 104])
+    def finished(**sampling: float) -> Trajectory:
+        reply = Segment.of(SegmentKind.GENERATED, 0, 2, [79, 75], logprobs=[-0.5, -0.25], versions=0, **sampling)
+        return Trajectory("t", (prompt, reply), status=Status.FINISHED, reward=1.0)
+
+    with pytest.raises(BatchError, match="trajectory t, segment 1 was sampled with top_p 0.9"):
+        TrainBatch.from_trajectories([finished(temperature=1.0, top_p=0.9)])
+    with pytest.raises(BatchError, match="sampled greedily"):
+        TrainBatch.from_trajectories([finished(temperature=0.0, top_p=1.0)])
+    # A segment recorded before segments held their sampling was drawn at 1, the only temperature then.
+    assert TrainBatch.from_trajectories([finished()]).temperatures.tolist() == [[1.0, 1.0, 1.0, 1.0]]
 
 
 def test_bad_batches_are_rejected() -> None:
