@@ -91,13 +91,14 @@ class RepeatLetterTask(Task):
         return _RepeatEpisode(letter, count, self.slack)
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
-        # Format only: a run of the asked letter, of a length drawn independently of the one asked for, so
-        # the policy writes long-tailed replies of the right kind and has to learn to count.
+        # The format: a run of the asked letter whose length grows with the number asked (half to one and a
+        # half times it), so the policy's replies are as long-tailed as the problems, but rarely the exact
+        # count: reward still has to be learned.
         examples = []
         for _ in range(count):
             letter = rng.choice(self.letters)
             asked = long_tail_count(rng, low=self.min_count, high=self.max_count, alpha=self.alpha)
-            written = long_tail_count(rng, low=self.min_count, high=self.max_count, alpha=self.alpha)
+            written = max(1, round(asked * rng.uniform(0.5, 1.5)))
             examples.append([{"role": "user", "content": f"write {asked} {letter}"},
                              {"role": "assistant", "content": letter * written}])
         return examples

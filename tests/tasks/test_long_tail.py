@@ -65,9 +65,11 @@ def test_repeat_letter_problems_are_long_tailed_and_the_warm_start_teaches_only_
         letter = ask["content"].split()[2]
         assert set(reply["content"]) == {letter}  # the right letter, a long-tailed run of it
     lengths = [len(r["content"]) for _, r in examples]
-    assert max(lengths) > 5 * statistics.median(lengths)
+    assert max(lengths) > 5 * statistics.median(lengths)  # as long-tailed as the problems
     asked = [int(a["content"].split()[1]) for a, _ in examples]
-    assert sum(a == n for a, n in zip(asked, lengths)) < len(examples) / 2  # not the answers
+    assert all(a / 2 - 1 <= n <= 1.5 * a + 1 for a, n in zip(asked, lengths))  # the length follows the ask
+    longer = [(a, n) for a, n in zip(asked, lengths) if a >= 10]
+    assert len(longer) > 10 and sum(a == n for a, n in longer) < len(longer) / 4  # but is rarely the answer
 
 
 def test_letter_chain_lasts_its_drawn_number_of_turns_and_scores_the_fraction_right() -> None:
