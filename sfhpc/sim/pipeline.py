@@ -82,6 +82,7 @@ class SimResult:
     generated_tokens_per_s: float
     step_s_mean: float
     bubble: dict[str, float]            # role -> waiting rank-seconds / total rank-seconds
+    waiting_rank_s: float               # every rank's waiting seconds, summed
     shares: dict[str, dict[str, float]]  # role -> state -> share of rank-seconds
     tokens_discarded: int
     groups_discarded: int
@@ -472,7 +473,8 @@ class PipelineSim:
             rollout_gpus=self.cluster.rollout_gpus, measured_steps=self.config.steps - self.config.warmup_steps,
             seconds=window, trained_tokens=self.trained_tokens, generated_tokens=self.generated_tokens,
             trained_tokens_per_s=self.trained_tokens / window, generated_tokens_per_s=self.generated_tokens / window,
-            step_s_mean=sum(self.step_times) / max(len(self.step_times), 1), bubble=bubble, shares=shares,
+            step_s_mean=sum(self.step_times) / max(len(self.step_times), 1), bubble=bubble,
+            waiting_rank_s=waiting, shares=shares,
             tokens_discarded=self.tokens_discarded, groups_discarded=self.groups_discarded,
             staleness_mean=sum(self.staleness) / max(len(self.staleness), 1),
             staleness_max=max(self.staleness, default=0),
