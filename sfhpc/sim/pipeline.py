@@ -118,6 +118,7 @@ class PipelineSim:
         if self.mode == "seamless" and not self.scheduler.lendable_ranks:
             self.note = "no lendable ranks (the trainer's pool is not tagged rollout): ran as async"
         self.trainer_ranks = self.scheduler.trainer_ranks
+        self.trainer_set = frozenset(self.trainer_ranks)
         self.trainer_gpu = cluster.trainer_pool.gpu_type or ""
         engine_ranks = set(self.scheduler.rollout_ranks) | set(self.scheduler.lendable_ranks)
         on_trainer = set(self.trainer_ranks)
@@ -378,9 +379,9 @@ class PipelineSim:
         self.step_times.append(now - self.step_started)
         for rank, engine in self.engines.items():
             engine.version = self.version
-            if rank in self.trainer_ranks and self.mode != "sync":
+            if rank in self.trainer_set and self.mode != "sync":
                 continue  # a trainer GPU's engine sleeps until it is lent
-            if rank not in self.trainer_ranks:
+            if rank not in self.trainer_set:
                 engine.resume()
         self.scheduler.set_state(self.scheduler.entries, RankState.IDLE)  # generating where episodes are out
         if self.ready:  # the new version may leave complete groups too far behind
