@@ -143,7 +143,8 @@ def gpu_flags(component: Component) -> dict[str, FlagValue]:
         return {}
     if component.tasks_per_node is None:
         return {"gpus_per_node": component.gpus_per_node}
-    return {"gpus_per_task": component.gpus_per_node // component.tasks_per_node, "gpu_bind": "single:1"}
+    per_task = component.gpus_per_node // component.tasks_per_node
+    return {"gpus_per_task": per_task, "gpu_bind": "single:1" if per_task == 1 else None}
 
 
 def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None, python: str,
