@@ -147,6 +147,7 @@ class AgentEndpoint:
         self._engine_changed = asyncio.Event()
         self._in_engine = 0  # turns with a generation running on the engine (not waiting for a resume)
         self._closing = asyncio.Event()
+        self._refusing = False  # turns give up instead of waiting: the rank was taken back from rollout
 
     @property
     def engine(self) -> RolloutEngine:
@@ -192,6 +193,15 @@ class AgentEndpoint:
         rank never resumes its engine. What they generated is already recorded."""
         self._closing.set()
 
+    def refuse_turns(self, refusing: bool) -> None:
+        """While refusing, turns give up (HTTP 503, as at `close`) instead of waiting for the paused engine,
+        new ones too: a trainer rank taken back from rollout hands its trajectories, recorded so far, to other
+        ranks. Turns waiting now are woken to give up."""
+        self._refusing = refusing
+        if refusing:
+            self._engine_changed.set()
+            self._engine_changed = asyncio.Event()
+
     async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
         """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
         continues on the new one from where it stopped."""
@@ -212,6 +222,8 @@ class AgentEndpoint:
             engine, changed = self._engine, self._engine_changed
             if self._closing.is_set():
                 raise ShuttingDown("the rollout rank is stopping; the trajectory continues after a restart")
+            if self._refusing:
+                raise ShuttingDown("the rank was taken back from rollout; the trajectory continues on another rank")
             if not engine.paused:
                 return engine
             resumed = asyncio.ensure_future(engine.wait_resumed())

@@ -8,7 +8,10 @@ Modes. ``sync`` hands out exactly one step's episodes and waits for them before 
 generate-then-train). ``async`` keeps up to ``(max_staleness + 1)`` steps of episodes out, so rollout
 ranks keep generating while the trainer trains; a weight update pauses the engines, and interrupted
 generations continue with the new weights (partial rollout). The manager drops groups whose oldest
-token is more than ``max_staleness`` versions behind the policy being trained.
+token is more than ``max_staleness`` versions behind the policy being trained. ``seamless`` is ``async``
+plus lending: trainer ranks whose nodes carry the ``rollout`` tag hold an engine too, play episodes while
+the trainer waits for its batch, and are reclaimed the moment it is ready: their generations are cut at a
+token boundary and continue from their prefix on the rollout ranks, then training starts.
 """
 
 from __future__ import annotations
@@ -69,13 +72,15 @@ class Controller:
                  job_id: str | None = None) -> None:
         self.recipe, self.layout, self.task, self.run_dir = recipe, layout, task, run_dir
         self.resume_from, self.restart, self.job_id = resume_from, restart, job_id
-        self.scheduler = Scheduler(plan)
+        self.scheduler = Scheduler(plan, lending=recipe.pipeline.mode == "seamless")
         self.store_path = run_dir / STORE_NAME
         self.store = TrajectoryStore.open(self.store_path,
                                           run_metadata={"recipe": recipe.name, "source": recipe.source,
                                                         "model": str(model_dir)})  # its tokenizer
         self.manager = TrajectoryManager(self.store, max_staleness=recipe.pipeline.max_staleness)
-        self.server = ManagerServer(self.manager, layout.manager_link, clients=self.scheduler.rollout_ranks)
+        # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
+        self.server = ManagerServer(self.manager, layout.manager_link,
+                                    clients=self.scheduler.rollout_ranks + self.scheduler.lendable_ranks)
         self._stop_serving = threading.Event()
         # The timeline: into the store with every flush; an episode's end may make its rank idle at once.
         self.manager.follow_timeline(self.scheduler.timeline.drain)
@@ -99,6 +104,8 @@ class Controller:
         self.stopping: tuple[int, str] | None = None  # (rank, signal) of the stop request being acted on
         self._stop_noticed = 0.0
         self.started = time.monotonic()
+        self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
+        self._announce_lending()
 
     # -- the steps of the loop ---------------------------------------------------------------------
     def keep_rollouts_busy(self) -> None:
@@ -118,6 +125,47 @@ class Controller:
             episodes += members
         self.groups_out += new_groups
         self.hand_out(episodes)
+
+    def lend_idle_trainers(self) -> None:
+        """seamless: the trainer ranks that may be lent serve rollouts until the batch is ready (they take
+        episodes from the next `hand_out` on, by load like any rollout rank)."""
+        self.scheduler.lend(self.scheduler.lendable_ranks)
+
+    def reclaim_lent(self, step: int) -> None:
+        """The batch is ready: every lent rank goes back to training. Its generations are cut at a token
+        boundary (recorded as partial rollouts) and its unfinished episodes continue on the rollout ranks
+        from their prefix; then training can start. The time this takes is the step's ``reclaim_s``."""
+        started = time.monotonic()
+        ranks = self.scheduler.reclaim()
+        if not ranks:
+            return
+        for rank in ranks:
+            msg.send(self.layout.world, msg.Reclaim(), rank)
+        replies: list[msg.Reclaimed] = [msg.receive(self.layout.world, rank, msg.REPLY_TAG) for rank in ranks]
+        moved = [episode for reply in replies for episode in reply.episodes]
+        for reply in replies:
+            self.scheduler.withdraw(reply.rank, len(reply.episodes))
+        self.hand_out(moved)
+        seconds = time.monotonic() - started
+        interrupted = sum(r.interrupted for r in replies)
+        self.last_reclaim = {"reclaim_s": seconds, "reclaimed_ranks": len(ranks), "reclaim_interrupted": interrupted,
+                             "reclaim_moved": len(moved), "continued": sum(e.resume_id is not None for e in moved)}
+        self.event("reclaimed", step=step, ranks=list(ranks), seconds=round(seconds, 4), interrupted=interrupted,
+                   moved=len(moved), continued=self.last_reclaim["continued"])
+
+    def _announce_lending(self) -> None:
+        if self.recipe.pipeline.mode != "seamless":
+            return
+        lendable = self.scheduler.lendable_ranks
+        if lendable:
+            line = (f"seamless: trainer ranks {','.join(map(str, lendable))} are lent to rollout while the trainer "
+                    "waits for its batch, and reclaimed when it is ready")
+        else:
+            line = ("seamless: no trainer rank's node carries the 'rollout' tag (the cluster map does not allow "
+                    "lending), so this run is async")
+        print(line, flush=True)
+        self.event("pipeline", mode="seamless" if lendable else "async", requested="seamless",
+                   lendable=list(lendable))
 
     def hand_out(self, episodes: list[msg.Episode]) -> None:
         for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended).items():
@@ -225,7 +273,17 @@ class Controller:
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
+            **self._lending_metrics(),
         })
+
+    def _lending_metrics(self) -> dict[str, float | int]:
+        """seamless with lendable ranks: the step's reclaim (0 when nothing was lent) and the run's counts."""
+        if not self.scheduler.lendable_ranks:
+            return {}
+        row = {"reclaim_s": 0.0, "reclaim_interrupted": 0, "reclaim_moved": 0} | {
+            k: v for k, v in self.last_reclaim.items() if k in ("reclaim_s", "reclaim_interrupted", "reclaim_moved")}
+        self.last_reclaim = {}
+        return row | {"lends": self.scheduler.lends, "reclaims": self.scheduler.reclaims}
 
     def checkpoint_if_due(self, step: int) -> None:
         """Every ``training.checkpoint_every`` steps (0: only at the end and at a stop request)."""
@@ -265,8 +323,9 @@ class Controller:
                                assigned={r: e.assigned for r, e in self.scheduler.entries.items()})
 
     def quiesce_rollouts(self) -> None:
-        """Every generation in flight ends and is recorded as a partial rollout (engines stay paused)."""
-        rollouts = self.scheduler.rollout_ranks
+        """Every generation in flight ends and is recorded as a partial rollout (engines stay paused), on the
+        rollout ranks and on trainer ranks lent to rollout."""
+        rollouts = self.scheduler.rollout_ranks + self.scheduler.lent_ranks
         for rank in rollouts:
             msg.send(self.layout.world, msg.Quiesce(), rank)
         try:
@@ -399,10 +458,12 @@ def run_loop(ctl: Controller) -> RunSummary:
     """The RL loop: episodes -> batch -> train step -> new weights everywhere, until the budget is spent."""
     for step in range(ctl.resume(), ctl.recipe.budgets.steps + 1):  # step 1, or the checkpoint's next one
         started = time.monotonic()
+        ctl.lend_idle_trainers()                  # seamless: trainer ranks tagged rollout play episodes too
         ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
         batch = ctl.wait_for_batch(step)          # whole GRPO groups within the staleness bound
         if batch is None:                         # a stop request came first: checkpoint now
             break
+        ctl.reclaim_lent(step)                    # seamless: lent ranks back, their episodes continue elsewhere
         trained = ctl.train(step, batch)          # one optimisation step on the trainer ranks
         sync_s = ctl.sync_weights(trained.version)  # engines pause, load the new weights, resume
         ctl.report(step, batch, trained, sync_s, time.monotonic() - started)

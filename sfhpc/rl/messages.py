@@ -94,6 +94,20 @@ class Quiesced:
 
 
 @dataclasses.dataclass(frozen=True)
+class Reclaim:
+    """Controller -> a trainer rank lent to rollout, when the batch is ready: cut its generations at a token
+    boundary (recorded as partial rollouts), drop its episodes and answer `Reclaimed` with them, so that
+    they continue elsewhere; the engine stays loaded for the next lending."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reclaimed:
+    rank: int
+    interrupted: int  # generations cut short
+    episodes: tuple[Episode, ...]  # its unfinished episodes (``resume_id`` set where a trajectory started)
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 

@@ -19,11 +19,6 @@ log = logging.getLogger("sfhpc")
 
 def check_runnable(recipe: Recipe) -> None:
     """Refuse, before any job starts, what this version cannot run."""
-    if recipe.pipeline.mode == "seamless":
-        # Lending idle trainer ranks to rollout is designed (the scheduler has the LENT state) but not built:
-        # refuse rather than quietly run another mode.
-        raise SfhpcError(f"{recipe.source}: pipeline.mode: 'seamless' is not available yet; use 'async' "
-                         "(overlapped, bounded staleness) or 'sync'")
     if not recipe.task.name:
         from sfhpc.tasks.registry import BUILTIN_TASKS
 
@@ -92,6 +87,7 @@ def find_resume_checkpoint(recipe: Recipe, run_dir: Path, model_dir: Path, world
 def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     from sfhpc.rl.controller import Controller, describe, run_loop
     from sfhpc.rl.rollout_worker import RolloutWorker, serve_rollout
+    from sfhpc.rl.scheduler import Scheduler
     from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer, serve_trainer
 
     check_runnable(recipe)
@@ -119,7 +115,10 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     if identity.has_role("trainer"):
         trainer_state = resume_from.trainer_file if resume_from is not None else None
         trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir, trainer_state))
-    if identity.has_role("rollout"):
+    # seamless: a trainer rank whose node carries the rollout tag also holds an engine, lent to rollout
+    # while the trainer waits for a batch (the controller's scheduler decides the same from the same plan).
+    lendable = identity.rank in Scheduler(plan, lending=recipe.pipeline.mode == "seamless").lendable_ranks
+    if identity.has_role("rollout") or lendable:
         def engine() -> Any:
             from sfhpc.engine.factory import start_engine
 
@@ -128,9 +127,14 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         from sfhpc.engine.tokenizer import load_tokenizer
 
         worker = RolloutWorker(recipe, task, layout, engine, trainer=trainer_worker.trainer if trainer_worker else None,
-                               tokenizer=load_tokenizer(model_dir))  # the endpoint speaks the model's tokenizer
+                               tokenizer=load_tokenizer(model_dir),  # the endpoint speaks the model's tokenizer
+                               lendable=lendable)
         try:
-            serve_rollout(worker, on_train=_colocated_training(trainer_worker))
+            if lendable:
+                assert trainer_worker is not None  # lendable ranks are trainer ranks
+                serve_trainer(trainer_worker, lent=worker)
+            else:
+                serve_rollout(worker, on_train=_colocated_training(trainer_worker))
         finally:
             worker.close()
     elif trainer_worker is not None:

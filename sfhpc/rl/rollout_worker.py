@@ -4,11 +4,16 @@ Threads. The endpoint's event loop runs in its own thread (engine, HTTP server, 
 to the trajectory manager, which travel over the manager's communicator). The main thread owns the
 control channel: it waits for the controller's commands and, for a weight update, pauses the engine,
 receives the broadcast and loads it. An agent never notices a weight update: its call just takes longer.
+
+A trainer rank lent to rollout (``seamless``) runs a `RolloutWorker` too, beside its trainer: when it is
+taken back (`RolloutWorker.reclaim`) its generations are cut at a token boundary and recorded, and the
+episodes it held go back to the controller, which continues them on other ranks from their prefix.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -45,13 +50,17 @@ log = logging.getLogger("sfhpc")
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
-                 trainer: Any | None = None, tokenizer: ChatTokenizer | None = None) -> None:
+                 trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False) -> None:
+        """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back."""
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
+        # A reclaim must name the trajectory of an episode cut in its first turn, which its agent has not
+        # heard yet (the id comes with the first reply): the endpoint's starts are noted by group.
+        self.starts = _StartsByGroup(self.manager) if lendable else None
         # The engine starts on the endpoint's loop: vLLM's AsyncLLM binds to the loop that first uses it.
         placeholder = _Idle()
-        self.endpoint = AgentEndpoint(placeholder, self.manager)
+        self.endpoint = AgentEndpoint(placeholder, self.starts or self.manager)
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name, tokenizer=tokenizer,
@@ -84,18 +93,38 @@ class RolloutWorker:
             self.receiver = WeightReceiver(MPITransport(layout.weight_broadcast, root=0))
         self.playing: list[Future[Any]] = []
         self.quiesced = False  # the engine is paused for good: the rank is stopping
+        # The episodes playing now (on the endpoint's loop), each with the trajectory ids it started: what a
+        # reclaim hands back. The flag keeps the cut episodes from counting as failed.
+        self.held: dict[asyncio.Task[Any], tuple[Episode, list[str]]] = {}
+        self.reclaiming = False
+        self.refusing_turns = False
 
     # -- commands ----------------------------------------------------------------------------------
     def play(self, episodes: tuple[Episode, ...]) -> None:
+        if self.refusing_turns:  # lent again after a reclaim: turns are served again (this is queued first)
+            self.refusing_turns = False
+            self.server.loop.call_soon_threadsafe(self.endpoint.refuse_turns, False)
         for episode in episodes:
-            self.playing.append(asyncio.run_coroutine_threadsafe(self._play(episode), self.server.loop))
+            self.playing.append(asyncio.run_coroutine_threadsafe(self._play_held(episode), self.server.loop))
 
-    async def _play(self, episode: Episode) -> None:
+    async def _play_held(self, episode: Episode) -> EpisodeOutcome | None:
+        task = asyncio.current_task()
+        assert task is not None
+        started: list[str] = []
+        self.held[task] = (episode, started)
+        noted = started.append if self.starts is None else _both(started.append, self.starts.claim)
+        try:
+            return await self._play(episode, noted)
+        finally:
+            self.held.pop(task, None)
+
+    async def _play(self, episode: Episode, noted: Callable[[str], None]) -> EpisodeOutcome | None:
         # An agent or task that raises, or outlives budgets.episode_timeout_s, fails its trajectory with the
         # reason (the controller replaces its group): one episode's fault never takes the rank down.
         if self.programs is not None:
-            return await self._play_program(episode, self.programs)
+            return await self._play_program(episode, self.programs, noted)
         async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+            on_trajectory = _both(noted, on_trajectory)
             if episode.resume_id is not None:
                 on_trajectory(episode.resume_id)
             resume = None if episode.resume_id is None else await self._resume_point(episode)
@@ -103,13 +132,15 @@ class RolloutWorker:
                                       seed=episode.seed, max_tokens=self.recipe.budgets.max_new_tokens,
                                       resume=resume, on_trajectory=on_trajectory)
 
-        await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
-                           timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
+        return await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
+                                  timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
 
-    async def _play_program(self, episode: Episode, programs: AgentPrograms) -> None:
+    async def _play_program(self, episode: Episode, programs: AgentPrograms,
+                            noted: Callable[[str], None]) -> EpisodeOutcome | None:
         """An episode of the recipe's agent program; its timeout counts from the program's start, not from
         the wait for one of the rank's ``agent.workers`` slots."""
         async def play(on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+            on_trajectory = _both(noted, on_trajectory)
             if episode.resume_id is not None:
                 # A program's own state died with the earlier allocation, so its cut trajectory cannot be
                 # continued: it is kept as aborted (never trained on) and the episode is played afresh, a
@@ -121,13 +152,15 @@ class RolloutWorker:
 
         assert self.recipe.agent is not None
         async with programs.slots:
-            await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
-                               timeout_s=self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s,
-                               stopping=self._stopping)
+            return await play_or_fail(
+                play, self.manager, task=self.task.name, group=episode.group,
+                timeout_s=self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s,
+                stopping=self._stopping)
 
     def _stopping(self) -> bool:
-        """A stop is under way on this rank (a signal reached it, or the controller quiesced it)."""
-        return self.quiesced or preemption.received() is not None
+        """A stop is under way on this rank (a signal reached it, or the controller quiesced it), or the
+        rank is being taken back from rollout: an episode cut now is not a failed one."""
+        return self.quiesced or self.reclaiming or preemption.received() is not None
 
     async def _resume_point(self, episode: Episode) -> ResumePoint:
         """An episode of an earlier allocation: its replies so far, the one that was cut short finished
@@ -186,7 +219,7 @@ class RolloutWorker:
 
     def errors(self) -> list[BaseException]:
         """Exceptions of finished episodes (an agent that crashed must not go unnoticed)."""
-        done = [f for f in self.playing if f.done()]
+        done = [f for f in self.playing if f.done() and not f.cancelled()]  # cancelled: moved by a reclaim
         self.playing = [f for f in self.playing if not f.done()]
         return [e for e in (f.exception() for f in done) if e is not None]
 
@@ -205,6 +238,42 @@ class RolloutWorker:
         cut = self.server.call(self.endpoint.quiesce(), timeout=60)
         self.manager.counts()
         return cut
+
+    def reclaim(self) -> tuple[int, tuple[Episode, ...]]:
+        """This trainer rank goes back to training: every generation in flight is cut at a token boundary
+        and recorded as a partial rollout, every episode still playing is dropped here, and the engine runs
+        again for the next lending. Returns how many generations were cut and the dropped episodes, each
+        naming its trajectory (``resume_id``) where one started, for the controller to continue elsewhere."""
+        self.reclaiming = True
+        try:
+            cut, moved = self.server.call(self._reclaim(), timeout=90)
+        finally:
+            self.reclaiming = False
+        self.refusing_turns = True
+        self.manager.counts()  # a round trip: the cut segments' one-way records have reached the manager
+        return cut, moved
+
+    async def _reclaim(self) -> tuple[int, tuple[Episode, ...]]:
+        cut = await self.endpoint.quiesce()
+        self.endpoint.refuse_turns(True)  # turns of HTTP agents (not tasks of this rank's own) give up too
+        held, self.held = self.held, {}
+        for task in held:
+            task.cancel()
+        outcomes = await asyncio.gather(*held, return_exceptions=True)
+        await self.engine.resume()
+        assert self.starts is not None, "reclaim is for lendable ranks"
+        unnamed = self.starts.unclaimed()  # group -> trajectories started here whose agent never heard the id
+        self.starts.clear()  # nothing plays here any more
+        moved = []
+        for (episode, started), outcome in zip(held.values(), outcomes):
+            if isinstance(outcome, EpisodeOutcome):
+                continue  # finished before the cut: it stays
+            if not started and unnamed.get(episode.group):
+                # Members of a group are alike (one problem, seeds of their own): an episode cut in its first
+                # turn takes any such trajectory of its group, each one once.
+                started = [unnamed[episode.group].pop()]
+            moved.append(dataclasses.replace(episode, resume_id=started[0]) if started else episode)
+        return cut, tuple(moved)
 
     def close(self) -> None:
         """Wind down in dependency order: engine paused (what is in flight is recorded), agents, HTTP site
@@ -227,6 +296,43 @@ class RolloutWorker:
             self.server.call(stop_engine(), timeout=120)
         self.server.stop()
         self.manager.close()
+
+
+class _StartsByGroup:
+    """The trajectory sink (the manager's client) with a note of the trajectories started through it, by
+    group, and of those an agent has heard of (`claim`)."""
+
+    def __init__(self, sink: Any) -> None:
+        self._sink = sink
+        self._started: dict[str, list[str]] = {}
+        self._claimed: set[str] = set()
+
+    def start(self, prompt_tokens: Any, *, task: str = "", group: str | None = None, metadata: Any = None,
+              trajectory_id: str | None = None) -> str:
+        made = self._sink.start(prompt_tokens, task=task, group=group, metadata=metadata, trajectory_id=trajectory_id)
+        self._started.setdefault(group or "", []).append(made)
+        return made
+
+    def claim(self, trajectory_id: str) -> None:
+        self._claimed.add(trajectory_id)
+
+    def unclaimed(self) -> dict[str, list[str]]:
+        return {g: [t for t in ids if t not in self._claimed] for g, ids in self._started.items()}
+
+    def clear(self) -> None:
+        self._started.clear()
+        self._claimed.clear()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)  # every other call goes to the sink as it is
+
+
+def _both(first: Callable[[str], None], second: Callable[[str], None]) -> Callable[[str], None]:
+    def call(trajectory_id: str) -> None:
+        first(trajectory_id)
+        second(trajectory_id)
+
+    return call
 
 
 def _endpoint_address(recipe: Recipe) -> dict[str, Any]:

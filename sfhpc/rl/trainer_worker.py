@@ -81,23 +81,15 @@ class TrainerWorker:
             # generating until the header that follows it arrives.
             self.publisher.publish(self.trainer.named_weights(), command.version,
                                    dtype=getattr(torch, self.recipe.model.dtype))
-        if self.is_first:
-            reply = msg.Synced(self.rank, command.version, time.perf_counter() - start)
-            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
-
-    def checkpoint(self, command: msg.Checkpoint) -> None:
-        Path(command.path).parent.mkdir(parents=True, exist_ok=True)
-        self.trainer.save_checkpoint(Path(command.path))
-        if self.is_first:
         elif self.gathers_published_weights:
             # Under tensor or pipeline parallelism the weight stream is collective over the root's
             # model-parallel group (shards gathered, stages broadcast): these ranks iterate it with the root
             # and drop what they get. The other data-parallel replicas hold copies and sit it out.
             for _ in self.trainer.named_weights():
                 pass
-            msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),
-                     self.layout.controller_rank, msg.REPLY_TAG)
-
+        if self.is_first:
+            reply = msg.Synced(self.rank, command.version, time.perf_counter() - start)
+            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
 
     @property
     def gathers_published_weights(self) -> bool:
@@ -108,18 +100,48 @@ class TrainerWorker:
             return False
         return bool(self.trainer.dp_rank == 0)
 
-def serve_trainer(worker: TrainerWorker) -> None:
-    """The trainer rank's command loop, until the controller says Stop."""
+    def checkpoint(self, command: msg.Checkpoint) -> None:
+        Path(command.path).parent.mkdir(parents=True, exist_ok=True)
+        self.trainer.save_checkpoint(Path(command.path))
+        if self.is_first:
+            msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),
+                     self.layout.controller_rank, msg.REPLY_TAG)
+
+
+def serve_trainer(worker: TrainerWorker, lent: Any | None = None) -> None:
+    """The trainer rank's command loop, until the controller says Stop.
+
+    `lent` (a `sfhpc.rl.rollout_worker.RolloutWorker`, in ``seamless`` mode on a node tagged ``rollout``):
+    the rank also holds an engine, loaded from its own trainer at every weight update. While the controller
+    lends it to rollout it plays the episodes it is sent (on the engine's own thread, so this loop stays
+    free for commands); at Reclaim it gives them back cut at a token boundary, before the Train that
+    follows (every trainer rank gets that Train, so the trainers' collectives line up as without lending).
+    """
     world, controller = worker.layout.world, worker.layout.controller_rank
     notice = preemption.StopNotice(world, controller)
+
+    def idle() -> None:
+        notice.check()
+        if lent is not None and (errors := lent.errors()):
+            raise errors[0]  # an agent that crashed must not go unnoticed
+
     while True:
-        command = msg.receive(world, controller, idle=notice.check)
+        command = msg.receive(world, controller, idle=idle)
         if isinstance(command, msg.Train):
             worker.train(command)
         elif isinstance(command, msg.SyncWeights):
             worker.publish(command)
+            if lent is not None:  # after the broadcast: the rollout ranks are not kept waiting for it
+                lent.sync_weights(command.version)
         elif isinstance(command, msg.Checkpoint):
             worker.checkpoint(command)
+        elif isinstance(command, msg.Play) and lent is not None:
+            lent.play(command.episodes)
+        elif isinstance(command, msg.Reclaim) and lent is not None:
+            interrupted, episodes = lent.reclaim()
+            msg.send(world, msg.Reclaimed(worker.rank, interrupted, episodes), controller, msg.REPLY_TAG)
+        elif isinstance(command, msg.Quiesce) and lent is not None:
+            msg.send(world, msg.Quiesced(worker.rank, lent.quiesce()), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Stop):
             if worker.publisher is not None:
                 worker.publisher.finish()  # the rollout ranks take it before they stop

@@ -1,0 +1,140 @@
+"""``seamless`` in the real loop (mpiexec, real torch training, real HDF5; the deterministic test engine).
+
+Rank 0 is the controller, rank 1 the trainer (its node carries ``rollout``: lendable), rank 2 a rollout
+rank. Every step lends rank 1 to rollout while the trainer waits for its batch and reclaims it when the
+batch is ready: its generations are cut at a token boundary and continue on rank 2's engine from their
+prefix. The stored trajectories must show it: replies in segments of two engines, the first one cut
+(``abort``), the text the task judged equal to prefix + continuation, no generated token left off the reply.
+
+Without a lendable rank (a cluster map whose trainer nodes lack ``rollout``) the same recipe runs as
+``async`` and says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from sfhpc.data.store import open_store
+from sfhpc.engine.tokenizer import load_tokenizer
+from tests.conftest import run_sfhpc
+
+pytestmark = [pytest.mark.mpi]
+
+STEPS = 8
+# repeat-letter (reply budgets from a long tail, which the test engine writes to), with every reply the task
+# judges written to a file.
+RECORDING_TASK = """\
+import json, os
+
+from sfhpc.tasks.long_tail import RepeatLetterTask
+
+
+class RecordingRepeat(RepeatLetterTask):
+    def episode(self, problem):
+        inner = super().episode(problem)
+        judge = inner.step
+
+        def step(reply):
+            with open(os.environ["SFHPC_TEST_REPLIES"], "a", encoding="utf-8") as f:
+                f.write(json.dumps(reply) + "\\n")
+            return judge(reply)
+
+        inner.step = step
+        return inner
+"""
+RECIPE = f"""\
+name: lend
+seed: 3
+engine: {{name: test, token_delay_s: 0.01}}
+algorithm: {{group_size: 2}}
+pipeline: {{mode: seamless, max_staleness: 3}}
+budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: 128}}
+task: {{name: "recording.py:RecordingRepeat", options: {{min_count: 8, max_count: 120}}}}
+roles:
+  controller: {{place_with: trainer}}
+  trainer:    {{tags: [train], nodes: 1}}
+  rollout:    {{tags: [rollout], nodes: 1}}
+"""
+# This machine as two pools: the trainer's node without the rollout tag, so no rank may be lent.
+NO_LENDING_MAP = """\
+cluster: here
+pools:
+  trainers: {partition: train, nodes: 1, tags: [train], cpus_per_node: 8, memory_mb: 1, gpus_per_node: 0}
+  rollouts: {partition: rollout, nodes: 1, tags: [rollout], cpus_per_node: 8, memory_mb: 1, gpus_per_node: 0}
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small policy folder for both runs (as a run builds its own, with the task's text)."""
+    from sfhpc.config.recipe import ModelSpec
+    from sfhpc.model.tiny import build_tiny_model
+    from sfhpc.tasks.long_tail import RepeatLetterTask
+
+    path = tmp_path_factory.mktemp("model") / "tiny"
+    return build_tiny_model(ModelSpec(layers=1, hidden_size=64, heads=1), path, seed=3,
+                            task=RepeatLetterTask(min_count=8, max_count=120))
+
+
+def run(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[Path, list[dict], list[dict], str]:
+    (tmp_path / "recording.py").write_text(RECORDING_TASK)
+    recipe = tmp_path / "lend.yaml"
+    recipe.write_text(RECIPE + f"model: {{path: {model_dir}}}\noutput_dir: {tmp_path / 'runs'}\n")
+    done = run_sfhpc("run", str(recipe), *extra, env={"SFHPC_TEST_REPLIES": str(tmp_path / "replies.jsonl")},
+                     timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, events, rows, done.stdout
+
+
+def test_a_lent_trainer_is_reclaimed_every_step_and_its_generations_finish_elsewhere(tmp_path: Path,
+                                                                                  model_dir: Path) -> None:
+    run_dir, events, rows, out = run(tmp_path, model_dir)
+    assert "seamless: trainer ranks 1 are lent to rollout" in out
+    reclaims = [e for e in events if e["event"] == "reclaimed"]
+    # Lent and reclaimed within every step; the latency (batch ready -> training may start) is reported.
+    assert [e["step"] for e in reclaims] == list(range(1, STEPS + 1)) and all(e["ranks"] == [1] for e in reclaims)
+    assert [(r["lends"], r["reclaims"]) for r in rows] == [(s, s) for s in range(1, STEPS + 1)]
+    assert all(0 < r["reclaim_s"] < 1.0 for r in rows), [r["reclaim_s"] for r in rows]
+    assert sum(e["interrupted"] for e in reclaims) >= 1 and sum(e["continued"] for e in reclaims) >= 1, reclaims
+    assert [r["reclaim_moved"] for r in rows] == [e["moved"] for e in reclaims]
+
+    judged = [json.loads(line) for line in (tmp_path / "replies.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(model_dir)
+    stops = set(tokenizer.chat_stop_ids)
+    with open_store(run_dir / "trajectories.h5") as store:
+        trajectories = [t for t in store.trajectories() if t.status in ("consumed", "finished")]
+    moved = 0
+    for t in trajectories:
+        (reply, cut), = t.replies()  # single-turn, finished
+        assert not cut
+        generated = [s for s in t.segments if s.generated]
+        assert sum(len(s) for s in generated) == len(reply) == t.num_generated  # no generated token discarded
+        engines = [s.engine for s in generated]
+        if len(set(engines)) > 1:
+            moved += 1
+            # Cut on the lent trainer's engine, continued on the rollout rank's from the prefix.
+            assert engines[0] == "test-r1" and generated[0].finish_reason == "abort" and engines[-1] == "test-r2"
+            assert [int(x) for s in generated for x in s.tokens] == [int(x) for x in reply]
+        text = tokenizer.decode([int(x) for x in reply if int(x) not in stops])
+        assert text in judged  # the task judged exactly the stored prefix + continuation
+    assert moved >= 1, "no reply was cut on the lent rank and finished on another engine"
+    assert {s.engine for t in trajectories for s in t.segments if s.generated} == {"test-r1", "test-r2"}
+
+
+def test_seamless_without_lendable_ranks_runs_as_async_and_says_so(tmp_path: Path, model_dir: Path) -> None:
+    (tmp_path / "map.yaml").write_text(NO_LENDING_MAP)
+    run_dir, events, rows, out = run(tmp_path, model_dir, "--cluster", str(tmp_path / "map.yaml"))
+    assert "no trainer rank's node carries the 'rollout' tag" in out and "so this run is async" in out
+    assert [e for e in events if e["event"] == "pipeline"][0]["mode"] == "async"
+    assert not [e for e in events if e["event"] == "reclaimed"]
+    assert len(rows) == STEPS and not any("reclaim_s" in r for r in rows)
+    with open_store(run_dir / "trajectories.h5") as store:
+        engines = {s.engine for t in store.trajectories() for s in t.segments if s.generated}
+    assert engines == {"test-r2"}  # only the rollout rank generated
