@@ -69,10 +69,8 @@ def test_warm_start_targets_are_the_assistant_replies_only() -> None:
 def test_run_refuses_what_this_version_cannot_run(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
 
-    recipe = tmp_path / "seamless.yaml"
-    recipe.write_text((RECIPES / "demo.yaml").read_text().replace("mode: async", "mode: seamless")
+    recipe = tmp_path / "unknown-task.yaml"
+    recipe.write_text((RECIPES / "demo.yaml").read_text().replace("next-letter", "next-word")
                       + f"output_dir: {tmp_path / 'runs'}\n")
-    assert_one_line_error(run_sfhpc("run", str(recipe)), "pipeline.mode: 'seamless' is not available yet")
-    recipe.write_text((RECIPES / "demo.yaml").read_text().replace("next-letter", "next-word"))
     assert_one_line_error(run_sfhpc("run", str(recipe)), "unknown task 'next-word'")
     assert not (tmp_path / "runs").exists()
