@@ -121,13 +121,12 @@ class PipelineSim:
         self.trainer_set = frozenset(self.trainer_ranks)
         self.trainer_gpu = cluster.trainer_pool.gpu_type or ""
         engine_ranks = set(self.scheduler.rollout_ranks) | set(self.scheduler.lendable_ranks)
-        on_trainer = set(self.trainer_ranks)
         self.engines: dict[int, SimEngine] = {}
         for rank in sorted(engine_ranks):
             gpu = cluster.gpu_type(rank)
             # Engines on trainer GPUs sleep until lent (seamless); colocated ones start awake (sync).
             self.engines[rank] = SimEngine(rank, gpu, cost.device(gpu), self.clock, self._turn_ended,
-                                           available=not (rank in on_trainer and self.mode != "sync"),
+                                           available=not (rank in self.trainer_set and self.mode != "sync"),
                                            on_busy_change=self._busy_changed if config.timeline else None)
         self.rng = np.random.default_rng(config.seed)
         self.ahead = 1 if self.mode == "sync" else config.max_staleness + 1
@@ -139,11 +138,15 @@ class PipelineSim:
         self.samples: dict[int, Sample] = {}      # in flight, by id (the Episode's seed)
         self.ended: dict[int, int] = defaultdict(int)  # rank -> episodes that ended there
         self.ready: list[tuple[int, Group]] = []  # complete groups, oldest first
-        self.in_env: dict[int, set[Sample]] = defaultdict(set)  # rank -> samples waiting on their environment
+        # rank -> samples waiting on their environment (a dict: the order they are moved in is reproducible)
+        self.in_env: dict[int, dict[Sample, None]] = defaultdict(dict)
         self.waiting_for_batch = False
         self.top_up_pending = False
         self.lent_at = 0.0
+        self.lend_s = 0.0
         self.lent: tuple[int, ...] = ()
+        self.batch_tokens = 0      # trained tokens of the batch being trained
+        self.batch_ready_at = 0.0
         self.done = False
         # Figures (over the measured window).
         self.window_start: float | None = None
@@ -231,7 +234,7 @@ class PipelineSim:
 
     def _turn_ended(self, sample: Sample, engine: SimEngine) -> None:
         if not sample.finish_turn():
-            self.in_env[engine.rank].add(sample)
+            self.in_env[engine.rank][sample] = None
             self.clock.after(self.config.workload.env_s, self._env_answered, sample)
             return
         rank = engine.rank
@@ -247,7 +250,7 @@ class PipelineSim:
     def _env_answered(self, sample: Sample) -> None:
         if sample not in self.in_env[sample.rank]:
             return  # moved at a reclaim (and admitted where it continues)
-        self.in_env[sample.rank].discard(sample)
+        del self.in_env[sample.rank][sample]
         self.engines[sample.rank].admit((sample,))
 
     def _stale(self, group: Group) -> bool:
@@ -326,13 +329,13 @@ class PipelineSim:
         ranks = self.scheduler.reclaim()
         self._account_trainer("switching", min(self.lend_s, self.clock.now - self.lent_at))
         moved: list[Sample] = []
-        in_env: set[Sample] = set()
+        in_env: dict[Sample, None] = {}
         for rank in ranks:
             engine = self.engines[rank]
             out = engine.evict()
             engine.available = False
-            env = self.in_env.pop(rank, set())
-            in_env |= env
+            env = self.in_env.pop(rank, {})
+            in_env.update(env)
             self.scheduler.withdraw(rank, len(out) + len(env))
             moved.extend(out)
             moved.extend(env)
@@ -347,7 +350,7 @@ class PipelineSim:
             for sample in samples:
                 if sample in in_env:  # still waiting for its environment: it answers to the new rank
                     sample.rank = rank
-                    self.in_env[rank].add(sample)
+                    self.in_env[rank][sample] = None
             self.engines[rank].admit(s for s in samples if s not in in_env)
 
     def _train(self, _: Any = None) -> None:
@@ -400,7 +403,6 @@ class PipelineSim:
             wake = self.cost.lend_s(self.trainer_gpu, len(self.trainer_ranks))
             self._account_trainer("switching", wake)
             self.clock.after(wake, self._colocated_awake)
-            self.trainer_wake_ends = now + wake
         self._start_step()
 
     def _colocated_awake(self, _: Any = None) -> None:

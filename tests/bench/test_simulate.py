@@ -189,3 +189,12 @@ def test_bench_simulate_bad_tag_map_is_one_line(tmp_path: Path) -> None:
     done = run_sfhpc("bench", "simulate", "--cluster", str(bad), "--out", str(tmp_path / "out"))
     assert_one_line_error(done, str(bad), "needs a pool tagged 'train'")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_simulation_is_reproducible_with_multi_turn_episodes_moved_at_reclaims() -> None:
+    cluster = scaled_cluster(ClusterMap("site", (_pool("h100", ("train", "rollout"), 8, "h100", nodes=1),
+                                                 _pool("l40s", ("rollout",), 4, "l40s", nodes=2))), 16)
+    config = SimConfig("seamless", WORKLOADS["multi-turn"], prompts_per_step=8, steps=4, warmup_steps=1, seed=3)
+    first, second = (simulate(cluster, CostModel.published(), config) for _ in range(2))
+    assert first.migrated_samples > 0
+    assert first.as_json() == second.as_json()
