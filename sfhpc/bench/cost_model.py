@@ -79,10 +79,11 @@ MODELS: dict[str, ModelSpec] = {
 
 # Efficiencies (fractions of the vendor peak that real software reaches).
 # Decode at batch 1 reads the weights at about 77% of the memory-bandwidth roofline (vLLM, Llama-3.1-8B on
-# an A100; J. Musgrave, "vLLM throughput-latency sweep on NVIDIA A100").
+# an A100 40GB, about 75 tokens/s; J. Musgrave, "vLLM throughput-latency sweep on NVIDIA A100",
+# johnmusgrave.com/p/vllm-throughput-latency-sweep-on).
 DECODE_BANDWIDTH_EFFICIENCY = 0.77
-# Megatron-Core reports up to 47% model-FLOPs utilisation on H100 clusters (GPT-3 175B, ~390 TFLOPS per
-# GPU); RL trainers of 1.5-32B models with sequence packing do less: 35% is assumed.
+# Megatron-LM's README: "up to 47% Model FLOP Utilization (MFU) on H100 clusters" (2B-462B models, 4,096
+# token sequences); RL trainers of 1.5-32B models on variable-length batches do less: 35% is assumed.
 TRAIN_MFU = 0.35
 # Prefill runs large GEMMs like training's forward pass; 50% of peak is assumed.
 PREFILL_MFU = 0.50
@@ -90,9 +91,10 @@ PREFILL_MFU = 0.50
 DECODE_COMPUTE_MFU = 0.30
 # A training token costs 6 N FLOPs forward + backward (Kaplan et al. 2020, "Scaling Laws for Neural
 # Language Models", C ~ 6 N per token), plus one forward of 2 N for the old policy's log-probabilities
-# that PPO/GRPO's ratio needs (assumed: recomputed on the trainer, as verl does by default).
+# that PPO/GRPO's ratio needs (assumed: recomputed on the trainer).
 TRAIN_FLOPS_PER_PARAM_TOKEN = 6.0 + 2.0
-# vLLM's default max_num_seqs: an engine batches at most 256 sequences.
+# An engine batches at most 256 sequences (vLLM's max_num_seqs default in many releases; newer ones pick it
+# per hardware, so assumed).
 VLLM_MAX_NUM_SEQS = 256
 # vLLM's default gpu_memory_utilization: 90% of the GPU's memory for weights + KV cache.
 VLLM_MEMORY_UTILIZATION = 0.90
@@ -102,7 +104,8 @@ VLLM_MEMORY_UTILIZATION = 0.90
 SYNC_LINK_GB_S = 12.5
 SYNC_LINK_EFFICIENCY = 0.80
 SYNC_HOP_LATENCY_S = 20e-6
-# vLLM sleep mode (blog.vllm.ai, "Zero-Reload Model Switching with vLLM Sleep Mode", 2025): a level-1
+# vLLM sleep mode (blog.vllm.ai/2025/10/26/sleep-mode.html, "Zero-Reload Model Switching with vLLM Sleep
+# Mode"): a level-1
 # wake (weights back from host memory) takes 0.1-6 s from small models to 235B; here: weights / one
 # direction of PCIe plus 0.1 s of fixed cost (the blog's smallest wake). Sleep at level 2 (the weights are
 # replaced by the next sync anyway) frees memory without copying: the fixed cost only.
