@@ -24,8 +24,9 @@ from sfhpc.trainer.torch_trainer import TorchTrainer
 
 pytestmark = pytest.mark.vllm
 MODEL = "tiny-qwen2"
-# float32 on both sides: what is left is the two implementations' arithmetic, not bf16 rounding.
-TOLERANCE = 2e-3
+# float32 on both sides: what is left is the two implementations' arithmetic, not bf16 rounding (measured
+# here: a max gap of 1e-6 over 24 tokens).
+TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -67,5 +68,5 @@ def test_vllm_logprobs_at_temperature_07_are_the_trainers(served: tuple[Path, En
     print(f"max |trainer - vLLM| at temperature 0.7 over {int(mask.sum())} tokens: {gap:.2e}")
     assert gap < TOLERANCE
     # The comparison can tell: scored at temperature 1 (or vLLM's raw logprobs), the same tokens are far off.
-    assert float((at_one - engine_logprobs).abs().max()) > 20 * TOLERANCE
+    assert float((at_one - engine_logprobs).abs().max()) > 100 * TOLERANCE
 
