@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=2, help="first steps left out of the figures")
     p.add_argument("--max-staleness", type=int, default=2,
                    help="async and seamless: versions a group's oldest token may lag (the site recipe's 2)")
+    p.add_argument("--rebalance", action="store_true",
+                   help="seamless: a lent rank that runs dry takes half the running sequences of a loaded rollout "
+                        "rank (a policy the controller does not have yet)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="simulations run at once")
     p.add_argument("--out", type=Path, default=Path("runs/bench/simulate"), help="output folder")
@@ -114,7 +117,7 @@ def _run_task(cluster_map: ClusterMap, cost: CostModel, args: argparse.Namespace
     prompts = max(1, cluster.gpus * args.samples_per_gpu // workload.group_size)
     config = SimConfig(task.mode, workload, prompts_per_step=prompts, steps=args.steps,
                        warmup_steps=args.warmup_steps, max_staleness=args.max_staleness, seed=args.seed,
-                       timeline=task.timeline)
+                       timeline=task.timeline, rebalance=args.rebalance)
     started = time.process_time()
     result = simulate(cluster, cost, config)
     return {"workload": task.workload, "prompts_per_step": prompts, "cpu_s": time.process_time() - started,
@@ -277,7 +280,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              *(f"  {c}" for c in dict.fromkeys(r["cluster"] for r in rows)),
              *(f"workload {w.describe()}" for w in {workload_named(r["workload"]) for r in rows}),
              f"{args.samples_per_gpu} samples per GPU per step, {args.steps} steps per mode (first "
-             f"{args.warmup_steps} left out), max_staleness {args.max_staleness}",
+             f"{args.warmup_steps} left out), max_staleness {args.max_staleness}"
+             + ("; seamless rebalances work onto lent ranks that run dry (--rebalance: not in the controller)"
+                if args.rebalance else ""),
              format_results(rows),
              "stale dropped: share of generated tokens in groups dropped as too stale; tokens discarded at weight "
              "updates and reclaims: 0 (interrupted generations continue from their prefix)",
@@ -291,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": "simulate", "modelled": MODELLED, "cluster_map": str(args.cluster), "cost_model": cost.describe(),
         "model": args.model, "samples_per_gpu": args.samples_per_gpu, "steps": args.steps,
         "warmup_steps": args.warmup_steps, "max_staleness": args.max_staleness, "seed": args.seed,
+        "rebalance": args.rebalance,
         "wall_s": wall, "targets": targets(rows), "results": rows}, indent=2) + "\n")
     print(f"wrote {args.out / 'simulate.json'} and {args.out / 'simulate.txt'}")
     chart = plot(rows, runs, args.out / "simulate.png")

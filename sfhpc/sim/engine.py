@@ -130,16 +130,32 @@ class SimEngine:
         generated, and what it must prefill where it continues (its whole context so far)."""
         was_busy = self.busy
         self._advance()
+        out = self._interrupt(self.running)
+        out.extend(self.waiting)
+        self.running = []
+        self.waiting.clear()
+        self._changed(was_busy)
+        return out
+
+    def take(self, sample_ids: set[int]) -> list[Sample]:
+        """Take these running sequences off the engine (as `evict` does), the others go on."""
+        was_busy = self.busy
+        self._advance()
+        keep = [entry for entry in self.running if entry[1] not in sample_ids]
+        out = self._interrupt([entry for entry in self.running if entry[1] in sample_ids])
+        heapq.heapify(keep)
+        self.running = keep
+        self._fill()
+        self._changed(was_busy)
+        return out
+
+    def _interrupt(self, entries: list[tuple[float, int, Sample]]) -> list[Sample]:
         out = []
-        for end, _, sample in self.running:
+        for end, _, sample in entries:
             left = min(sample.remaining, max(0.0, end - self.v))
             done = int(sample.remaining - left)
             sample.generated += done
             sample.remaining -= done
             sample.context = sample.context_tokens()
             out.append(sample)
-        out.extend(self.waiting)
-        self.running.clear()
-        self.waiting.clear()
-        self._changed(was_busy)
         return out

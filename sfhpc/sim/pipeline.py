@@ -19,7 +19,9 @@ Modes:
   ranks (their pool tagged ``rollout``) to rollout; new episodes go to them by load. When the batch is
   ready they are reclaimed: their unfinished generations continue on rollout ranks from their prefix
   (prefilled there), and training starts once the trainer's state is back. Without lendable ranks it
-  runs as ``async`` (and says so in `SimResult.note`).
+  runs as ``async`` (and says so in `SimResult.note`). With `SimConfig.rebalance` (a policy the controller
+  does not have), a lent rank that runs out of episodes while the trainer still waits takes half the running
+  sequences of the most loaded rollout ranks, oldest groups first; they continue from their prefix.
 
 Time accounting per rank, over the measured steps (after `warmup_steps`): generating (an engine with a
 sequence in its batch), training, syncing (weight update), switching (an engine woken or put to sleep on
@@ -60,6 +62,7 @@ class SimConfig:
     max_staleness: int = 2
     seed: int = 0
     timeline: bool = False     # record busy-rank counts over time (for a chart)
+    rebalance: bool = False    # seamless: a lent rank that runs dry takes half the batch of a loaded rollout rank
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -142,6 +145,8 @@ class PipelineSim:
         self.in_env: dict[int, dict[Sample, None]] = defaultdict(dict)
         self.waiting_for_batch = False
         self.top_up_pending = False
+        self.drained: dict[int, None] = {}  # lent ranks that ran out of episodes (rebalance)
+        self.rebalance_pending = False
         self.lent_at = 0.0
         self.lend_s = 0.0
         self.lent: tuple[int, ...] = ()
@@ -241,6 +246,11 @@ class PipelineSim:
         self.ended[rank] += 1
         if self.scheduler.in_flight(rank, self.ended) == 0:  # (before that, its state on the timeline holds)
             self.scheduler.observe(self.ended, (rank,))
+            if self.config.rebalance and self.lent and rank in self.trainer_set and self.waiting_for_batch:
+                self.drained[rank] = None
+                if not self.rebalance_pending:
+                    self.rebalance_pending = True
+                    self.clock.after(REPLACE_EVERY_S, self._rebalance)
         del self.samples[sample.id]
         group = sample.group
         group.finished += 1
@@ -280,6 +290,28 @@ class PipelineSim:
         self.top_up_pending = False
         if self.waiting_for_batch:
             self._keep_rollouts_busy()
+
+    def _rebalance(self, _: Any = None) -> None:
+        """Lent ranks that ran dry take half the running sequences of the most loaded rollout ranks (the
+        oldest groups' first: they hold the batch back); the moved ones continue from their prefix."""
+        self.rebalance_pending = False
+        drained = [r for r in self.drained if self.lent and self.scheduler.in_flight(r, self.ended) == 0]
+        self.drained.clear()
+        if not drained or not self.waiting_for_batch:
+            return
+        donors = sorted((e for r, e in self.engines.items() if r not in self.trainer_set and e.running),
+                        key=lambda e: -len(e.running))[:len(drained)]
+        moved: list[Sample] = []
+        for donor in donors:
+            running = sorted(donor.running, key=lambda entry: entry[2].group.index)
+            wanted = {entry[1] for entry in running[:len(running) // 2]}
+            out = donor.take(wanted)
+            self.scheduler.withdraw(donor.rank, len(out))
+            moved.extend(out)
+        if moved:
+            if self.measuring:
+                self.migrated += len(moved)
+            self._hand_out([Episode(Problem(str(s.id), None), "", s.id) for s in moved])
 
     def _try_take_batch(self) -> None:
         per_step = self.config.prompts_per_step
