@@ -3,11 +3,11 @@ test-only shim, `tests/trainer/megatron_shim`), and the batch sent once over the
 
 Publishing the weights is collective over the first trainer's model-parallel group (tensor-parallel
 shards gathered, pipeline stages broadcast): if only the first trainer iterated them, the run would hang
-at its first weight update. Here `sfhpc run` itself finishes with tensor parallel 2 (and data parallel 2:
-the second replica sits the gathering out) and with pipeline parallel 2, under a timeout that turns a
-hang into a failure; and on the real communicators of a run, the rollout rank receives exactly the
-trainer's full weights after a step. The controller sends the batch to the first trainer only, which
-broadcasts it: two DDP trainer ranks still train as one rank does on the whole batch.
+at its first weight update. Here `sfhpc run` itself finishes with tensor parallel 2 and with pipeline
+parallel 2, under a timeout that turns a hang into a failure; and on the real communicators of a run, the
+rollout rank receives exactly the trainer's full weights after a step. The controller sends the batch to
+the first trainer only, which broadcasts it: two DDP trainer ranks still train as one rank does on the
+whole batch, and two that also serve rollout (colocated) get their step's command in their rollout loop.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ LOOP_RECIPE = """\
 name: megatron-{name}
 seed: 1
 engine: {{name: test}}
-training: {{backend: megatron, tensor_parallel: {tp}, pipeline_parallel: {pp}}}
+training: {{backend: {backend}, tensor_parallel: {tp}, pipeline_parallel: {pp}}}
 model: {{layers: 2}}
 algorithm: {{group_size: 2}}
 pipeline: {{mode: sync}}
@@ -66,17 +66,23 @@ budgets: {{steps: 2, prompts_per_step: 2}}
 task: {{name: next-letter}}
 roles:
   controller: {{place_with: trainer}}
-  trainer:    {{tags: [train], nodes: 1, tasks_per_node: {trainers}}}
-  rollout:    {{tags: [rollout], nodes: 1}}
+  trainer:    {{tags: [{trainer_tags}], nodes: 1, tasks_per_node: 2}}
+  rollout:    {rollout}
 """
+OWN_NODE, COLOCATED = "{tags: [rollout], nodes: 1}", "{colocate_with: trainer}"  # where the rollout ranks run
 
 
-@pytest.mark.parametrize(("tp", "pp", "trainers"), [(2, 1, 4), (1, 2, 2)], ids=["tp2-dp2", "pp2"])
-def test_rl_loop_finishes_with_model_parallel_trainers(tmp_path: Path, tp: int, pp: int, trainers: int) -> None:
+@pytest.mark.parametrize(("backend", "tp", "pp", "rollout"), [
+    ("megatron", 2, 1, OWN_NODE), ("megatron", 1, 2, OWN_NODE),
+    ("torch", 1, 1, COLOCATED),  # two DDP ranks that also serve rollout: the step's command reaches them there
+], ids=["tp2", "pp2", "ddp-colocated"])
+def test_rl_loop_finishes_with_several_trainer_ranks(tmp_path: Path, backend: str, tp: int, pp: int,
+                                                       rollout: str) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(LOOP_RECIPE.format(name=f"tp{tp}pp{pp}", tp=tp, pp=pp, trainers=trainers)
-                      + f"output_dir: {tmp_path / 'runs'}\n")
-    done = _run([sys.executable, "-m", "sfhpc", "run", str(recipe)], timeout=240)
+    tags = "train" if rollout == OWN_NODE else "train, rollout"
+    recipe.write_text(LOOP_RECIPE.format(name=f"{backend}-tp{tp}pp{pp}", backend=backend, tp=tp, pp=pp,
+                                         rollout=rollout, trainer_tags=tags) + f"output_dir: {tmp_path / 'runs'}\n")
+    done = _run([sys.executable, "-m", "sfhpc", "run", str(recipe)], timeout=480)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -110,7 +116,7 @@ def test_trainer_ranks_publish_what_they_trained(tmp_path: Path) -> None:
         (tmp_path / f"{name}.yaml").write_text(PUBLISH_RECIPE.format(name=name, model=model, dtype=dtype,
                                                                      backend=backend, tp=tp, pp=pp))
     done = _run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "4", sys.executable, "-m",
-                 "tests.trainer.megatron_shim.publish_ranks", str(tmp_path), str(tmp_path), *LAYOUTS], timeout=300)
+                 "tests.trainer.megatron_shim.publish_ranks", str(tmp_path), str(tmp_path), *LAYOUTS], timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     initial = {n: t.float() for n, t in load_file(str(model / "model.safetensors")).items()}
     for name in LAYOUTS:
