@@ -8,7 +8,9 @@ Nothing else in sfhpc calls ``Split``. The layout is validated when it is built 
 * ``weight_broadcast`` the first trainer rank (root, rank 0 in this communicator) and every rollout
   rank: new weights are broadcast over it;
 * ``manager_link``     a duplicate of ``world`` that carries only the trajectory manager's requests
-  (the controller serves them in a thread of its own, so they must not mix with control messages);
+  (the controller serves them in a thread of its own, so they must not mix with control messages); a
+  trainer rank lent to rollout (``seamless``) records its episodes over it like a rollout rank, while
+  its trainer's collectives stay on ``trainers``: the two never wait on each other;
 * the controller is world rank 0 and sends its commands point-to-point over ``world``.
 
 A rank outside a group holds ``None`` for that group's communicator.

@@ -97,6 +97,7 @@ def test_a_lent_trainer_is_reclaimed_every_step_and_its_generations_finish_elsew
                                                                                   model_dir: Path) -> None:
     run_dir, events, rows, out = run(tmp_path, model_dir)
     assert "seamless: trainer ranks 1 are lent to rollout" in out
+    assert f"seamless: {STEPS} lendings, {STEPS} reclaims; reclaim (batch ready -> training starts) mean" in out
     reclaims = [e for e in events if e["event"] == "reclaimed"]
     # Lent and reclaimed within every step; the latency (batch ready -> training may start) is reported.
     assert [e["step"] for e in reclaims] == list(range(1, STEPS + 1)) and all(e["ranks"] == [1] for e in reclaims)
