@@ -141,7 +141,8 @@ class Controller:
             return
         for rank in ranks:
             msg.send(self.layout.world, msg.Reclaim(), rank)
-        replies: list[msg.Reclaimed] = [msg.receive(self.layout.world, rank, msg.REPLY_TAG) for rank in ranks]
+        replies: list[msg.Reclaimed] = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested)
+                                        for rank in ranks]
         moved = [episode for reply in replies for episode in reply.episodes]
         for reply in replies:
             self.scheduler.withdraw(reply.rank, len(reply.episodes))
@@ -160,6 +161,8 @@ class Controller:
         if lendable:
             line = (f"seamless: trainer ranks {','.join(map(str, lendable))} are lent to rollout while the trainer "
                     "waits for its batch, and reclaimed when it is ready")
+        elif set(self.scheduler.trainer_ranks) <= set(self.scheduler.rollout_ranks):
+            line = "seamless: the trainer ranks roll out already (colocated), so none is lent: this run is async"
         else:
             line = ("seamless: no trainer rank's node carries the 'rollout' tag (the cluster map does not allow "
                     "lending), so this run is async")

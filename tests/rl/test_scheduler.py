@@ -79,3 +79,10 @@ def test_lent_ranks_take_episodes_until_reclaimed() -> None:
     moved = s.assign(episodes(1), ended={1: 1})
     assert list(moved) == [2]
     assert s.reclaim() == ()
+
+
+def test_colocated_trainer_ranks_roll_out_already_and_are_not_lent() -> None:
+    plan = resolve(load_recipe(RECIPES / "report-colocated.yaml"), load_cluster_map(RECIPES / "cluster-dev.yaml"))
+    s = Scheduler(plan, lending=True)
+    assert s.trainer_ranks and set(s.trainer_ranks) <= set(s.rollout_ranks)
+    assert s.lendable_ranks == ()
