@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import string
 from pathlib import Path
 
 from sfhpc.config.recipe import Recipe
@@ -12,11 +13,10 @@ def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
     """A running engine for rank `rank`: vLLM on the policy folder, or the deterministic test engine."""
     spec = recipe.engine
     if spec.name == "test":
-        from sfhpc.engine.scripted import DEFAULT_VOCAB, ScriptedEngine
-        from sfhpc.engine.tokenizer import END
+        from sfhpc.engine.scripted import ScriptedEngine
 
-        # Without the end marker the engine never stops a reply itself: it writes to the length bound.
-        vocab = tuple(t for t in DEFAULT_VOCAB if t != END) if spec.writes_to_budget else DEFAULT_VOCAB
+        # Without the end-of-turn token the engine never stops a reply itself: it writes to the length bound.
+        vocab = scripted_vocab(model_dir, stops=not spec.writes_to_budget)
         return ScriptedEngine(seed=recipe.seed + rank, vocab=vocab, token_delay=spec.token_delay_s,
                               per_sequence_delay=spec.per_sequence_s, prefill_delay=spec.prefill_per_token_s,
                               load_delay=spec.weight_load_s, max_model_len=recipe.model.max_seq_len,
@@ -25,3 +25,13 @@ def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
 
     return VllmEngine.start(f"vllm-r{rank}", model_dir, max_model_len=recipe.model.max_seq_len,
                             dtype=recipe.model.dtype, seed=recipe.seed + rank)
+
+
+def scripted_vocab(model_dir: Path, *, stops: bool) -> tuple[int, ...]:
+    """The test engine's output tokens in the policy folder's own tokenizer, so the endpoint decodes its
+    replies as text: the letters, a space and, with `stops`, the chat template's end-of-turn token."""
+    from sfhpc.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    ids = [t for text in (*string.ascii_lowercase, " ") for t in tokenizer.encode(text)]
+    return tuple(dict.fromkeys(ids + ([tokenizer.chat_stop_ids[0]] if stops else [])))

@@ -2,9 +2,10 @@
 the tokenizer of a model folder.
 
 Every component that turns text into token ids (the endpoint, the warm start, the analysis) goes through
-`ChatTokenizer`, so the ids an agent's messages become are the ones the model reads. A Hugging Face folder
-brings its own tokenizer and chat template (`sfhpc.engine.hf_tokenizer`); a folder built by
-`sfhpc.model.tiny` uses the byte-level one below (its ``sfhpc_model.json`` says so).
+`ChatTokenizer`, so the ids an agent's messages become are the ones the model reads. A model folder brings
+its own tokenizer and chat template (`sfhpc.engine.hf_tokenizer`), the one sfhpc builds for a recipe without
+``model.path`` included (`sfhpc.model.tiny`). The byte-level tokenizer below is what the folders sfhpc built
+before that speak (their ``sfhpc_model.json`` says so), and what the stores of their runs are decoded with.
 
 Byte-level tokenizer: ids 0-255 are the bytes of UTF-8 text, a few ids above them are markers. Any text
 encodes losslessly; there are no merges.
@@ -98,13 +99,13 @@ class ChatTokenizer(Protocol):
 
 
 BYTE_MARKER_KEY = "tokenizer"  # in sfhpc_model.json: "byte" names this module's tokenizer
-MODEL_MARKER = "sfhpc_model.json"  # written by sfhpc.model.tiny next to the weights
+MODEL_MARKER = "sfhpc_model.json"  # written next to the weights of the byte-level tiny models
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")  # what AutoTokenizer builds from
 
 
 def tokenizer_kind(model_dir: str | Path) -> str | None:
-    """``"hf"`` for a folder with Hugging Face tokenizer files, ``"byte"`` for one sfhpc built with the byte
-    vocabulary, None when the folder holds neither (no tokenizer to speak to the model with)."""
+    """``"hf"`` for a folder with Hugging Face tokenizer files, ``"byte"`` for one an earlier sfhpc built with
+    the byte vocabulary, None when the folder holds neither (no tokenizer to speak to the model with)."""
     folder = Path(model_dir)
     if any((folder / name).is_file() for name in HF_TOKENIZER_FILES):
         return "hf"
@@ -121,8 +122,9 @@ def tokenizer_kind(model_dir: str | Path) -> str | None:
 
 
 def load_tokenizer(model_dir: str | Path) -> ChatTokenizer:
-    """The tokenizer of a model folder: its own (Hugging Face) one, or the byte-level one of sfhpc's tiny
-    model. A folder with neither is refused before any job starts (`sfhpc.model.folder`); here it raises."""
+    """The tokenizer of a model folder: its own (Hugging Face) one, or the byte-level one of a tiny model an
+    earlier sfhpc built. A folder with neither is refused before any job starts (`sfhpc.model.folder`); here
+    it raises."""
     kind = tokenizer_kind(model_dir)
     if kind == "hf":
         from sfhpc.engine.hf_tokenizer import HFTokenizer

@@ -14,6 +14,11 @@ Two chat formats, as the architectures' instruct models use them:
   <|eot_id|>``), a BOS, EOS = ``<|end_of_text|>`` (a turn ends with ``<|eot_id|>``), grouped-query
   attention, untied embeddings.
 
+A third format, ``brief``, is the shortest a chat can be: one special token per role, ``<|end|>`` after each
+message (``<|bos|><|user|>...<|end|><|assistant|>``). sfhpc's own default model uses it (`sfhpc.model.tiny`):
+the fewer constant tokens between a question and its answer, the sooner a tiny model's reply depends on the
+question.
+
 ``head_dim`` is 64: vLLM's CPU attention does not support smaller heads.
 """
 
@@ -45,6 +50,14 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"
 )
 
+BRIEF_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- for message in messages -%}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|assistant|>' }}{%- endif -%}"
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class ChatFormat:
@@ -64,6 +77,9 @@ FORMATS: dict[str, ChatFormat] = {
     "llama": ChatFormat(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|eot_id|>"), LLAMA3_TEMPLATE, eos="<|end_of_text|>", pad="<|end_of_text|>",
                         bos="<|begin_of_text|>", stop=("<|end_of_text|>", "<|eot_id|>")),
+    "brief": ChatFormat(("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>",
+                         "<|tool|>"), BRIEF_TEMPLATE, eos="<|eos|>", pad="<|pad|>", bos="<|bos|>",
+                        stop=("<|end|>", "<|eos|>")),
 }
 
 _WORDS_TEXT = ("the a an is are was what which who how many letter number word follows after before guess "
@@ -150,20 +166,21 @@ def model_config(architecture: Architecture, *, vocab_size: int, layers: int, hi
         return Qwen2Config(**common, tie_word_embeddings=True, use_sliding_window=False)
     if architecture == "llama":
         return LlamaConfig(**common, head_dim=HEAD_DIM, tie_word_embeddings=False, attention_bias=False)
-    raise ValueError(f"architecture must be one of {sorted(FORMATS)}, found {architecture!r}")
+    raise ValueError(f"architecture must be 'qwen2' or 'llama', found {architecture!r}")
 
 
 def build_hf_model(out_dir: str | Path, architecture: Architecture = "qwen2", *, layers: int = 2,
                    hidden_size: int = 128, heads: int = 2, kv_heads: int | None = None, tokenizer_vocab: int = 512,
-                   max_seq_len: int = 512, dtype: str = "bfloat16", seed: int = 0, texts: Iterable[str] = ()) -> Path:
+                   max_seq_len: int = 512, dtype: str = "bfloat16", seed: int = 0, texts: Iterable[str] = (),
+                   chat_format: str | None = None) -> Path:
     """Train the tokenizer (on `corpus`, `texts` included), initialise the model from `seed` and save both
-    into `out_dir` (safetensors)."""
+    into `out_dir` (safetensors). `chat_format` is a key of `FORMATS`; by default the architecture's own."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    if architecture not in FORMATS:
-        raise ValueError(f"architecture must be one of {sorted(FORMATS)}, found {architecture!r}")
-    chat = FORMATS[architecture]
+    if architecture not in ("qwen2", "llama"):
+        raise ValueError(f"architecture must be 'qwen2' or 'llama', found {architecture!r}")
+    chat = FORMATS[chat_format or architecture]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed, texts=texts)

@@ -2,9 +2,9 @@
 
 It is an ordinary Hugging Face folder (`sfhpc.model.hf_folder`): a byte-level BPE tokenizer trained here on
 generated sentences and on the text of the run's task (so the task's prompts and replies are a few tokens
-each), the chat template of its architecture, and random weights from the recipe's seed. Engine, endpoint,
-trainer and warm start load it as they load any user's folder, through ``AutoTokenizer`` and
-``AutoModelForCausalLM``; nothing in sfhpc treats it otherwise. No hub download.
+each), the brief chat template (`sfhpc.model.hf_folder.BRIEF_TEMPLATE`), and random weights from the
+recipe's seed. Engine, endpoint, trainer and warm start load it as they load any user's folder, through
+``AutoTokenizer`` and ``AutoModelForCausalLM``; nothing in sfhpc treats it otherwise. No hub download.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from sfhpc.model.hf_folder import HEAD_DIM, build_hf_model
 from sfhpc.tasks.base import Task
 
 TASK_TEXT_CONVERSATIONS = 2000  # the task's format examples the tokenizer is trained on
+DEFAULT_CHAT_FORMAT = "brief"  # one token per role header: a tiny model learns the task's mapping sooner
 
 
 def task_texts(task: Task, seed: int, conversations: int = TASK_TEXT_CONVERSATIONS) -> Iterator[str]:
@@ -38,7 +39,7 @@ def build_tiny_model(spec: ModelSpec, out_dir: str | Path, seed: int = 0, task: 
     texts = list(task_texts(task, seed)) if task is not None else []
     return build_hf_model(out_dir, spec.architecture, layers=spec.layers, hidden_size=spec.hidden_size,
                           heads=spec.heads, tokenizer_vocab=spec.tokenizer_vocab, max_seq_len=spec.max_seq_len,
-                          dtype=spec.dtype, seed=seed, texts=texts)
+                          dtype=spec.dtype, seed=seed, texts=texts, chat_format=DEFAULT_CHAT_FORMAT)
 
 
 def llama_config(spec: ModelSpec) -> dict[str, Any]:

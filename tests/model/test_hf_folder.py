@@ -149,6 +149,10 @@ def test_the_default_model_is_a_hugging_face_folder_with_its_tasks_text_in_the_t
     assert len(tokenizer.encode("guess 0-9")) < len(generic.encode("guess 0-9"))
     assert [len(tokenizer.encode(w)) for w in ("guess", " higher", " lower", "7")] == [1, 1, 1, 1]
     assert json.loads((folder / "config.json").read_text())["model_type"] == "llama"  # ModelSpec.architecture
+    # The brief chat template: one token per role, the end-of-turn token ends a reply.
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "guess 0-9"}])
+    assert tokenizer.decode(prompt, skip_special=False) == "<|bos|><|user|>guess 0-9<|end|><|assistant|>"
+    assert tokenizer.decode(tokenizer.chat_stop_ids, skip_special=False) == "<|end|><|eos|>"
 
 
 def test_folders_without_a_tokenizer_and_runs_from_before_models_had_one(tmp_path: Path) -> None:
