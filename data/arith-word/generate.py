@@ -8,6 +8,10 @@ its reward had barely moved after 66 steps; all 110 single-digit sums are furthe
 the same seed writes the same files, byte for byte.
 
     python data/arith-word/generate.py [--out data/arith-word] [--train 2000] [--test 200] [--seed 0]
+                                       [--first 2 7]
+
+``--first`` keeps only problems whose first number is one of those given (a smaller set of sums, for a
+quick test that RL learns); without it every single-digit sum is written.
 """
 
 from __future__ import annotations
@@ -28,7 +32,14 @@ SUBTRACT = ("How many {things} does {name} have now? {name} had {a}, then lost {
             "How many {things} are there now? {name} had {a}, then used {b}.")
 
 
-def problem(rng: random.Random) -> dict[str, str]:
+def problem(rng: random.Random, first: frozenset[int] | None = None) -> dict[str, str]:
+    while True:
+        row, a = _problem(rng)
+        if first is None or a in first:
+            return row
+
+
+def _problem(rng: random.Random) -> tuple[dict[str, str], int]:
     name, things = rng.choice(NAMES), rng.choice(THINGS)
     b = rng.choice(SECOND)
     if rng.random() < 0.5:
@@ -38,7 +49,7 @@ def problem(rng: random.Random) -> dict[str, str]:
         a = rng.randrange(b, 10)  # never below zero
         text, result, sign = rng.choice(SUBTRACT), a - b, "-"
     return {"question": text.format(name=name, things=things, a=a, b=b),
-            "answer": f"{a} {sign} {b} = {result}\n#### {result}"}
+            "answer": f"{a} {sign} {b} = {result}\n#### {result}"}, a
 
 
 def write(path: Path, rows: list[dict[str, str]]) -> None:
@@ -51,11 +62,15 @@ def main() -> None:
     parser.add_argument("--train", type=int, default=2000)
     parser.add_argument("--test", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--first", type=int, nargs="+", metavar="N", help="only these first numbers (0-9)")
     args = parser.parse_args()
+    if args.first is not None and not set(args.first) <= set(range(10)):
+        parser.error("--first takes single digits (0-9)")
+    first = frozenset(args.first) if args.first is not None else None
     rng = random.Random(args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
-    write(args.out / "train.jsonl", [problem(rng) for _ in range(args.train)])
-    write(args.out / "test.jsonl", [problem(rng) for _ in range(args.test)])
+    write(args.out / "train.jsonl", [problem(rng, first) for _ in range(args.train)])
+    write(args.out / "test.jsonl", [problem(rng, first) for _ in range(args.test)])
 
 
 if __name__ == "__main__":

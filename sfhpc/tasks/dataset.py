@@ -9,6 +9,17 @@
         reward: numeric            # exact | numeric | package.module:function | file.py:function
         system: "Answer with #### and the number."   # optional system message before every prompt
         max_reply_tokens: 32
+        warm_start: number         # the format warm start's replies: answer | number | worked (see below)
+
+The format warm start (``model.warm_start_steps``) pairs each prompt with a reply of the right form whose
+result is another row's, so it is right only by chance: ``answer`` (the default with the ``exact`` reward)
+is another row's whole answer; ``number`` (the default with ``numeric``) is another row's final number
+alone; ``worked`` is the row's *own* worked solution (its answer before ``####``) with its last number, the
+result, replaced by another row's final number: it teaches the model to restate the problem (``7 + 1 =``)
+and writes a random result, so RL learns the result alone. Replies that never depend on the prompt teach
+a tiny model to ignore the prompt (a few steps leave its next-token distribution the same for every
+question), and RL then has no gradient through the question; ``worked`` replies depend on it. For a
+multi-step problem a worked solution holds intermediate results: ``worked`` trains on those.
 
 Problems are drawn without repeats within an epoch: each epoch visits every row once, in an order
 shuffled with a seed drawn from the controller's seeded RNG, and the sampler's position (`state`) is saved
@@ -26,10 +37,11 @@ from typing import Any
 
 from sfhpc.errors import ConfigError
 from sfhpc.tasks.base import Episode, Problem, StepResult, Task
-from sfhpc.tasks.rewards import BUILTIN_REWARDS, Reward, final_number, get_reward
+from sfhpc.tasks.rewards import ANSWER_MARK, BUILTIN_REWARDS, NUMBER, Reward, final_number, get_reward
 
 SUFFIXES = (".jsonl", ".parquet")
-OPTIONS = ("path", "prompt", "answer", "reward", "system", "max_reply_tokens")
+OPTIONS = ("path", "prompt", "answer", "reward", "system", "max_reply_tokens", "warm_start")
+WARM_STARTS = ("answer", "number", "worked")
 
 
 class _DatasetEpisode(Episode):
@@ -48,10 +60,12 @@ class DatasetTask(Task):
     max_turns = 1
 
     def __init__(self, path: Path, *, prompt: str, answer: str, reward: Reward, numeric_answers: bool = False,
-                 system: str | None = None, max_reply_tokens: int = 32, source: str = "recipe") -> None:
+                 system: str | None = None, max_reply_tokens: int = 32, warm_start: str | None = None,
+                 source: str = "recipe") -> None:
         self.path, self.prompt_key, self.answer_key, self.reward = path, prompt, answer, reward
         self.numeric_answers, self.system, self.max_reply_tokens, self.source = (
             numeric_answers, system, max_reply_tokens, source)
+        self.warm_start = warm_start or ("number" if numeric_answers else "answer")
         self._rows: list[tuple[list[dict[str, str]], Any]] | None = None
         self._epoch, self._seed, self._position = 0, None, 0  # the sampler (see `state`)
         self._order: list[int] = []
@@ -84,9 +98,12 @@ class DatasetTask(Task):
         if not isinstance(max_reply_tokens, int) or max_reply_tokens < 1:
             raise ConfigError(source, key("max_reply_tokens"), f"must be a whole number of at least 1, found "
                                                                f"{max_reply_tokens!r}")
+        warm = options.get("warm_start")
+        if warm is not None and warm not in WARM_STARTS:
+            raise ConfigError(source, key("warm_start"), f"must be one of {', '.join(WARM_STARTS)}, found {warm!r}")
         return cls(path.resolve(), prompt=options["prompt"], answer=options["answer"], reward=reward,
                    numeric_answers=reward is BUILTIN_REWARDS["numeric"], system=system,
-                   max_reply_tokens=max_reply_tokens, source=source)
+                   max_reply_tokens=max_reply_tokens, warm_start=warm, source=source)
 
     # -- the rows ---------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -190,18 +207,31 @@ class DatasetTask(Task):
         return _DatasetEpisode(problem.data["messages"], problem.data["answer"], self.reward)
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
-        # Format only: each prompt gets another row's answer, so the replies look like answers and are
-        # right only by chance. With the numeric reward the reply is that answer's final number alone
-        # (what the verifier reads): a worked solution or a ``#### `` prefix would be tokens the reward
-        # does not depend on, and the loss, a mean over the reply's tokens, would give the number a small
-        # share of each step (a tiny model's replies drifted in the prefix and never learned the number).
+        # Format only: the result of each reply is another row's, right only by chance (see the module's
+        # docstring for the three forms). ``number`` is the final number alone (what the numeric verifier
+        # reads): a ``#### `` prefix would be tokens the reward does not depend on, and the loss, a mean
+        # over the reply's tokens, would give the number a small share of each step.
         rows = self.rows
         examples = []
         for _ in range(count):
-            messages, _ = rows[rng.randrange(len(rows))]
+            messages, own = rows[rng.randrange(len(rows))]
             _, other = rows[rng.randrange(len(rows))]
-            reply = str(other)
-            if self.numeric_answers and (number := final_number(reply)) is not None:
-                reply = f"{int(number) if number.is_integer() else number}"
-            examples.append([*messages, {"role": "assistant", "content": reply}])
+            examples.append([*messages, {"role": "assistant", "content": self._format_reply(str(own), str(other))}])
         return examples
+
+    def _format_reply(self, own: str, other: str) -> str:
+        if self.warm_start == "answer":
+            return other
+        number = final_number(other)
+        if number is None:
+            return other
+        result = f"{int(number) if number.is_integer() else number}"
+        if self.warm_start == "number":
+            return result
+        worked = own.partition(ANSWER_MARK)[0].rstrip()
+        last = None
+        for last in NUMBER.finditer(worked):  # noqa: B007 - the last match is the result
+            pass
+        if last is None:
+            return result
+        return worked[:last.start()] + result + worked[last.end():]

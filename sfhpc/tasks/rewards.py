@@ -23,7 +23,7 @@ from sfhpc.errors import ConfigError
 Reward = Callable[[str, Any], float]
 
 ANSWER_MARK = "####"
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def exact(reply: str, answer: Any) -> float:
@@ -33,10 +33,10 @@ def exact(reply: str, answer: Any) -> float:
 def final_number(text: str) -> float | None:
     """The number a text gives as its answer (see the module's docstring); None when it gives none."""
     if ANSWER_MARK in text:
-        found = _NUMBER.search(text.rpartition(ANSWER_MARK)[2])
+        found = NUMBER.search(text.rpartition(ANSWER_MARK)[2])
     else:
         found = None
-        for found in _NUMBER.finditer(text):  # noqa: B007 - the last match is the one wanted
+        for found in NUMBER.finditer(text):  # noqa: B007 - the last match is the one wanted
             pass
     if found is None:
         return None

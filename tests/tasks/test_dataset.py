@@ -117,6 +117,19 @@ def test_warm_start_replies_have_the_answer_format_not_the_answer(tmp_path: Path
     assert all(e[-1]["content"] in {r["a"] for r in rows} for e in exact)
 
 
+def test_worked_warm_start_restates_the_row_with_another_rows_result(tmp_path: Path) -> None:
+    rows = [{"q": f"had {i}, found 1.", "a": f"{i} + 1 = {i + 1}\n#### {i + 1}"} for i in range(9)]
+    task = dataset(tmp_path, rows, reward="numeric", warm_start="worked")
+    examples = task.warm_start_examples(random.Random(0), 300)
+    for example in examples:
+        first = int(example[0]["content"].split()[1].rstrip(","))
+        equation, _, result = example[-1]["content"].rpartition(" = ")
+        assert equation == f"{first} + 1"  # the row's own worked solution, up to its result
+        assert result in {str(i + 1) for i in range(9)}  # a result of the file's
+    right = sum(e[-1]["content"].endswith(f"= {int(e[0]['content'].split()[1].rstrip(',')) + 1}") for e in examples)
+    assert right < 80  # about 1 in 9: the result is another row's
+
+
 @pytest.mark.parametrize(("rows", "options", "expected"), [
     (None, {}, "r.yaml: task.options.path: {dir}/train.jsonl does not exist"),
     ([], {}, "r.yaml: task.options.path: {dir}/train.jsonl holds no rows"),
@@ -134,6 +147,8 @@ def test_warm_start_replies_have_the_answer_format_not_the_answer(tmp_path: Path
     ([{"q": "x", "a": 1}], {"reward": "scorers.py:score"}, "task.options.reward: cannot import 'scorers.py'"),
     ([{"q": "x", "a": 1}], {"shuffle": True}, "task.options.shuffle: unknown option (the dataset task takes path,"),
     ([{"q": "x", "a": 1}], {"max_reply_tokens": 0}, "task.options.max_reply_tokens: must be a whole number"),
+    ([{"q": "x", "a": 1}], {"warm_start": "solved"},
+     "task.options.warm_start: must be one of answer, number, worked, found 'solved'"),
 ])
 def test_bad_input_is_named(tmp_path: Path, rows: object, options: dict[str, object], expected: str) -> None:
     if isinstance(rows, str):
