@@ -203,7 +203,8 @@ class TrainingSpec:
 @dataclasses.dataclass(frozen=True)
 class PipelineSpec:
     """How rollout and training share time: ``sync`` (generate, then train), ``async`` (overlap under
-    a staleness bound) or ``seamless`` (async plus lending idle trainer ranks to rollout)."""
+    a staleness bound) or ``seamless`` (async plus lending idle trainer ranks to rollout: those whose
+    nodes the cluster map tags ``rollout``; with none, the run is async and says so)."""
 
     mode: Literal["sync", "async", "seamless"] = "sync"
     max_staleness: int = 1
