@@ -65,12 +65,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="training steps per run (the first is left out)")
     p.add_argument("--timing-steps", type=int, default=None, help="steps per timing-model run (default --steps)")
     p.add_argument("--ranks", type=int, default=16, help="ranks of the timing-model runs (16-64)")
+    p.add_argument("--calibrate-from", type=Path, default=None, metavar="RUN_DIR",
+                   help="an async run's folder to calibrate the timing scale on (default: this invocation's small "
+                        "async run; without either, published GPU figures)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/pipeline.json"), help="JSON result file")
     args = p.parse_args(argv)
     args.modes = _choices(args.modes, MODES, "--modes")
     args.scales = _choices(args.scales, SCALES, "--scales")
     if args.steps < 2 or (args.timing_steps is not None and args.timing_steps < 2):
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
+    if args.calibrate_from is not None and not (args.calibrate_from / "metrics.jsonl").is_file():
+        raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if args.ranks < MIN_TIMING_RANKS:
         raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
                          f"rollout ranks), found {args.ranks}")
@@ -135,7 +140,7 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
         "algorithm": {"name": "grpo", "group_size": 4},
         "pipeline": {"mode": "async", "max_staleness": 1},
         "budgets": {"steps": 8, "prompts_per_step": prompts, "max_new_tokens": 130},
-        "task": {"name": "repeat-letter", "options": {"max_count": 128, "alpha": 1.0}},
+        "task": {"name": "repeat-letter", "options": {"min_count": 2, "max_count": 128, "alpha": 0.8}},
         "engine": {"name": "test", "writes_to_budget": True, "token_delay_s": round(device.decode_base_s, 6),
                    "per_sequence_s": round(device.decode_per_sequence_s, 7),
                    "prefill_per_token_s": round(device.prefill_per_token_s, 8),
@@ -412,6 +417,20 @@ def throughput_chart(results: list[dict[str, Any]], out: Path) -> Path | None:
     return out
 
 
+def calibration_of(run_dir: Path, model_dir: Path | None) -> dict[str, Any]:
+    """What `timing_costs` calibrates on from an async run's folder: its metrics, how many ranks trained and
+    generated (its launch report), how many episodes each engine held (two steps' worth: async with
+    ``max_staleness`` 1) and the bytes of its weights."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    ranks = json.loads((run_dir / "launch_report.json").read_text())["ranks"]
+    trainers = sum("trainer" in r["roles"] for r in ranks)
+    engines = sum("rollout" in r["roles"] for r in ranks)
+    per_step = statistics.median(r["trajectories"] for r in rows)
+    model_dir = model_dir if model_dir is not None else run_dir / "model"
+    return {"rows": rows, "trainers": trainers, "engines": engines,
+            "concurrency": max(1, int(2 * per_step) // max(engines, 1)), "weight_bytes": weight_bytes(model_dir)}
+
+
 def weight_bytes(model_dir: Path) -> float:
     """Bytes of the engines' weights in a model folder (safetensors files)."""
     return float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or 1.0
@@ -455,18 +474,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         small = run_scale("small", base, args.modes, args.steps, bench_dir, modelled="nothing")
         results += small
         calibrating = next((r for r in small if r["mode"] == "async" and r.get("available")), None)
-        if calibrating is not None:
-            run_dir = Path(calibrating["run_dir"])
-            model_dir = Path(calibrating["model"])
-            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-            budgets = base.get("budgets", {})
-            in_flight = (int(budgets.get("prompts_per_step", 16)) * int(base.get("algorithm", {}).get("group_size", 8))
-                         * (int(base.get("pipeline", {}).get("max_staleness", 1)) + 1))
-            calibration = {"rows": rows, "trainers": calibrating["trainer_ranks"],
-                           "engines": calibrating["rollout_ranks"],
-                           "concurrency": max(1, in_flight // max(calibrating["rollout_ranks"], 1)),
-                           "weight_bytes": weight_bytes(model_dir)}
-            model_path = str(model_dir)
+        if calibrating is not None and args.calibrate_from is None:
+            calibration = calibration_of(Path(calibrating["run_dir"]), Path(calibrating["model"]))
+            model_path = calibrating["model"]
+    if args.calibrate_from is not None:
+        calibration = calibration_of(args.calibrate_from, None)
     if "timing" in args.scales:
         costs = timing_costs(calibration)
         base = timing_recipe(args.ranks, costs, model_path=model_path)
