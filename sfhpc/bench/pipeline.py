@@ -22,8 +22,10 @@ Scales:
 
 Modes on the same ranks: ``async`` runs the recipe as written (trainer and rollout on ranks of their own);
 ``seamless`` is the same with the trainer's nodes tagged ``rollout`` so that idle trainer ranks are lent to
-rollout; ``sync`` colocates: every one of those ranks both trains and generates, generate-then-train (the
-usual synchronous baseline). A mode this version cannot run is reported as not available.
+rollout; ``sync`` is generate-then-train on the same ranks and roles (one step's episodes at a time: the
+trainer waits for the whole batch, rollout waits while it trains), or with ``--sync-layout colocated``
+every one of those ranks both trains and generates. A mode this version cannot run is reported as not
+available.
 
 Results: ``runs/bench/pipeline.json``, the table on stdout, one timeline chart per scale and mode
 (``pipeline-SCALE-MODE.png``: every rank's states over time) and a throughput chart (``pipeline.png``);
@@ -68,6 +70,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--calibrate-from", type=Path, default=None, metavar="RUN_DIR",
                    help="an async run's folder to calibrate the timing scale on (default: this invocation's small "
                         "async run; without either, published GPU figures)")
+    p.add_argument("--sync-layout", choices=("disaggregated", "colocated"), default="disaggregated",
+                   help="sync on the async run's roles, or every rank training and generating")
     p.add_argument("--out", type=Path, default=Path("runs/bench/pipeline.json"), help="JSON result file")
     args = p.parse_args(argv)
     args.modes = _choices(args.modes, MODES, "--modes")
@@ -101,9 +105,11 @@ def role_ranks(role: Mapping[str, Any]) -> int:
     return int(role.get("nodes", 1)) * int(role.get("tasks_per_node", 1))
 
 
-def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Path) -> dict[str, Any]:
+def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Path,
+                    sync_layout: str = "disaggregated") -> dict[str, Any]:
     """The base recipe (disaggregated, as loaded from YAML) for one mode and a short budget, on the same
-    ranks: async as written, seamless with the trainer's nodes tagged rollout, sync colocated on them all."""
+    ranks: async as written, seamless with the trainer's nodes tagged rollout, sync on the same roles (or,
+    `sync_layout` colocated, every rank training and generating)."""
     recipe = json.loads(json.dumps(base))  # a deep copy of plain YAML data
     recipe["name"] = f"{base.get('name', 'recipe')}-{mode}"
     recipe["output_dir"] = str(output_dir)
@@ -116,9 +122,9 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
     if "colocate_with" in rollout:
         raise SfhpcError(f"the pipeline benchmark needs a disaggregated recipe (rollout on ranks of its own) to run "
                          f"async and seamless; {base.get('name')!r} colocates rollout with the trainer")
-    if mode in ("sync", "seamless"):
+    if mode == "seamless" or (mode == "sync" and sync_layout == "colocated"):
         trainer["tags"] = sorted(set(trainer.get("tags", ["train"])) | {"rollout"})
-    if mode == "sync":
+    if mode == "sync" and sync_layout == "colocated":
         # The same ranks, every one of them training and generating.
         trainer.update(nodes=1, tasks_per_node=role_ranks(trainer) + role_ranks(rollout))
         roles["rollout"] = {"colocate_with": "trainer"}
@@ -438,13 +444,13 @@ def weight_bytes(model_dir: Path) -> float:
 
 # -- the benchmark -----------------------------------------------------------------------------------------
 def run_scale(scale: str, base: dict[str, Any], modes: Sequence[str], steps: int, bench_dir: Path,
-              modelled: str) -> list[dict[str, Any]]:
+              modelled: str, sync_layout: str = "disaggregated") -> list[dict[str, Any]]:
     """Every mode of one scale. The model the first run builds (and warm-starts) is every later run's
     ``model.path``: each mode starts from the same policy, and the build is paid once."""
     base = json.loads(json.dumps(base))
     results = []
     for mode in modes:
-        data = recipe_for_mode(base, mode, steps, bench_dir / scale)
+        data = recipe_for_mode(base, mode, steps, bench_dir / scale, sync_layout)
         figures = run_mode(data, bench_dir / scale / f"{data['name']}.yaml")
         result = {"scale": scale, "mode": mode, "modelled": modelled, **figures}
         if not figures["available"]:
@@ -471,7 +477,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes["small"] = ("measured: real vLLM engines, real torch training, MPI, the trajectory manager and store "
                           f"(recipe {args.recipe})")
         print(f"small scale: {notes['small']}", flush=True)
-        small = run_scale("small", base, args.modes, args.steps, bench_dir, modelled="nothing")
+        small = run_scale("small", base, args.modes, args.steps, bench_dir, modelled="nothing",
+                          sync_layout=args.sync_layout)
         results += small
         calibrating = next((r for r in small if r["mode"] == "async" and r.get("available")), None)
         if calibrating is not None and args.calibrate_from is None:
@@ -487,10 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                            "trajectory manager, store, agents, endpoint, weight broadcast and MPI")
         print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
         results += run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
-                             modelled=notes["timing"])
+                             modelled=notes["timing"], sync_layout=args.sync_layout)
     elapsed = time.monotonic() - started
     print(f"pipeline benchmark, {args.steps} steps per run (the first left out), long-tailed workload "
-          f"(repeat-letter), {elapsed:.0f} s in all")
+          f"(repeat-letter), sync {args.sync_layout}, {elapsed:.0f} s in all")
     print(table(results))
     for scale, note in notes.items():
         print(f"{scale}: {note}")
@@ -506,6 +513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary_chart is not None:
         charts.append(str(summary_chart))
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
+                                    "sync_layout": args.sync_layout,
                                     "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
                                     "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

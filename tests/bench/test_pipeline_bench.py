@@ -38,25 +38,30 @@ def test_every_mode_runs_the_same_workload_on_the_same_ranks(tmp_path: Path) -> 
     base["roles"]["rollout"]["tasks_per_node"] = 3
     as_loaded = json.loads(json.dumps(base))
     plans = {}
-    for mode in ("sync", "async", "seamless"):
-        recipe, plan = _resolved(recipe_for_mode(base, mode, 7, tmp_path / "out"), tmp_path)
+    for mode in ("sync", "async", "seamless", "colocated"):
+        data = recipe_for_mode(base, "sync" if mode == "colocated" else mode, 7, tmp_path / "out",
+                               sync_layout="colocated" if mode == "colocated" else "disaggregated")
+        recipe, plan = _resolved(data, tmp_path)
+        if mode == "colocated":
+            plans[mode] = plan
+            continue
         assert recipe.pipeline.mode == mode and recipe.budgets.steps == 7 and recipe.budgets.wall_minutes is None
         assert recipe.name == f"bench-pipeline-{mode}" and recipe.output_dir == str(tmp_path / "out")
         assert recipe.task.name == "repeat-letter" and recipe.algorithm.group_size == 4  # the same learning
         plans[mode] = plan
     assert {p.world_size for p in plans.values()} == {5}  # controller + 1 trainer + 3 rollout, in every mode
-    # async: rollout on ranks of its own; seamless: the same, the trainer's node tagged rollout (lendable);
-    # sync: every one of those ranks trains and generates.
-    assert [sorted(c.roles) for c in plans["async"].components] == [["controller", "trainer"], ["rollout"]]
-    assert [sorted(c.roles) for c in plans["seamless"].components] == [["controller", "trainer"], ["rollout"]]
-    assert [sorted(c.roles) for c in plans["sync"].components] == [["controller", "rollout", "trainer"]]
-    sync_ranks = [s for s in plans["sync"].ranks() if "trainer" in s.roles]
+    # async and sync: rollout on ranks of its own; seamless: the same, the trainer's node tagged rollout
+    # (lendable); colocated sync: every one of those ranks trains and generates.
+    for mode in ("sync", "async", "seamless"):
+        assert [sorted(c.roles) for c in plans[mode].components] == [["controller", "trainer"], ["rollout"]]
+    assert [sorted(c.roles) for c in plans["colocated"].components] == [["controller", "rollout", "trainer"]]
+    sync_ranks = [s for s in plans["colocated"].ranks() if "trainer" in s.roles]
     assert len(sync_ranks) == 4 and all("rollout" in s.roles for s in sync_ranks)
     seamless = recipe_for_mode(base, "seamless", 7, tmp_path)
     assert "rollout" in seamless["roles"]["trainer"]["tags"]
     assert base == as_loaded  # the loaded data is left as it was
     with pytest.raises(SfhpcError, match="disaggregated"):
-        recipe_for_mode(recipe_for_mode(base, "sync", 3, tmp_path), "async", 3, tmp_path)
+        recipe_for_mode(recipe_for_mode(base, "sync", 3, tmp_path, "colocated"), "async", 3, tmp_path)
 
 
 def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) -> None:
