@@ -5,6 +5,7 @@ backend (a modelled step, a real all-reduce and the policy version a real traine
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from sfhpc.config import load_recipe
 from sfhpc.engine.base import GenerationRequest
 from sfhpc.engine.factory import start_engine
 from sfhpc.engine.scripted import ScriptedEngine
-from sfhpc.engine.tokenizer import END
+from sfhpc.engine.tokenizer import BYTE_MARKER_KEY, END, MODEL_MARKER
 from sfhpc.errors import ConfigError
 from sfhpc.trainer.batch import TrainBatch, TrainRow
 from sfhpc.trainer.timing_trainer import WEIGHT_NAME, TimingTrainer
@@ -70,6 +71,8 @@ def _recipe(tmp_path: Path, engine: str, training: str = "{backend: torch}") -> 
 
 
 def test_an_engine_that_writes_to_budget_never_ends_a_reply_itself(tmp_path: Path) -> None:
+    # A policy folder of the byte-level kind: the engine writes that tokenizer's letters (and end of turn).
+    (tmp_path / MODEL_MARKER).write_text(json.dumps({BYTE_MARKER_KEY: "byte"}))
     timing = load_recipe(_recipe(tmp_path, "{name: test, token_delay_s: 0.001, per_sequence_s: 0.0001, "
                                            "writes_to_budget: true}"))
     engine = start_engine(timing, tmp_path, rank=3)
