@@ -17,7 +17,7 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.engine.base import GenerationRequest
 from sfhpc.engine.scripted import ScriptedEngine
-from sfhpc.engine.tokenizer import BOS, ByteTokenizer
+from sfhpc.engine.tokenizer import ChatTokenizer, load_tokenizer
 from sfhpc.engine.vllm_engine import VllmEngine
 from sfhpc.model.tiny import build_tiny_model
 
@@ -30,11 +30,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def served(model_dir: Path) -> Iterator[tuple[EndpointServer, VllmEngine, TrajectoryManager]]:
+def tokenizer(model_dir: Path) -> ChatTokenizer:
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path, tokenizer: ChatTokenizer) -> Iterator[tuple[EndpointServer, VllmEngine, TrajectoryManager]]:
     """An endpoint whose engine is a real vLLM engine, started on the endpoint's own event loop."""
     manager = TrajectoryManager()
     endpoint = AgentEndpoint(ScriptedEngine(seed=0), manager)
-    with EndpointServer(OpenAIApi(endpoint, model_name="tiny-llama")) as server:
+    with EndpointServer(OpenAIApi(endpoint, model_name="tiny-llama", tokenizer=tokenizer)) as server:
         async def switch() -> VllmEngine:
             engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
             await endpoint.replace_engine(engine)
@@ -58,10 +63,11 @@ async def collect(engine: VllmEngine, request: GenerationRequest) -> tuple[list[
 
 
 def prompt(i: int) -> tuple[int, ...]:
-    return (BOS, *b"abc", 48 + i)
+    """A few token ids (any ids below the vocabulary make a prompt for the engine)."""
+    return (0, 97, 98, 99, 48 + i)
 
 
-def test_generates_tokens_with_logprobs_and_versions(served) -> None:  # type: ignore[no-untyped-def]
+def test_generates_tokens_with_logprobs_and_versions(served, tokenizer) -> None:  # type: ignore[no-untyped-def]
     server, engine, _ = served
     requests = [GenerationRequest(f"g{i}", prompt(i), 24, seed=i) for i in range(4)]
     async def all_of() -> list[tuple[list[int], list[float], list[int], str]]:
@@ -70,7 +76,7 @@ def test_generates_tokens_with_logprobs_and_versions(served) -> None:  # type: i
     results = server.call(all_of())
     for tokens, logprobs, versions, finish in results:
         assert len(tokens) == 24 and finish == "length"
-        assert all(0 <= t < 264 for t in tokens)
+        assert all(0 <= t < tokenizer.vocab_size for t in tokens)
         assert all(lp <= 0 and math.isfinite(lp) for lp in logprobs)
         assert versions == [engine.version] * 24
     # Seeded sampling is reproducible: the same request gives the same tokens again.
@@ -83,7 +89,7 @@ def test_more_seeded_prompt_tokens_than_one_engine_step_takes(served) -> None:  
     chunked prefill a prompt would be split across steps, and vLLM's CPU sampler then fails rewinding the
     request's random generator (RuntimeError: CPU Generator does not use offset), killing the engine."""
     server, engine, _ = served
-    long_prompt = (BOS, *b"a longer prompt of some thirty-two b")
+    long_prompt = tuple(range(100, 131))
     requests = [GenerationRequest(f"many{i}", long_prompt[:30] + (48 + i % 10,), 3, seed=i) for i in range(96)]
 
     async def all_of() -> list[tuple[list[int], list[float], list[int], str]]:
@@ -139,7 +145,7 @@ def test_new_weights_change_outputs_and_version(served, model_dir: Path) -> None
     assert server.call(collect(engine, greedy))[0] == before and versions == [start] * 16
 
 
-def test_openai_client_against_vllm_endpoint(served) -> None:  # type: ignore[no-untyped-def]
+def test_openai_client_against_vllm_endpoint(served, tokenizer) -> None:  # type: ignore[no-untyped-def]
     server, engine, manager = served
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     reply = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "2+2="}],
@@ -148,6 +154,5 @@ def test_openai_client_against_vllm_endpoint(served) -> None:  # type: ignore[no
     generated = [s for s in manager.trajectory(tid).segments if s.generated]
     assert sum(len(s.tokens) for s in generated) == len(reply.choices[0].logprobs.content)  # type: ignore[union-attr]
     assert {int(v) for s in generated for v in s.versions} == {engine.version}
-    tokenizer = ByteTokenizer()
     assert manager.context(tid)[: len(tokenizer.apply_chat_template([{"role": "user", "content": "2+2="}]))] == \
         tokenizer.apply_chat_template([{"role": "user", "content": "2+2="}])

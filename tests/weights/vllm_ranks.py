@@ -55,12 +55,13 @@ def trainer_rank(comm: Any, weights: Any, model_dir: Path) -> dict[str, Any]:
 
 async def engine_rank(comm: Any, weights: Any, model_dir: Path) -> dict[str, Any]:
     from sfhpc.engine.base import GenerationRequest
-    from sfhpc.engine.tokenizer import BOS
+    from sfhpc.engine.tokenizer import load_tokenizer
     from sfhpc.engine.vllm_engine import VllmEngine
     from sfhpc.engine.weight_sync import apply_version, next_version
     from sfhpc.weights import MPITransport, WeightReceiver
 
     engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
+    prompt = tuple(load_tokenizer(model_dir).encode("weights", bos=True))
     receiver = WeightReceiver(MPITransport(weights))
     calls = 0
 
@@ -69,7 +70,7 @@ async def engine_rank(comm: Any, weights: Any, model_dir: Path) -> dict[str, Any
         calls += 1
         tokens: list[int] = []
         versions: list[int] = []
-        async for chunk in engine.generate(GenerationRequest(f"greedy-{calls}", (BOS, *b"weights"), 16,
+        async for chunk in engine.generate(GenerationRequest(f"greedy-{calls}", prompt, 16,
                                                              temperature=0.0)):
             tokens += chunk.token_ids
             versions += chunk.versions
