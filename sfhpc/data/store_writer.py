@@ -113,9 +113,7 @@ class TrajectoryStore:
             current = layout.schema(layout.SCHEMA_VERSION)
             for name, dtype in current.datasets.items():
                 file.create_dataset(name, shape=(0,), maxshape=(None,), dtype=dtype, chunks=(layout.chunk_of(name),))
-            append_commit(file[layout.COMMITS], dict.fromkeys(current.growing, 0), session=1)
-            file.swmr_mode = True
-            file.flush()
+            _start_session(file, dict.fromkeys(current.growing, 0), session=1)
         except BaseException:
             release_writer_lock(lock_fd)
             raise
@@ -154,9 +152,7 @@ class TrajectoryStore:
             for name, count in counts.items():
                 if file[name].shape[0] != count:
                     file[name].resize((count,))  # the uncommitted tail of a flush that never finished
-            append_commit(commits, counts, session=int(last["session"]) + 1)
-            file.swmr_mode = True
-            file.flush()
+            _start_session(file, counts, session=int(last["session"]) + 1)
         except BaseException:
             release_writer_lock(lock_fd)
             raise
@@ -349,3 +345,10 @@ def append_commit(commits: h5py.Dataset, counts: dict[str, int], *, session: int
     commits[n:] = row
     commits.flush()
 
+
+def _start_session(file: h5py.File, counts: dict[str, int], *, session: int) -> None:
+    """A writer session begins: its first commit row (what is complete so far), then SWMR on, which from
+    here on lets readers follow while no new object or attribute can be created."""
+    append_commit(file[layout.COMMITS], counts, session=session)
+    file.swmr_mode = True
+    file.flush()
