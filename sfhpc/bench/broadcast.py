@@ -50,8 +50,9 @@ SMALL_SET_BYTES = 64 << 20
 
 
 def _under_mpi() -> bool:
-    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")) or (
-        int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 and "SLURM_STEP_ID" in os.environ)
+    from sfhpc.runtime.slurm_env import in_multi_task_step
+
+    return any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")) or in_multi_task_step()
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -126,6 +126,16 @@ def _from_mpiexec(env: Mapping[str, str]) -> RankEnvironment:
     )
 
 
+def in_multi_task_step(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is one task of a Slurm job step with more than one task (an srun'd MPI world)."""
+    env = os.environ if env is None else env
+    try:
+        tasks = int(env.get("SLURM_NTASKS", "1") or 1)
+    except ValueError:
+        return False
+    return tasks > 1 and "SLURM_STEP_ID" in env
+
+
 def current_job_id(env: Mapping[str, str] | None = None) -> str | None:
     """The Slurm job id of this process (the het leader's id inside a het step), if any."""
     return (os.environ if env is None else env).get("SLURM_JOB_ID") or None

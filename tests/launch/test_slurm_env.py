@@ -8,7 +8,7 @@ from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import resolve
 from sfhpc.runtime.identity import identify
-from sfhpc.runtime.slurm_env import current_job_id, read_rank_environment, restart_count
+from sfhpc.runtime.slurm_env import current_job_id, in_multi_task_step, read_rank_environment, restart_count
 from tests.conftest import RECIPES
 
 HET_STEP = {
@@ -69,3 +69,10 @@ def test_job_id_and_restart_count_helpers() -> None:
     assert restart_count({"SLURM_RESTART_COUNT": "2"}) == 2
     with pytest.raises(SfhpcError, match="SLURM_RESTART_COUNT='x' is not an integer"):
         restart_count({"SLURM_RESTART_COUNT": "x"})
+
+
+def test_a_multi_task_step_is_recognised_from_its_environment() -> None:
+    assert in_multi_task_step({"SLURM_NTASKS": "3", "SLURM_STEP_ID": "0"})
+    assert not in_multi_task_step({"SLURM_NTASKS": "1", "SLURM_STEP_ID": "0"})  # a one-task step
+    assert not in_multi_task_step({"SLURM_NTASKS": "3"})  # the batch script, outside any step
+    assert not in_multi_task_step({"SLURM_NTASKS": "three", "SLURM_STEP_ID": "0"})
