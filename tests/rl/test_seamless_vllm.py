@@ -20,7 +20,7 @@ from tests.conftest import ROOT, run_sfhpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
-STEPS = 3
+STEPS = 6  # a reply moved in one step may be cut again by the next weight updates before it finishes
 REPLY_TOKENS = 64
 RECORDING_REWARD = """\
 import json, os

@@ -66,7 +66,8 @@ def check_agent_run(run_dir: Path, faults: Path) -> None:
         # the same tokens (a byte that is no UTF-8) makes that hint a fork, kept beside the branch.
         calls = sum(1 for s in t.segments if s.generated and s.finish_reason != "abort")
         assert kinds[0] == "prompt" and kinds.count("observation") == calls - 1
-        assert t.task == "guess-number" and t.reward in (0.0, 1.0) and t.num_generated >= calls
+        # A reply can be empty: the policy may end its turn at once.
+        assert t.task == "guess-number" and t.reward in (0.0, 1.0) and t.num_generated > 0
         turns.append(calls)
     assert max(turns) > 1  # the program drove several turns of one trajectory
     failed = [t for t in trajectories if t.status == "failed"]
