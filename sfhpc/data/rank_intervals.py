@@ -74,6 +74,12 @@ class BubbleFraction:
     def as_dict(self) -> dict[str, float | None | dict[str, float | None]]:
         return {"overall": self.overall, "by_role": self.by_role}
 
+    def since(self, earlier: BubbleFraction) -> BubbleFraction:
+        """The rank-seconds recorded after `earlier` (a figure of the same timeline taken before this one)."""
+        return BubbleFraction({role: self.waiting_s.get(role, 0.0) - earlier.waiting_s.get(role, 0.0)
+                               for role in self.total_s},
+                              {role: total - earlier.total_s.get(role, 0.0) for role, total in self.total_s.items()})
+
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"

@@ -494,14 +494,10 @@ class PipelineSim:
                   "rollout": {k: v / rollout_total for k, v in r_shares.items()} if rollout_total else {}}
         # The bubble as a run reports it: from the scheduler's timeline (waiting rank-seconds / all), over
         # the measured window; roles as the timeline names them ("trainer,rollout" for colocated ranks).
-        before, after = self.timeline_at_start, self.timeline_at_end
-        bubble = {}
-        for role, total in after.total_s.items():
-            seconds = total - before.total_s.get(role, 0.0)
-            if seconds > 0:
-                bubble[role] = (after.waiting_s.get(role, 0.0) - before.waiting_s.get(role, 0.0)) / seconds
-        waiting = sum(after.waiting_s.values()) - sum(before.waiting_s.values())
-        bubble["all"] = waiting / (sum(after.total_s.values()) - sum(before.total_s.values()))
+        measured = self.timeline_at_end.since(self.timeline_at_start)
+        bubble = {role: fraction for role, fraction in measured.by_role.items() if fraction is not None}
+        bubble["all"] = measured.overall or 0.0
+        waiting = sum(measured.waiting_s.values())
         latency = self.reclaim_latency or [0.0]
         return SimResult(
             mode=self.mode, gpus=self.cluster.gpus, trainer_gpus=self.cluster.trainer_gpus,
