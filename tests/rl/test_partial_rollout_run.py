@@ -10,8 +10,6 @@ every reply it judges); no generated token is left off the branch (none discarde
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -19,45 +17,22 @@ import pytest
 
 from sfhpc.data.store import open_store
 from sfhpc.engine.tokenizer import load_tokenizer
-from tests.conftest import ROOT, run_sfhpc
+from tests.rl.recorded_replies import run_recording_replies, task_and_roles
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
 REPLY_TOKENS = 96
-RECORDING_REWARD = """\
-import json, os
-
-def reward(reply, answer):
-    with open(os.environ["SFHPC_TEST_REPLIES"], "a", encoding="utf-8") as f:
-        f.write(json.dumps(reply) + "\\n")
-    return float(len(reply) % 3 == 0)  # some spread, so that training moves the weights
-"""
 RECIPE = f"""\
 name: partial
 seed: 4
 algorithm: {{group_size: 4}}
 pipeline: {{mode: async, max_staleness: 1}}
 budgets: {{steps: 4, prompts_per_step: 4, max_new_tokens: {REPLY_TOKENS}}}
-task:
-  name: dataset
-  options: {{path: {ROOT / 'data' / 'arith-word' / 'train.jsonl'}, prompt: question, answer: answer,
-             reward: "recording.py:reward", max_reply_tokens: {REPLY_TOKENS}}}
-roles:
-  controller: {{place_with: trainer}}
-  trainer:    {{tags: [train], nodes: 1}}
-  rollout:    {{tags: [rollout], nodes: 1}}
-"""
+""" + task_and_roles(REPLY_TOKENS)
 
 
 def test_weight_updates_cut_generations_that_continue_on_the_new_version(tmp_path: Path) -> None:
-    (tmp_path / "recording.py").write_text(RECORDING_REWARD)
-    recipe = tmp_path / "partial.yaml"
-    recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'runs'}\n")
-    replies_file = tmp_path / "replies.jsonl"
-    done = run_sfhpc("run", str(recipe), env={"SFHPC_TEST_REPLIES": str(replies_file)}, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    judged = [json.loads(line) for line in replies_file.read_text().splitlines()]
+    run_dir, judged = run_recording_replies(tmp_path, RECIPE)
 
     with open_store(run_dir / "trajectories.h5") as store:
         trajectories = [t for t in store.trajectories() if t.status in ("consumed", "finished")]

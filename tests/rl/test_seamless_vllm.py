@@ -9,52 +9,29 @@ finish on rank 2's engine from their prefix, in one reply the task judged as it 
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
 
 from sfhpc.data.store import open_store
 from sfhpc.engine.tokenizer import load_tokenizer
-from tests.conftest import ROOT, run_sfhpc
+from tests.rl.recorded_replies import run_recording_replies, task_and_roles
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
 STEPS = 6  # a reply moved in one step may be cut again by the next weight updates before it finishes
 REPLY_TOKENS = 64
-RECORDING_REWARD = """\
-import json, os
-
-def reward(reply, answer):
-    with open(os.environ["SFHPC_TEST_REPLIES"], "a", encoding="utf-8") as f:
-        f.write(json.dumps(reply) + "\\n")
-    return float(len(reply) % 3 == 0)
-"""
 RECIPE = f"""\
 name: lend-vllm
 seed: 4
 algorithm: {{group_size: 2}}
 pipeline: {{mode: seamless, max_staleness: 2}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: {REPLY_TOKENS}}}
-task:
-  name: dataset
-  options: {{path: {ROOT / 'data' / 'arith-word' / 'train.jsonl'}, prompt: question, answer: answer,
-             reward: "recording.py:reward", max_reply_tokens: {REPLY_TOKENS}}}
-roles:
-  controller: {{place_with: trainer}}
-  trainer:    {{tags: [train], nodes: 1}}
-  rollout:    {{tags: [rollout], nodes: 1}}
-"""
+""" + task_and_roles(REPLY_TOKENS)
 
 
 def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_engine(tmp_path: Path) -> None:
-    (tmp_path / "recording.py").write_text(RECORDING_REWARD)
-    recipe = tmp_path / "lend.yaml"
-    recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'runs'}\n")
-    replies_file = tmp_path / "replies.jsonl"
-    done = run_sfhpc("run", str(recipe), env={"SFHPC_TEST_REPLIES": str(replies_file)}, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    run_dir, judged = run_recording_replies(tmp_path, RECIPE)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     reclaims = [e for e in events if e["event"] == "reclaimed"]
     assert [e["step"] for e in reclaims] == list(range(1, STEPS + 1)), reclaims
@@ -62,7 +39,6 @@ def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_e
     assert all(r["reclaim_s"] < 1.0 for r in rows), [r["reclaim_s"] for r in rows]
     assert sum(e["continued"] for e in reclaims) >= 1, reclaims
 
-    judged = [json.loads(line) for line in replies_file.read_text().splitlines()]
     tokenizer = load_tokenizer(run_dir / "model")
     stops = set(tokenizer.chat_stop_ids)
     with open_store(run_dir / "trajectories.h5") as store:
