@@ -25,9 +25,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from sfhpc.engine import chat_template
 from sfhpc.engine.tokenizer import ChatFormatError
 
 _PROBE_REPLY = "sfhpc probe reply"  # the assistant text of the conversation that finds the end-of-turn token
+NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")  # the template sees them by these names
+# Spaces transformers removes on decode for tokenizers that ask (clean_up_tokenization_spaces), BPE excepted.
+_CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
 
 
 def _byte_level_table() -> dict[str, int]:
@@ -62,13 +67,13 @@ class HFStreamDecoder:
 
     def feed(self, ids: Iterable[int]) -> str:
         self._ids.extend(int(t) for t in ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special)
+        text = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the token that completes it
             return ""
         return self._take(text)
 
     def flush(self) -> str:
-        return self._take(self._tokenizer.decode(self._ids, skip_special_tokens=self._skip_special))
+        return self._take(self._tokenizer.decode(self._ids, skip_special=self._skip_special))
 
     def _take(self, text: str) -> str:
         new = text[self._sent:]
@@ -77,68 +82,80 @@ class HFStreamDecoder:
 
 
 class HFTokenizer:
-    """`ChatTokenizer` over a ``transformers`` tokenizer loaded from a model folder."""
+    """`ChatTokenizer` over a model folder's own tokenizer (``tokenizer.json``, read by ``tokenizers``) and its
+    chat template (`sfhpc.engine.chat_template`): what ``transformers``' fast tokenizer of the folder gives,
+    without importing ``transformers`` (the tests hold the two equal)."""
 
-    def __init__(self, tokenizer: Any, *, model_vocab_size: int | None = None,
-                 eos_ids: Sequence[int] = ()) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+    def __init__(self, tokenizer: Any, *, chat_template: str, special_tokens: Mapping[str, str],
+                 extra_special: Sequence[str] = (), model_vocab_size: int | None = None,
+                 eos_ids: Sequence[int] = (), clean_up_spaces: bool = False) -> None:
+        if not chat_template:
             raise ValueError("the tokenizer has no chat template")
         self._tok = tokenizer
+        self._template = chat_template
+        self._named = dict(special_tokens)  # bos_token, eos_token, pad_token, unk_token -> their text
         self._model_vocab_size = model_vocab_size
         self._extra_eos = tuple(int(t) for t in eos_ids)
+        # transformers skips its clean-up of spaces before punctuation for BPE models: it corrupts their text.
+        self._clean_up = clean_up_spaces and type(tokenizer.model).__name__ != "BPE"
         # Named specials (BOS, EOS, pad) and every added token marked special (role headers, end-of-turn).
-        added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        self._special = frozenset([int(t) for t in tokenizer.all_special_ids]
-                                  + [int(i) for i, token in added.items() if getattr(token, "special", False)])
+        named = [self._tok.token_to_id(t) for t in (*self._named.values(), *extra_special)]
+        added = [i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special]
+        self._special = frozenset(int(t) for t in (*named, *added) if t is not None)
 
     @classmethod
     def from_folder(cls, model_dir: str | Path) -> HFTokenizer:
-        """``AutoTokenizer.from_pretrained(model_dir)``, with the EOS ids of the folder's configs."""
-        from transformers import AutoTokenizer
-
+        """The folder's tokenizer and chat template, with the EOS ids of its configs."""
         folder = Path(model_dir)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = _json(folder / "tokenizer_config.json")
+        special = {**_json(folder / "special_tokens_map.json"), **config}
+        named = {key: text for key in NAMED_SPECIALS if (text := _token_text(special.get(key)))}
+        extra = [t for t in map(_token_text, special.get("additional_special_tokens") or []) if t]
         vocab, eos = None, []
         for name in ("config.json", "generation_config.json"):
-            path = folder / name
-            if path.is_file():
-                config = json.loads(path.read_text())
-                vocab = vocab or config.get("vocab_size")
-                eos += _ids(config.get("eos_token_id"))
-        return cls(tokenizer, model_vocab_size=vocab, eos_ids=eos)
+            model_config = _json(folder / name)
+            vocab = vocab or model_config.get("vocab_size")
+            eos += _ids(model_config.get("eos_token_id"))
+        return cls(_backend(folder), chat_template=_chat_template(folder, config), special_tokens=named,
+                   extra_special=extra, model_vocab_size=vocab, eos_ids=eos,
+                   clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False)))
 
     @property
     def backend(self) -> Any:
-        """The ``transformers`` tokenizer itself."""
+        """The ``tokenizers.Tokenizer`` itself."""
         return self._tok
 
     # -- ids -----------------------------------------------------------------------------------------
     @cached_property
     def vocab_size(self) -> int:
         # The model's embedding may have more rows than the tokenizer has tokens (padded for speed).
-        return max(len(self._tok), int(self._model_vocab_size or 0))
+        return max(self._tok.get_vocab_size(with_added_tokens=True), int(self._model_vocab_size or 0))
+
+    def _named_id(self, key: str) -> int | None:
+        text = self._named.get(key)
+        return None if text is None else self._tok.token_to_id(text)
 
     @property
     def eos_id(self) -> int:
-        eos = self._tok.eos_token_id
+        eos = self._named_id("eos_token")
         if eos is None:
             eos = self._extra_eos[0] if self._extra_eos else self.chat_stop_ids[0]
         return int(eos)
 
     @property
     def bos_id(self) -> int | None:
-        bos = self._tok.bos_token_id
+        bos = self._named_id("bos_token")
         return None if bos is None else int(bos)
 
     @property
     def pad_id(self) -> int:
-        pad = self._tok.pad_token_id
+        pad = self._named_id("pad_token")
         return int(pad) if pad is not None else self.eos_id
 
     @cached_property
     def chat_stop_ids(self) -> tuple[int, ...]:
         """The template's end-of-turn token first, then every EOS the folder names."""
-        stops = [t for t in (self._end_of_turn(), self._tok.eos_token_id, *self._extra_eos) if t is not None]
+        stops = [t for t in (self._end_of_turn(), self._named_id("eos_token"), *self._extra_eos) if t is not None]
         return tuple(dict.fromkeys(int(t) for t in stops))
 
     def _end_of_turn(self) -> int | None:
@@ -148,7 +165,7 @@ class HFTokenizer:
             ids = self.apply_chat_template(messages, add_generation_prompt=False)
         except ChatFormatError:
             return None
-        text = self._tok.encode(_PROBE_REPLY, add_special_tokens=False)
+        text = self.encode(_PROBE_REPLY)
         for start in range(len(ids) - len(text), -1, -1):  # the last occurrence: the assistant's
             if ids[start:start + len(text)] == text:
                 following = ids[start + len(text):]
@@ -164,21 +181,22 @@ class HFTokenizer:
 
     # -- text ----------------------------------------------------------------------------------------
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=False))
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         head = [self.bos_id] if bos and self.bos_id is not None else []
         return head + ids + ([self.eos_id] if eos else [])
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = True) -> str:
-        return str(self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special))
+        text = str(self._tok.decode([int(t) for t in ids], skip_special_tokens=skip_special))
+        return _clean_up(text) if self._clean_up else text
 
     def stream_decoder(self, *, skip_special: bool = True) -> HFStreamDecoder:
-        return HFStreamDecoder(self._tok, skip_special=skip_special)
+        return HFStreamDecoder(self, skip_special=skip_special)
 
     def token_bytes(self, token_id: int) -> list[int]:
         """The UTF-8 bytes of one token (OpenAI's ``logprobs.content[].bytes``); a byte-level token that holds
         part of a character gives its raw bytes."""
         self.check_id(token_id)
-        piece = self._tok.convert_ids_to_tokens(int(token_id))
+        piece = self._tok.id_to_token(int(token_id))
         if piece is None:  # an embedding row past the tokenizer (padding): no text
             return []
         if token_id not in self._special:
@@ -199,21 +217,65 @@ class HFTokenizer:
     @cached_property
     def _byte_level(self) -> bool:
         """Whether the vocabulary spells tokens with GPT-2's byte stand-ins (a ByteLevel decoder)."""
-        backend = getattr(self._tok, "backend_tokenizer", None)
-        return backend is not None and "ByteLevel" in backend.to_str()
+        return "ByteLevel" in self._tok.to_str()
 
     # -- chat ----------------------------------------------------------------------------------------
     def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
                             add_generation_prompt: bool = True) -> list[int]:
-        """The model's own chat template, tokenized: exactly what ``transformers`` gives."""
+        """The model's own chat template, tokenized: exactly what ``transformers``' ``apply_chat_template``
+        gives (the rendered text encoded without adding special tokens: the template writes them)."""
         from jinja2 import TemplateError
 
         try:
-            ids = self._tok.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                tokenize=True, return_dict=False)
+            text = chat_template.render(self._template, messages, add_generation_prompt=add_generation_prompt,
+                                        special_tokens=self._named)
         except TemplateError as exc:  # the template's own refusal (e.g. roles that must alternate)
             raise ChatFormatError(f"the model's chat template refused the messages: {exc}") from exc
-        return [int(t) for t in ids]
+        return [int(t) for t in self._tok.encode(text, add_special_tokens=False).ids]
+
+
+def _backend(folder: Path) -> Any:
+    """The folder's ``tokenizers.Tokenizer``: its ``tokenizer.json``, or (a folder with only a slow tokenizer's
+    files, e.g. sentencepiece's ``tokenizer.model``) the one ``transformers`` converts them to."""
+    from tokenizers import Tokenizer
+
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(folder / "tokenizer.json"))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder).backend_tokenizer
+
+
+def _chat_template(folder: Path, config: Mapping[str, Any]) -> str:
+    """The template the folder names: ``chat_template.jinja``, ``chat_template.json`` or the key in
+    ``tokenizer_config.json`` (the ``default`` of a list of named templates)."""
+    if (folder / "chat_template.jinja").is_file():
+        return (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    template = _json(folder / "chat_template.json").get("chat_template") or config.get("chat_template") or ""
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), "")
+    return str(template or "")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: object) -> str | None:
+    """A special token as the configs write it: its text, or an AddedToken's dict with its ``content``."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _clean_up(text: str) -> str:
+    for before, after in _CLEAN_UP:
+        text = text.replace(before, after)
+    return text
 
 
 def _ids(value: object) -> list[int]:

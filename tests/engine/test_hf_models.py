@@ -11,6 +11,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
@@ -49,8 +50,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_prompt_tokens_are_the_chat_templates_and_the_reply_decodes(served) -> None:  # type: ignore[no-untyped-def]
     arch, folder, server, engine, manager, tokenizer = served
-    expected = tokenizer.backend.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+    hf = AutoTokenizer.from_pretrained(folder)  # the reference: transformers' own tokenizer of the folder
+    expected = hf.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
     reply = client.chat.completions.create(model=arch, messages=MESSAGES,
                                            max_tokens=6, logprobs=True, extra_body={"seed": 1})
@@ -60,13 +61,13 @@ def test_prompt_tokens_are_the_chat_templates_and_the_reply_decodes(served) -> N
     assert trajectory.segments[0].tokens.tolist() == expected  # what the manager recorded as the prompt
     generated = reply.choices[0].token_ids  # type: ignore[attr-defined]
     assert manager.context(extra["trajectory_id"]) == expected + generated
-    assert reply.choices[0].message.content == tokenizer.backend.decode(generated, skip_special_tokens=True)
+    assert reply.choices[0].message.content == hf.decode(generated, skip_special_tokens=True)
     assert [c.bytes for c in reply.choices[0].logprobs.content] == \
         [tokenizer.token_bytes(t) for t in generated]  # type: ignore[union-attr]
     # The reply ends at the template's end-of-turn token or the model's EOS: both are the default stops.
     ends = {"qwen2": "<|im_end|>", "llama": "<|eot_id|>"}[arch]
-    assert tokenizer.chat_stop_ids[0] == tokenizer.backend.convert_tokens_to_ids(ends)
-    assert tokenizer.backend.eos_token_id in tokenizer.chat_stop_ids
+    assert tokenizer.chat_stop_ids[0] == hf.convert_tokens_to_ids(ends)
+    assert hf.eos_token_id in tokenizer.chat_stop_ids
 
 
 async def _greedy(engine: VllmEngine, prompt: list[int], rid: str) -> tuple[list[int], list[float]]:

@@ -54,7 +54,9 @@ def test_chat_tokens_and_stop_ids_are_the_templates(built: tuple[str, Path]) -> 
     assert tokenizer_kind(folder) == "hf"
     tokenizer = load_tokenizer(folder)
     assert isinstance(tokenizer, HFTokenizer)
-    hf = tokenizer.backend
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(folder)  # the reference: transformers' own tokenizer of the folder
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcode, after b?"}]
     ids = tokenizer.apply_chat_template(messages)
     assert ids == hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -12,6 +12,7 @@ import string
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from sfhpc.data.store import open_store
 from tests.conftest import run_sfhpc
@@ -67,7 +68,7 @@ def test_rl_loop_on_a_hugging_face_folder(tmp_path: Path, arch: str) -> None:
     assert [r["version"] for r in rows] == [1, 2]
 
     tokenizer = load_tokenizer(folder)
-    hf = tokenizer.backend  # type: ignore[attr-defined]
+    hf = AutoTokenizer.from_pretrained(folder)  # the reference: transformers' own tokenizer of the folder
     templates = {tuple(hf.apply_chat_template([{"role": "user", "content": f"after {letter}"}],
                                               add_generation_prompt=True, tokenize=True, return_dict=False)): letter
                  for letter in string.ascii_lowercase[:-1]}
