@@ -188,6 +188,7 @@ class TrajectoryManager:
         # whose agent failed before it learnt the id) and are aborted.
         self._spoiled: dict[str, int] = {}
         self._spoiled_untaken = 0  # spoiled groups the controller has not replaced yet
+        self._stale_untaken = 0  # groups dropped as stale once complete, not replaced yet
         self._fail_reasons: list[str] = []  # the first FIRST_REASONS distinct ones, for the message that stops a run
         self._next_step = 0
         self._finished_since_flush = 0
@@ -311,8 +312,9 @@ class TrajectoryManager:
                                   turn_rewards=live.turn_rewards)
 
     def _given_up(self, trajectory_id: str) -> bool:
-        """Whether the run gave this trajectory up (aborted, failed): late recording calls are dropped."""
-        return self._closed.get(trajectory_id) in (Status.ABORTED, Status.FAILED)
+        """Whether the run gave this trajectory up (aborted, failed, or dropped as stale while it still
+        played: `drop_hopeless`): late recording calls are dropped."""
+        return self._closed.get(trajectory_id) in (Status.ABORTED, Status.FAILED, Status.STALE)
 
     def observe(self, trajectory_id: str, prompt_tokens: Sequence[int]) -> None:
         """Record a new turn's full prompt: what extends the current branch becomes an observation segment;
@@ -495,8 +497,37 @@ class TrajectoryManager:
                 for live in finished:
                     self._set_status(live, Status.STALE)
                     self._drop(live)
+                self._stale_untaken += 1
                 continue
             yield finished
+
+    def drop_hopeless(self, policy_version: int) -> list[str]:
+        """Drop, as stale, every group that can no longer be trained on: one of its members (finished or
+        still playing) holds a token more than ``max_staleness`` versions older than `policy_version`.
+        Versions only grow, so such a group would be dropped when complete anyway; dropped now, its members
+        stop taking engine time from fresh groups (late records of theirs are ignored: `_given_up`).
+        Returns the groups' keys, for the controller to cancel their episodes and replace them; they are
+        not counted by `take_stale_groups`."""
+        hopeless = []
+        with self._lock:
+            for key in list(self._groups):
+                if key in self._spoiled:
+                    continue
+                lives = [self._live[m] for m in self._groups[key]]
+                oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
+                if oldest and policy_version - min(oldest) > self.max_staleness:
+                    for live in lives:
+                        self._set_status(live, Status.STALE)
+                        self._drop(live)
+                    hopeless.append(key)
+        return hopeless
+
+    def take_stale_groups(self) -> int:
+        """How many complete groups were dropped as too stale since the last call (the controller replaces
+        each)."""
+        with self._lock:
+            taken, self._stale_untaken = self._stale_untaken, 0
+            return taken
 
     def take_batch(self, policy_version: int, num_groups: int, group_size: int | None = None,
                    step: int | None = None) -> Batch | None:

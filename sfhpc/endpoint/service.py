@@ -148,6 +148,7 @@ class AgentEndpoint:
         self._in_engine = 0  # turns with a generation running on the engine (not waiting for a resume)
         self._closing = asyncio.Event()
         self._refusing = False  # turns give up instead of waiting: the rank was taken back from rollout
+        self._turn_tasks: dict[str, set[asyncio.Task[Any]]] = {}  # trajectory -> the tasks running its turns
 
     @property
     def engine(self) -> RolloutEngine:
@@ -201,6 +202,14 @@ class AgentEndpoint:
         if refusing:
             self._engine_changed.set()
             self._engine_changed = asyncio.Event()
+
+    def cancel_turns(self, trajectory_ids: Iterable[str]) -> int:
+        """Cancel the turns running now for these trajectories (their generations end on the engine; an HTTP
+        agent's call fails): the run dropped them. Returns how many turns were cancelled."""
+        tasks = {task for tid in trajectory_ids for task in self._turn_tasks.get(tid, ())}
+        for task in tasks:
+            task.cancel()
+        return len(tasks)
 
     async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
         """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
@@ -273,6 +282,7 @@ class Turn:
         self.trajectory_id = ""
         self.result: TurnResult | None = None
         self._locked = False
+        self._task: asyncio.Task[Any] | None = None
         self._stream: AsyncIterator[TokenDelta] | None = None
         self._max_new = 0
         self._sampling = request.sampling.resolved()  # what the engine is asked for, and what is recorded
@@ -303,16 +313,19 @@ class Turn:
                 raise from_sink_error(exc, req.start_id) from exc
             await ep._lock(self.trajectory_id)
             self._locked = True
+            self._note_task()
             return self
         if tid is None:
             self.trajectory_id = ep._sink_call("", ep.sink.start, list(req.prompt_token_ids), task=req.task,
                                                group=req.group, metadata=req.metadata)
             await ep._lock(self.trajectory_id)
             self._locked = True
+            self._note_task()
             return self
         self.trajectory_id = tid
         await ep._lock(tid)
         self._locked = True
+        self._note_task()
         try:
             try:
                 # One call records the turn and answers "is it known, is it open" (the manager refuses both).
@@ -339,7 +352,20 @@ class Turn:
         finally:
             self._release()
 
+    def _note_task(self) -> None:
+        """Note the task running this turn, for `AgentEndpoint.cancel_turns`."""
+        task = asyncio.current_task()
+        if task is not None:
+            self._task = task
+            self._endpoint._turn_tasks.setdefault(self.trajectory_id, set()).add(task)
+
     def _release(self) -> None:
+        if self._task is not None:
+            tasks = self._endpoint._turn_tasks.get(self.trajectory_id, set())
+            tasks.discard(self._task)
+            if not tasks:
+                self._endpoint._turn_tasks.pop(self.trajectory_id, None)
+            self._task = None
         if self._locked:
             self._locked = False
             self._endpoint._unlock(self.trajectory_id)

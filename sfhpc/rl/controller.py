@@ -92,7 +92,8 @@ class Controller:
         self.version = 0
         self.step_done = 0  # the last training step whose weights the trainers hold
         self.groups_out = 0  # GRPO groups handed out and not yet trained on or dropped as stale
-        self.stale_groups = 0  # groups the manager dropped as too stale (replaced by new ones)
+        self.hopeless_checked = 0  # the policy version whose hopeless groups were dropped last
+        self.hopeless_groups = 0  # groups dropped as stale while they still played, this run (for metrics)
         self.next_group = 0
         self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}  # handed out, not trained on: checkpointed
         self.progress = Progress(run_dir, recipe.budgets.steps)
@@ -109,7 +110,9 @@ class Controller:
 
     # -- the steps of the loop ---------------------------------------------------------------------
     def keep_rollouts_busy(self) -> None:
-        """Hand out episodes: one step's worth (sync), or up to the staleness bound (async)."""
+        """Hand out episodes: one step's worth (sync), or up to the staleness bound (async), in place of the
+        groups trained on, dropped as stale or spoiled by a failed member."""
+        self.groups_out -= self.drop_hopeless_groups()
         per_step = self.recipe.budgets.prompts_per_step
         ahead = 1 if self.recipe.pipeline.mode == "sync" else self.recipe.pipeline.max_staleness + 1
         limit = per_step * ahead
@@ -125,6 +128,28 @@ class Controller:
             episodes += members
         self.groups_out += new_groups
         self.hand_out(episodes)
+
+    def drop_hopeless_groups(self) -> int:
+        """Once per new policy version: the groups that can no longer be trained on (a member's token is
+        older than ``max_staleness`` allows) are dropped now, and their episodes stopped wherever they play,
+        instead of running on to the end to be dropped then: a long reply of a doomed group would otherwise
+        hold engine time and a place among the groups in flight. Returns how many were dropped."""
+        if self.version <= self.hopeless_checked:
+            return 0
+        self.hopeless_checked = self.version
+        groups = tuple(self.manager.drop_hopeless(self.version))
+        if not groups:
+            return 0
+        ranks = self.scheduler.assignable_ranks
+        for rank in ranks:
+            msg.send(self.layout.world, msg.Cancel(groups), rank)
+        for rank in ranks:
+            reply: msg.Cancelled = msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested)
+            self.scheduler.withdraw(reply.rank, reply.episodes)
+        for group in groups:
+            self.open_groups.pop(group, None)
+        self.hopeless_groups += len(groups)
+        return len(groups)
 
     def lend_idle_trainers(self) -> None:
         """seamless: the trainer ranks that may be lent serve rollouts until the batch is ready (they take
@@ -195,11 +220,10 @@ class Controller:
                 if not self.check_health(waiting_since):
                     return None  # out of wall-clock time: the run ends as after its last step
                 next_check = time.monotonic() + HEALTH_EVERY_S
-            stale_groups = self.manager.counts().get("stale", 0) // size
-            spoiled = self.manager.take_spoiled_groups()  # a member failed: the group is never trained on
-            if stale_groups > self.stale_groups or spoiled:  # replace what was thrown away
-                self.groups_out -= stale_groups - self.stale_groups + spoiled
-                self.stale_groups = stale_groups
+            # Complete groups found too stale, and groups a failed member spoiled, are never trained on.
+            thrown_away = self.manager.take_stale_groups() + self.manager.take_spoiled_groups()
+            if thrown_away:  # replace them
+                self.groups_out -= thrown_away
                 self.keep_rollouts_busy()
             time.sleep(0.005)
 
@@ -276,7 +300,7 @@ class Controller:
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
-            **self._lending_metrics(),
+            "hopeless_groups": self.hopeless_groups, **self._lending_metrics(),
         })
 
     def _lending_metrics(self) -> dict[str, float | int]:
@@ -403,7 +427,6 @@ class Controller:
                            group_size=self.recipe.algorithm.group_size)
         self.open_groups = plan.groups
         self.groups_out = len(plan.groups) + plan.waiting_groups
-        self.stale_groups = self.manager.counts().get("stale", 0) // self.recipe.algorithm.group_size
         self.hand_out(plan.episodes)
         self.event("resumed", checkpoint=str(info.path), step=state.step, version=state.version,
                    seconds=round(time.monotonic() - started, 3), **plan.as_dict())

@@ -108,6 +108,19 @@ class Reclaimed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Cancel:
+    """Controller -> every rank that plays episodes: these groups were dropped as stale while they still
+    played (`TrajectoryManager.drop_hopeless`); stop their episodes and answer `Cancelled`."""
+    groups: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cancelled:
+    rank: int
+    episodes: int  # episodes of those groups that were still playing here, now stopped
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 

@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -239,6 +239,21 @@ class RolloutWorker:
         self.manager.counts()
         return cut
 
+    def cancel(self, groups: Iterable[str]) -> int:
+        """Stop the episodes of `groups`, which the run dropped as stale while they played: their turns are
+        cancelled (the generations end on the engine) and so are the episodes. Returns how many were still
+        playing."""
+        return self.server.call(self._cancel(frozenset(groups)), timeout=60)
+
+    async def _cancel(self, groups: frozenset[str]) -> int:
+        doomed = {task: started for task, (episode, started) in self.held.items()
+                  if episode.group in groups and not task.done()}
+        self.endpoint.cancel_turns(tid for started in doomed.values() for tid in started)
+        for task in doomed:
+            task.cancel()
+        await asyncio.gather(*doomed, return_exceptions=True)
+        return len(doomed)
+
     def reclaim(self) -> tuple[int, tuple[Episode, ...]]:
         """This trainer rank goes back to training: every generation in flight is cut at a token boundary
         and recorded as a partial rollout, every episode still playing is dropped here, and the engine runs
@@ -398,6 +413,8 @@ def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
             on_train(command)
         elif isinstance(command, msg.Quiesce):
             msg.send(world, msg.Quiesced(worker.rank, worker.quiesce()), controller, msg.REPLY_TAG)
+        elif isinstance(command, msg.Cancel):
+            msg.send(world, msg.Cancelled(worker.rank, worker.cancel(command.groups)), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Stop):
             worker.end_weight_stream()
             return

@@ -140,6 +140,8 @@ def serve_trainer(worker: TrainerWorker, lent: Any | None = None) -> None:
         elif isinstance(command, msg.Reclaim) and lent is not None:
             interrupted, episodes = lent.reclaim()
             msg.send(world, msg.Reclaimed(worker.rank, interrupted, episodes), controller, msg.REPLY_TAG)
+        elif isinstance(command, msg.Cancel) and lent is not None:
+            msg.send(world, msg.Cancelled(worker.rank, lent.cancel(command.groups)), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Quiesce) and lent is not None:
             msg.send(world, msg.Quiesced(worker.rank, lent.quiesce()), controller, msg.REPLY_TAG)
         elif isinstance(command, msg.Stop):

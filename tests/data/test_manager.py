@@ -131,10 +131,34 @@ def test_too_stale_groups_are_marked_and_never_trained_on(store_path):
     assert batch is not None and [t.id for t in batch.trajectories] == fresh  # staleness 1: allowed
     assert [manager.status(t) for t in old] == ["stale", "stale"] and manager.status(mixed) == "stale"
     assert manager.take_batch(policy_version=2, num_groups=1) is None
+    assert manager.take_stale_groups() == 2 and manager.take_stale_groups() == 0  # "old" and "mixed"
     manager.close()
     with open_store(store_path) as reader:
         assert reader.summary().by_status["stale"] == 3
         assert {m.trajectory_id for m in reader.marks()} == set(fresh)
+
+
+def test_a_group_that_can_no_longer_be_fresh_is_dropped_while_it_plays(store_path):
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    doomed = _group(manager, "doomed", 2, version=0, finish=False)  # still generating, from version 0 on
+    manager.finish(doomed[0], 1.0)
+    late = manager.start([1], group="late")  # its first tokens come from version 1: staleness 1 at 2
+    manager.add_generated(late, [5], [-0.1], 1)
+    waiting = manager.start([1], group="waiting")  # no token yet: nothing is stale
+    assert manager.drop_hopeless(policy_version=1) == []  # staleness 1 is allowed
+    assert manager.drop_hopeless(policy_version=2) == ["doomed"]
+    assert [manager.status(t) for t in doomed] == ["stale", "stale"]
+    assert manager.status(late) == "running" and manager.status(waiting) == "running"
+    # The dropped member's engine and agent may still report: their records are ignored, not errors.
+    manager.add_generated(doomed[1], [6, 7], [-0.2, -0.2], 2, finish_reason="abort")
+    manager.interrupt(doomed[1])
+    manager.finish(doomed[1], 0.0)
+    assert manager.status(doomed[1]) == "stale"
+    assert manager.take_stale_groups() == 0  # the caller replaces what drop_hopeless returned itself
+    assert manager.live_groups() == ["late", "waiting"]
+    manager.close()
+    with open_store(store_path) as reader:
+        assert reader.summary().by_status["stale"] == 2
 
 
 def test_restart_continues_the_run(store_path):

@@ -133,3 +133,39 @@ def test_weight_update_helper_on_an_engine_that_is_idle(server: EndpointServer, 
                                            seed=1, temperature=0)
     assert set(before.choices[0].token_versions) == {0} and set(after.choices[0].token_versions) == {1}
     assert before.choices[0].token_ids != after.choices[0].token_ids
+
+
+def test_cancelled_turns_end_their_generation_and_keep_what_was_recorded(sink: RecordingManager) -> None:
+    """What a rollout rank does for a group the run dropped while it played: the turn's generation ends on
+    the engine (it does not run on to its budget), the agent's call fails, the partial segment is kept."""
+    engine = make_engine(seed=3, delay=0.01, vocab=LETTERS)
+    with EndpointServer(OpenAIApi(AgentEndpoint(engine, sink), model_name=MODEL)) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
+        seen: dict[str, object] = {"tokens": 0}
+
+        def agent() -> None:
+            try:
+                for chunk in client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                            max_tokens=MAX_TOKENS, stream=True):
+                    extra = chunk.model_extra or {}
+                    seen.setdefault("tid", extra.get("trajectory_id"))
+                    if chunk.choices:
+                        seen["tokens"] = int(seen["tokens"]) + len(chunk.choices[0].token_ids)  # type: ignore
+            except openai.APIError as exc:
+                seen["error"] = exc
+
+        thread = threading.Thread(target=agent)
+        thread.start()
+        wait_until(lambda: int(seen["tokens"]) >= 5)  # type: ignore[call-overload]
+
+        async def cancel() -> int:
+            return server.api.endpoint.cancel_turns([str(seen["tid"])])
+
+        assert server.call(cancel(), timeout=10) == 1
+        thread.join(timeout=30)
+        wait_until(lambda: engine.in_flight == 0)
+        segments = sink.generated(str(seen["tid"]))
+        assert len(segments) == 1 and segments[0].finish_reason == "abort"
+        assert 5 <= len(segments[0].tokens) < MAX_TOKENS  # cut mid-way, not run to its budget
+        assert "error" in seen or int(seen["tokens"]) < MAX_TOKENS  # type: ignore[call-overload]
+        assert server.call(cancel(), timeout=10) == 0  # nothing runs for it any more

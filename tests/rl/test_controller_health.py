@@ -1,6 +1,7 @@
 """The controller's side of "faults fail fast": spoiled groups are replaced, a fault stops every rank
-first and raises, the wall-clock budget ends a wait cleanly. No MPI, no vLLM: the controller's parts are
-real (recipe, trajectory manager), its communicator and manager server are stand-ins."""
+first and raises, the wall-clock budget ends a wait cleanly; groups that can no longer be trained on are
+dropped while they play, their episodes stopped on every rank that plays episodes. No MPI, no vLLM: the
+controller's parts are real (recipe, trajectory manager), its communicator and manager server are stand-ins."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0) -> Controller:
         "scheduler": _Attributes(rollout_ranks=(1, 2), begin_step=lambda step: None, timeline=Timeline()),
         "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
-        "groups_out": 2, "stale_groups": 0, "open_groups": {}, "restart": 0, "started": time.monotonic(),
+        "groups_out": 2, "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0,
+        "started": time.monotonic(),
         "live": LiveStatus(tmp_path, restart=0, job_id=None),
     }
     ctl.__dict__.update(values)
@@ -100,3 +102,25 @@ def test_silent_rollout_ranks_stop_the_run_naming_them(tmp_path: Path) -> None:
     ctl.keep_rollouts_busy = lambda: None  # type: ignore[method-assign]
     with pytest.raises(RolloutStalled, match=r"silent rollout ranks: 1 \(\d s\), 2 \(\d s\)"):
         ctl.wait_for_batch(1)  # nothing ever arrives: 0.5 s of silence is the recipe's stall timeout
+
+
+def test_groups_that_can_no_longer_be_trained_on_are_dropped_and_their_episodes_stopped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctl = _controller(tmp_path)  # max_staleness 1 (the default)
+    withdrawn: list[tuple[int, int]] = []
+    ctl.scheduler.assignable_ranks = (1, 2)
+    ctl.scheduler.withdraw = lambda rank, episodes: withdrawn.append((rank, episodes))
+    monkeypatch.setattr(msg, "receive", lambda comm, rank, tag, idle=None: msg.Cancelled(rank, rank))
+    ctl.open_groups = {"g-old": (), "g-new": ()}
+    old = ctl.manager.start([1], group="g-old")
+    ctl.manager.add_generated(old, [2, 3], [-0.1, -0.1], 0)  # a long reply begun by version 0
+    new = ctl.manager.start([1], group="g-new")
+    ctl.manager.add_generated(new, [2], [-0.1], 1)
+    ctl.version = 2
+    assert ctl.drop_hopeless_groups() == 1
+    assert [(type(m), getattr(m, "groups", None), dest) for m, dest in ctl.layout.world.sent] == \
+        [(msg.Cancel, ("g-old",), 1), (msg.Cancel, ("g-old",), 2)]
+    assert withdrawn == [(1, 1), (2, 2)]  # the scheduler no longer counts the stopped episodes in flight
+    assert ctl.manager.status(old) == "stale" and ctl.manager.status(new) == "running"
+    assert list(ctl.open_groups) == ["g-new"] and ctl.hopeless_groups == 1
+    assert ctl.drop_hopeless_groups() == 0 and len(ctl.layout.world.sent) == 2  # once per version
