@@ -26,6 +26,7 @@ the start the variable is gone from the environment, so nothing else this rank s
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import logging
@@ -39,6 +40,7 @@ from sfhpc.engine.base import GenerationChunk, GenerationRequest, RolloutEngine
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
+PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
 
 
 @contextlib.contextmanager
@@ -120,6 +122,7 @@ class VllmEngine(RolloutEngine):
         super().__init__(name, version=version)
         self._llm = llm
         self._max_model_len = max_model_len
+        self._open: set[str] = set()  # request ids whose stream has not ended
 
     @classmethod
     def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256, dtype: str = "bfloat16",
@@ -158,26 +161,38 @@ class VllmEngine(RolloutEngine):
                                 stop_token_ids=list(request.stop_token_ids), ignore_eos=True)
         sent = 0
         finish = None
-        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
-                                               params, request_id=request.request_id):
-            completion = output.outputs[0]
-            tokens = list(completion.token_ids)
-            new = tokens[sent:]
-            logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(new, start=sent)] if new else []
-            finish = _finish_reason(completion.finish_reason) if output.finished else None
-            if new or finish:
-                yield GenerationChunk(request.request_id, tuple(new), tuple(logprobs), (version,) * len(new), finish)
-            sent = len(tokens)
-            if finish:
-                return
-        if finish is None:  # the stream ended without a final output (engine shut down)
-            yield GenerationChunk(request.request_id, (), (), (), "abort")
+        self._open.add(request.request_id)
+        try:
+            async for output in self._llm.generate(TokensPrompt(prompt_token_ids=list(request.prompt_token_ids)),
+                                                   params, request_id=request.request_id):
+                completion = output.outputs[0]
+                tokens = list(completion.token_ids)
+                new = tokens[sent:]
+                logprobs = [completion.logprobs[i][t].logprob for i, t in enumerate(new, start=sent)] if new else []
+                finish = _finish_reason(completion.finish_reason) if output.finished else None
+                if new or finish:
+                    yield GenerationChunk(request.request_id, tuple(new), tuple(logprobs), (version,) * len(new),
+                                          finish)
+                sent = len(tokens)
+                if finish:
+                    return
+            if finish is None:  # the stream ended without a final output (engine shut down)
+                yield GenerationChunk(request.request_id, (), (), (), "abort")
+        finally:
+            self._open.discard(request.request_id)
 
     async def abort(self, request_id: str) -> None:
         await self._llm.abort(request_id)
 
     async def _pause_generation(self) -> None:
         await self._llm.pause_generation(mode="abort", clear_cache=True)
+        # A request that reached vLLM just as it paused is held, unscheduled, until a resume instead of
+        # aborted (its stream would wait that long: a reclaim once waited 10 s for two). End those too, as
+        # a pause promises every stream in flight, until none is left open.
+        deadline = asyncio.get_running_loop().time() + PAUSE_DRAIN_S
+        while self._open and asyncio.get_running_loop().time() < deadline:
+            await self._llm.abort(list(self._open))
+            await asyncio.sleep(0.005)  # the streams' readers take their last output and close them
 
     async def _resume_generation(self) -> None:
         await self._llm.resume_generation()

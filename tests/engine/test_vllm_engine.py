@@ -119,6 +119,29 @@ def test_pause_keeps_partial_output_and_continuation_completes(served) -> None: 
         assert second_finish == "length" and done_before + done_after == 200
 
 
+def test_a_request_that_reaches_vllm_as_it_pauses_ends_too(served) -> None:  # type: ignore[no-untyped-def]
+    """Requests submitted a few event-loop turns before the pause (one turn: each has passed the engine's
+    paused check and is inside vLLM's add_request), so that some reach vLLM's engine only after its
+    scheduler paused (vLLM holds those until a resume instead of aborting them): every stream ends with
+    "abort" within the pause, none waits for the resume. (A request made while paused waits by design.)"""
+    server, engine, _ = served
+
+    async def scenario() -> list[str]:
+        finishes = []
+        for turns in range(1, 7):
+            running = [asyncio.create_task(collect(engine, GenerationRequest(f"race{turns}-{i}", prompt(i), 200,
+                                                                             seed=i))) for i in range(4)]
+            for _ in range(turns):
+                await asyncio.sleep(0)
+            await engine.pause()
+            done = await asyncio.wait_for(asyncio.gather(*running), timeout=3.0)  # not until the resume
+            finishes += [finish for *_, finish in done]
+            await engine.resume()
+        return finishes
+
+    assert set(server.call(scenario(), timeout=120)) == {"abort"}
+
+
 def test_new_weights_change_outputs_and_version(served, model_dir: Path) -> None:  # type: ignore[no-untyped-def]
     import torch
     from transformers import LlamaForCausalLM
