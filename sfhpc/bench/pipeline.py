@@ -53,6 +53,9 @@ MODES = ("sync", "async", "seamless")
 SCALES = ("small", "timing")
 DEFAULT_RECIPE = Path("recipes/bench-pipeline.yaml")
 MIN_TIMING_RANKS = 4  # controller, one trainer, two rollout ranks
+# The timing scale's default pace: twice the cost model's. Calibrated on vLLM on 2 CPU cores, a long reply's
+# decode takes about 30 s at the model's own pace, and sync's 8 steps alone would take 4-5 minutes.
+DEFAULT_SPEEDUP = 2.0
 # Statuses whose generated tokens were thrown away (never trained on).
 DISCARDED_STATUSES = ("stale", "aborted", "failed")
 STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
@@ -67,6 +70,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="training steps per run (the first is left out)")
     p.add_argument("--timing-steps", type=int, default=None, help="steps per timing-model run (default --steps)")
     p.add_argument("--ranks", type=int, default=16, help="ranks of the timing-model runs (16-64)")
+    p.add_argument("--timing-speedup", type=float, default=DEFAULT_SPEEDUP, metavar="K",
+                   help="the timing scale models a machine K times as fast as its cost model: every modelled "
+                        f"duration divided by K (default {DEFAULT_SPEEDUP:g}; 1: the cost model's own pace)")
     p.add_argument("--calibrate-from", type=Path, default=None, metavar="RUN_DIR",
                    help="an async run's folder to calibrate the timing scale on (default: this invocation's small "
                         "async run; without either, published GPU figures)")
@@ -80,6 +86,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
     if args.calibrate_from is not None and not (args.calibrate_from / "metrics.jsonl").is_file():
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
+    if not args.timing_speedup > 0:
+        raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
     if args.ranks < MIN_TIMING_RANKS:
         raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
                          f"rollout ranks), found {args.ranks}")
@@ -131,10 +139,13 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
     return recipe
 
 
-def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0) -> dict[str, Any]:
+def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0,
+                  speedup: float = 1.0) -> dict[str, Any]:
     """The workload of the timing scale on `ranks` ranks: the long-tailed ``repeat-letter`` task, test engines
     and a trainer that are timing models of `costs` (a `CostModel` with one GPU type for engines and
-    trainers alike). A quarter of the ranks train, the rest but the controller generate."""
+    trainers alike), every modelled duration divided by `speedup` (a machine that many times as fast: the
+    modes' ratios stay, while the real overheads stay small beside the modelled times). A quarter of the
+    ranks train, the rest but the controller generate."""
     trainers = max(1, (ranks - 1) // 4)
     rollouts = ranks - 1 - trainers
     device = next(iter(costs.devices.values()))
@@ -147,11 +158,12 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
         "pipeline": {"mode": "async", "max_staleness": 1},
         "budgets": {"steps": 8, "prompts_per_step": prompts, "max_new_tokens": 130},
         "task": {"name": "repeat-letter", "options": {"min_count": 2, "max_count": 128, "alpha": 0.8}},
-        "engine": {"name": "test", "writes_to_budget": True, "token_delay_s": round(device.decode_base_s, 6),
-                   "per_sequence_s": round(device.decode_per_sequence_s, 7),
-                   "prefill_per_token_s": round(device.prefill_per_token_s, 8),
-                   "weight_load_s": round(costs.weight_sync_s(rollouts), 4)},
-        "training": {"backend": "timing", "timing_per_token_s": round(device.train_per_token_s, 8)},
+        "engine": {"name": "test", "writes_to_budget": True,
+                   "token_delay_s": round(device.decode_base_s / speedup, 6),
+                   "per_sequence_s": round(device.decode_per_sequence_s / speedup, 7),
+                   "prefill_per_token_s": round(device.prefill_per_token_s / speedup, 8),
+                   "weight_load_s": round(costs.weight_sync_s(rollouts) / speedup, 4)},
+        "training": {"backend": "timing", "timing_per_token_s": round(device.train_per_token_s / speedup, 8)},
         "roles": {"controller": {"place_with": "trainer"},
                   "trainer": {"tags": ["train"], "nodes": 1, "tasks_per_node": trainers},
                   "rollout": {"tags": ["rollout"], "nodes": 1, "tasks_per_node": rollouts}},
@@ -488,9 +500,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration = calibration_of(args.calibrate_from, None)
     if "timing" in args.scales:
         costs = timing_costs(calibration)
-        base = timing_recipe(args.ranks, costs, model_path=model_path)
+        base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup)
+        pace = "" if args.timing_speedup == 1 else f", every duration divided by {args.timing_speedup:g}"
         notes["timing"] = ("modelled: engine decode/prefill/weight-load times and trainer step times (timing-model "
-                           f"test engine and 'timing' trainer backend; {costs.source}); real: the scheduler, "
+                           f"test engine and 'timing' trainer backend; {costs.source}{pace}); real: the scheduler, "
                            "trajectory manager, store, agents, endpoint, weight broadcast and MPI")
         print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
         results += run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
@@ -513,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if summary_chart is not None:
         charts.append(str(summary_chart))
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
-                                    "sync_layout": args.sync_layout,
+                                    "sync_layout": args.sync_layout, "timing_speedup": args.timing_speedup,
                                     "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
                                     "results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
