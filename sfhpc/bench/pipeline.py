@@ -53,9 +53,10 @@ MODES = ("sync", "async", "seamless")
 SCALES = ("small", "timing")
 DEFAULT_RECIPE = Path("recipes/bench-pipeline.yaml")
 MIN_TIMING_RANKS = 4  # controller, one trainer, two rollout ranks
-# The timing scale's default pace: twice the cost model's. Calibrated on vLLM on 2 CPU cores, a long reply's
-# decode takes about 30 s at the model's own pace, and sync's 8 steps alone would take 4-5 minutes.
-DEFAULT_SPEEDUP = 2.0
+# The timing scale's default pace: three times the cost model's. Calibrated on vLLM on 2 CPU cores, a long
+# reply's decode takes about 30 s at the model's own pace, and sync's 8 steps alone would take 4-5 minutes;
+# a modelled decode step of ~90 ms still dwarfs the real per-token overheads (about a millisecond).
+DEFAULT_SPEEDUP = 3.0
 # Statuses whose generated tokens were thrown away (never trained on).
 DISCARDED_STATUSES = ("stale", "aborted", "failed")
 STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
