@@ -1,6 +1,7 @@
 """Benchmark: the same long-tailed workload under ``sync``, ``async`` and ``seamless`` on the same ranks.
 
     sfhpc bench pipeline [--scales small,timing] [--modes sync,async,seamless] [--ranks 16] [--steps 8]
+                         [--timing-speedup 3]
 
 One invocation runs every mode at each scale, one after the other on this machine (``mpiexec``, as
 ``sfhpc run`` does), and reports per mode: trained tokens/s (the tokens of the training batches over the
