@@ -29,6 +29,7 @@ from sfhpc.engine import chat_template
 from sfhpc.engine.tokenizer import ChatFormatError
 
 _PROBE_REPLY = "sfhpc probe reply"  # the assistant text of the conversation that finds the end-of-turn token
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # beside tokenizer_config.json's key
 NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "pad_token")  # the template sees them by these names
 # Spaces transformers removes on decode for tokenizers that ask (clean_up_tokenization_spaces), BPE excepted.
 _CLEAN_UP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
@@ -116,7 +117,7 @@ class HFTokenizer:
             model_config = _json(folder / name)
             vocab = vocab or model_config.get("vocab_size")
             eos += _ids(model_config.get("eos_token_id"))
-        return cls(_backend(folder), chat_template=_chat_template(folder, config), special_tokens=named,
+        return cls(_backend(folder), chat_template=read_chat_template(folder, config), special_tokens=named,
                    extra_special=extra, model_vocab_size=vocab, eos_ids=eos,
                    clean_up_spaces=bool(config.get("clean_up_tokenization_spaces", False)))
 
@@ -246,9 +247,12 @@ def _backend(folder: Path) -> Any:
     return AutoTokenizer.from_pretrained(folder).backend_tokenizer
 
 
-def _chat_template(folder: Path, config: Mapping[str, Any]) -> str:
-    """The template the folder names: ``chat_template.jinja``, ``chat_template.json`` or the key in
-    ``tokenizer_config.json`` (the ``default`` of a list of named templates)."""
+def read_chat_template(folder: Path, config: Mapping[str, Any] | None = None) -> str:
+    """The template the folder names ("" for none): ``chat_template.jinja``, ``chat_template.json`` or the key
+    in ``tokenizer_config.json`` (`config`, read here when not given; the ``default`` of a list of named
+    templates)."""
+    if config is None:
+        config = _json(folder / "tokenizer_config.json")
     if (folder / "chat_template.jinja").is_file():
         return (folder / "chat_template.jinja").read_text(encoding="utf-8")
     template = _json(folder / "chat_template.json").get("chat_template") or config.get("chat_template") or ""

@@ -15,10 +15,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sfhpc.engine.hf_tokenizer import CHAT_TEMPLATE_FILES, read_chat_template
 from sfhpc.engine.tokenizer import HF_TOKENIZER_FILES, tokenizer_kind
 
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")  # what transformers and vLLM load weights from
-CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")  # beside tokenizer_config.json's key
 # Architectures whose weights the megatron backend maps (sfhpc.trainer.megatron_names).
 MEGATRON_MODEL_TYPES = ("llama", "qwen2")
 
@@ -73,11 +73,8 @@ def _tokenizer_problem(path: Path) -> str | None:
 
 
 def has_chat_template(path: Path) -> bool:
-    if any((path / name).is_file() for name in CHAT_TEMPLATE_FILES):
-        return True
-    config = path / "tokenizer_config.json"
     try:
-        return bool(config.is_file() and json.loads(config.read_text()).get("chat_template"))
+        return bool(read_chat_template(path))
     except (OSError, ValueError, AttributeError):
         return False
 
