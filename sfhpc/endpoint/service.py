@@ -311,21 +311,15 @@ class Turn:
                     metadata=req.metadata, trajectory_id=req.start_id)
             except SfhpcError as exc:
                 raise from_sink_error(exc, req.start_id) from exc
-            await ep._lock(self.trajectory_id)
-            self._locked = True
-            self._note_task()
+            await self._hold()
             return self
         if tid is None:
             self.trajectory_id = ep._sink_call("", ep.sink.start, list(req.prompt_token_ids), task=req.task,
                                                group=req.group, metadata=req.metadata)
-            await ep._lock(self.trajectory_id)
-            self._locked = True
-            self._note_task()
+            await self._hold()
             return self
         self.trajectory_id = tid
-        await ep._lock(tid)
-        self._locked = True
-        self._note_task()
+        await self._hold()
         try:
             try:
                 # One call records the turn and answers "is it known, is it open" (the manager refuses both).
@@ -352,12 +346,14 @@ class Turn:
         finally:
             self._release()
 
-    def _note_task(self) -> None:
-        """Note the task running this turn, for `AgentEndpoint.cancel_turns`."""
-        task = asyncio.current_task()
-        if task is not None:
-            self._task = task
-            self._endpoint._turn_tasks.setdefault(self.trajectory_id, set()).add(task)
+    async def _hold(self) -> None:
+        """Take the trajectory's lock (its turns run one at a time) and note the task running this turn, for
+        `AgentEndpoint.cancel_turns`; `_release` gives both back."""
+        await self._endpoint._lock(self.trajectory_id)
+        self._locked = True
+        self._task = asyncio.current_task()
+        if self._task is not None:
+            self._endpoint._turn_tasks.setdefault(self.trajectory_id, set()).add(self._task)
 
     def _release(self) -> None:
         if self._task is not None:
