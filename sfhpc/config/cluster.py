@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
-from sfhpc.config.schema import Where, build
+from sfhpc.config.schema import Where, build, doc, setting
 from sfhpc.config.yaml_source import read_yaml
 
 # Tags and pool names are used in communicator names, sbatch flags and file names: keep them simple.
@@ -39,16 +40,20 @@ def check_name(value: str, where: Where, what: str) -> None:
 class Pool:
     """Identical nodes reached through one partition (and optional feature constraint)."""
 
-    name: str
-    partition: str
-    nodes: int
-    tags: tuple[str, ...]
-    cpus_per_node: int
-    memory_mb: int
-    constraint: str | None = None
-    gpus_per_node: int = 0
-    gpu_type: str | None = None
-    interconnect: str | None = None
+    name: str = dataclasses.field(metadata=doc("the pool's name (letters, digits, '-' and '_')"))
+    partition: str = dataclasses.field(metadata=doc("the Slurm partition its nodes are in"))
+    nodes: int = dataclasses.field(metadata=doc("nodes in the pool (tags check compares it with the live partition)"))
+    tags: tuple[str, ...] = dataclasses.field(metadata=doc("the capability tags its nodes offer; recipes ask for "
+                                                           "tags, never partitions"))
+    cpus_per_node: int = dataclasses.field(metadata=doc("CPU cores per node (checked against the live nodes)"))
+    memory_mb: int = dataclasses.field(metadata=doc("memory per node in MB, Slurm's RealMemory (checked against the "
+                                                    "live nodes)"))
+    constraint: str | None = setting(None, "a node feature that selects the pool's nodes within the partition "
+                                           "(--constraint; a&b: both)")
+    gpus_per_node: int = setting(0, "GPUs per node, Slurm's gres/gpu (checked against the live nodes)")
+    gpu_type: str | None = setting(None, "the GPU model (h100, l40s): shown by tags show, read by the simulator's cost "
+                                         "model")
+    interconnect: str | None = setting(None, "the node's network, for the reader (not checked, not used)")
 
     def validate(self, where: Where) -> None:
         check_name(self.name, where, "pool name")
@@ -72,8 +77,10 @@ class Pool:
 class ClusterMap:
     """Every pool of a cluster, in the admin's order of preference."""
 
-    cluster: str
-    pools: tuple[Pool, ...]
+    cluster: str = dataclasses.field(metadata=doc("the cluster's name as Slurm knows it (ClusterName; tags check "
+                                                  "compares them)"))
+    pools: tuple[Pool, ...] = dataclasses.field(metadata=doc("a mapping of pool name to pool, in the admin's order of "
+                                                             "preference"))
     source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})
 
     def validate(self, where: Where) -> None:
@@ -99,7 +106,13 @@ class ClusterMap:
         return tuple(p for p in self.pools if wanted <= set(p.tags))
 
 
+# Keys of the map that were renamed, old -> new, dotted from its top level (``*``: any pool's name); an old key
+# is refused with "renamed to <new>" (see RENAMED_KEYS in `sfhpc.config.recipe`). None has been renamed yet.
+RENAMED_KEYS: Mapping[str, str] = {}
+
+
 def load_cluster_map(path: str | Path) -> ClusterMap:
     """Read and validate a cluster tag map; raises ConfigError naming file, line and key."""
     data = read_yaml(path)
-    return dataclasses.replace(build(ClusterMap, data, Where(str(path), "", data.line)), source=str(path))
+    cluster = build(ClusterMap, data, Where(str(path), "", data.line), renamed=RENAMED_KEYS)
+    return dataclasses.replace(cluster, source=str(path))

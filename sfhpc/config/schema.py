@@ -7,6 +7,14 @@ mapping) and ``tuple[D, ...]`` of dataclasses with a ``name`` field (from a mapp
 Fields with ``metadata={"yaml": False}`` are not YAML keys (the loader fills them in).
 A dataclass may define ``validate(self, where)`` for checks between fields; it raises via ``where``.
 
+Every YAML key carries its one-line description in the field's metadata (``setting(default, "...")``, or
+``dataclasses.field(metadata=doc("..."))`` for a required key): the one owner of what a key means, beside
+the field. `sfhpc.config.reference` prints them as the reference pages, and a test refuses a key without one.
+
+A key that was renamed stays in a table of renamed keys (old dotted key -> new one; ``*`` stands for a role's
+or a pool's name), which the loader gives to `build`: a recipe that still uses the old key gets "renamed to
+X", one line, rather than "unknown key".
+
 Strings are one plain line: a newline or any other control character is refused where it is read.
 Recipe and map values end up in batch scripts (``#SBATCH`` lines, comments, shell words), where a
 line break would start a new shell line. The one field that holds shell text on purpose is marked
@@ -27,6 +35,33 @@ from sfhpc.config.yaml_source import LineDict
 from sfhpc.errors import ConfigError
 
 T = TypeVar("T")
+
+DOC = "doc"  # the metadata entry of a field's description
+NO_RENAMES: Mapping[str, str] = {}
+
+
+def doc(text: str, **metadata: Any) -> dict[str, Any]:
+    """A field's metadata with its description (and any other entries, e.g. ``shell=True``)."""
+    return {DOC: text, **metadata}
+
+
+def setting(default: T, text: str, **metadata: Any) -> T:
+    """A YAML key with a default and its one-line description: ``group_size: int = setting(8, "answers per
+    prompt")``. A required key has no default: ``dataclasses.field(metadata=doc("..."))``."""
+    return dataclasses.field(default=default, metadata=doc(text, **metadata))
+
+
+def renamed_to(key_path: str, renamed: Mapping[str, str]) -> str | None:
+    """The new name of the dotted `key_path` (``roles.trainer.gpus``) in a table of renamed keys, whose old
+    keys may hold ``*`` for any one name (``roles.*.gpus``); None when it was not renamed."""
+    parts = key_path.split(".")
+    for old, new in renamed.items():
+        pattern = old.split(".")
+        if len(pattern) == len(parts) and all(p in ("*", part) for p, part in zip(pattern, parts)):
+            names = iter(part for p, part in zip(pattern, parts) if p == "*")
+            # The same names stand in the new key: roles.*.gpus -> roles.*.gpus_per_task keeps the role.
+            return ".".join(next(names, "*") if n == "*" else n for n in new.split("."))
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +107,9 @@ def _describe(hint: Any) -> str:
     )
 
 
-def build(cls: type[T], data: Any, where: Where) -> T:
-    """Convert the YAML value `data` into an instance of the dataclass `cls`."""
+def build(cls: type[T], data: Any, where: Where, *, renamed: Mapping[str, str] = NO_RENAMES) -> T:
+    """Convert the YAML value `data` into an instance of the dataclass `cls`. `renamed` is the document's
+    table of renamed keys (dotted, from its top level)."""
     if not isinstance(data, dict):
         raise where.error(f"expected a mapping, found {_yaml_type(data)}")
     hints = typing.get_type_hints(cls)
@@ -82,16 +118,20 @@ def build(cls: type[T], data: Any, where: Where) -> T:
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if f.init and f.metadata.get("yaml", True)  # metadata yaml=False: set by code, not by users
     }
-    for key in data:
-        if key not in fields:
-            raise where.child(key, data).error(f"unknown key{nearest(key, fields)}")
+    for name in data:
+        if name not in fields:
+            at = where.child(name, data)
+            new = renamed_to(at.key, renamed)
+            if new is not None:
+                raise at.error(f"renamed to '{new}' (see CHANGELOG.md)")
+            raise at.error(f"unknown key{nearest(name, fields)}")
     if isinstance(data, LineDict):
         where = dataclasses.replace(where, key_lines=data.key_lines)
     values: dict[str, Any] = {}
     for name, field in fields.items():
         if name in data:
             values[name] = convert(hints[name], data[name], where.child(name, data),
-                                   plain=not field.metadata.get("shell", False))
+                                   plain=not field.metadata.get("shell", False), renamed=renamed)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise where.error(f"missing required key '{name}' ({_describe(hints[name])})")
     instance = cls(**values)
@@ -101,7 +141,8 @@ def build(cls: type[T], data: Any, where: Where) -> T:
     return instance
 
 
-def convert(hint: Any, value: Any, where: Where, *, plain: bool = True) -> Any:
+def convert(hint: Any, value: Any, where: Where, *, plain: bool = True,
+            renamed: Mapping[str, str] = NO_RENAMES) -> Any:
     """Convert one YAML value to the type `hint`, or raise a ConfigError at `where`. With `plain`, strings
     must be one line without control characters."""
     origin = typing.get_origin(hint)
@@ -111,10 +152,10 @@ def convert(hint: Any, value: Any, where: Where, *, plain: bool = True) -> Any:
             return None
         non_none = [a for a in args if a is not type(None)]
         if len(non_none) == 1:
-            return convert(non_none[0], value, where, plain=plain)
+            return convert(non_none[0], value, where, plain=plain, renamed=renamed)
         for arg in non_none:
             try:
-                return convert(arg, value, where, plain=plain)
+                return convert(arg, value, where, plain=plain, renamed=renamed)
             except ConfigError:
                 continue
         raise where.error(f"expected {_describe(hint)}, found {_yaml_type(value)}")
@@ -127,7 +168,7 @@ def convert(hint: Any, value: Any, where: Where, *, plain: bool = True) -> Any:
     if origin is tuple:
         (item,) = [a for a in typing.get_args(hint) if a is not Ellipsis]
         if dataclasses.is_dataclass(item) and isinstance(value, dict):
-            return tuple(_named_entry(item, name, entry, where.child(name, value))
+            return tuple(_named_entry(item, name, entry, where.child(name, value), renamed)
                          for name, entry in value.items())
         if isinstance(value, str) and item is str:
             value = [value]  # `tags: train` reads as `tags: [train]`
@@ -136,7 +177,7 @@ def convert(hint: Any, value: Any, where: Where, *, plain: bool = True) -> Any:
         return tuple(convert(item, v, Where(where.source, f"{where.key}[{i}]", where.line), plain=plain)
                      for i, v in enumerate(value))
     if dataclasses.is_dataclass(hint):
-        return build(hint, value, where)  # type: ignore[arg-type]
+        return build(hint, value, where, renamed=renamed)  # type: ignore[arg-type]
     result = _scalar(hint, value, where)
     if plain and hint is str:
         check_plain(result, where)
@@ -158,7 +199,7 @@ def check_plain(text: str, where: Where) -> None:
                               "the batch script; shell lines belong in launch.setup)")
 
 
-def _named_entry(cls: Any, name: str, entry: Any, where: Where) -> Any:
+def _named_entry(cls: Any, name: str, entry: Any, where: Where, renamed: Mapping[str, str]) -> Any:
     if entry is None:
         entry = {}
     if not isinstance(entry, dict):
@@ -168,7 +209,7 @@ def _named_entry(cls: Any, name: str, entry: Any, where: Where) -> Any:
     merged = LineDict(entry)
     merged.line, merged.key_lines = getattr(entry, "line", where.line), getattr(entry, "key_lines", {})
     merged["name"] = name
-    return build(cls, merged, where)
+    return build(cls, merged, where, renamed=renamed)
 
 
 def _scalar(hint: Any, value: Any, where: Where) -> Any:
