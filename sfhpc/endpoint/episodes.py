@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from sfhpc.endpoint.errors import BadRequest, NotFound
+from sfhpc.endpoint.fields import Fields
 
 
 @dataclasses.dataclass(eq=False)
@@ -90,7 +90,8 @@ class Episodes:
 
 def parse_reward(body: Any) -> float:
     """The reward of ``POST /episodes/<id>/reward``: ``{"reward": <finite number>}``."""
-    value = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(body, dict):
         raise BadRequest('the body must be {"reward": <a finite number>}', param="reward")
-    return float(value)
+    reward = Fields(body).number("reward", default=None, required=True)
+    assert reward is not None
+    return reward

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from sfhpc.endpoint.errors import BadRequest, ModelNotFound
+from sfhpc.endpoint.fields import Fields
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ChatFormatError, ChatTokenizer
 
@@ -56,7 +57,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
     """Validate `body` (already decoded JSON) for `route`; raises `BadRequest` / `ModelNotFound`."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
-    fields = _Fields(body)
+    fields = Fields(body)
     model = fields.string("model", required=True)
     if model != model_name:
         raise ModelNotFound(f"model {model!r} is not served here; this endpoint serves {model_name!r}",
@@ -87,7 +88,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                              param="logprobs")
         want_logprobs = top is not None
         default_stop = (tokenizer.eos_id,)
-    stop_ids = fields.token_list("stop_token_ids", tokenizer)
+    stop_ids = fields.token_list("stop_token_ids", vocab_size=tokenizer.vocab_size)
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=fields.number("temperature", default=None, low=0.0, high=2.0),
@@ -112,7 +113,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                       logprobs=want_logprobs)
 
 
-def _chat_prompt(fields: _Fields, tokenizer: ChatTokenizer) -> list[int]:
+def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
     messages = fields.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -137,94 +138,21 @@ def _chat_prompt(fields: _Fields, tokenizer: ChatTokenizer) -> list[int]:
         raise BadRequest(str(exc), param="messages") from exc
 
 
-def _text_prompt(fields: _Fields, tokenizer: ChatTokenizer) -> list[int]:
+def _text_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
     prompt = fields.body.get("prompt")
     # OpenAI allows a batch of prompts; one trajectory turn is one prompt, so a batch must hold one.
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, bos=True)
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = fields.token_list("prompt", tokenizer)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                                   for t in prompt):
+        # Read from the prompt itself, which is the inner list of a batch of one.
+        ids = Fields({"prompt": prompt}).token_list("prompt", vocab_size=tokenizer.vocab_size)
         assert ids is not None
         return ids
     raise BadRequest("prompt must be a string or a non-empty list of token ids (one prompt per request)",
                      param="prompt")
-
-
-class _Fields:
-    """Typed access to request fields; every failure names the field."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        self.body = body
-
-    def string(self, key: str, *, required: bool = False) -> str | None:
-        value = self.body.get(key)
-        if value is None:
-            if required:
-                raise BadRequest(f"'{key}' is required", param=key)
-            return None
-        if not isinstance(value, str):
-            raise BadRequest(f"'{key}' must be a string", param=key)
-        return value
-
-    def boolean(self, key: str, *, default: bool) -> bool:
-        value = self.body.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise BadRequest(f"'{key}' must be true or false", param=key)
-        return value
-
-    def integer(self, key: str, *, low: int | None = None, high: int | None = None) -> int | None:
-        value = self.body.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise BadRequest(f"'{key}' must be an integer", param=key)
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise BadRequest(f"'{key}' must be in [{low}, {high}], found {value}", param=key)
-        return value
-
-    def number(self, key: str, *, default: float | None, low: float, high: float,
-               low_open: bool = False) -> float | None:
-        value = self.body.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise BadRequest(f"'{key}' must be a number", param=key)
-        if value > high or value < low or (low_open and value == low):
-            bracket = "(" if low_open else "["
-            raise BadRequest(f"'{key}' must be in {bracket}{low}, {high}], found {value}", param=key)
-        return float(value)
-
-    def token_list(self, key: str, tokenizer: ChatTokenizer) -> list[int] | None:
-        value = self.body.get(key)
-        if value is None:
-            return None
-        if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise BadRequest(f"'{key}' must be a list of token ids", param=key)
-        bad = [t for t in value if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise BadRequest(f"'{key}' holds token ids outside the vocabulary [0, {tokenizer.vocab_size}): {bad[:5]}",
-                             param=key)
-        return value
-
-    def refuse_unless(self, **allowed: tuple[Any, ...]) -> None:
-        for key, values in allowed.items():
-            if key in self.body and self.body[key] not in values:
-                raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported by this endpoint "
-                                 f"(it serves one sampled completion per request); leave it out",
-                                 param=key)
-
-    def refuse_distribution_changes(self, **allowed: tuple[Any, ...]) -> None:
-        """Sampling extensions that reshape the distribution (vLLM's names): the engine is not asked for
-        them, so a request that sets one is refused rather than sampled otherwise than it asked."""
-        for key, values in allowed.items():
-            if key in self.body and self.body[key] not in values:
-                raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported: the endpoint samples from the "
-                                 f"model's whole distribution at the given temperature; leave '{key}' out",
-                                 param=key, code="unsupported_sampling")
 
 
 class ResponseBuilder:

@@ -163,6 +163,8 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
 async def _json_body(request: web.Request) -> Any:
     raw = await request.read()
     try:
+        # NaN and the infinities are decoded, not refused here: the decoder cannot say in which field it
+        # met them, and `sfhpc.endpoint.fields` refuses them naming the field.
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
