@@ -72,7 +72,7 @@ def store_columns(store: StoreView) -> StoreColumns:
     generated_tokens = per_trajectory(keep & generated, count)
     interruptions = per_trajectory(keep & generated & aborted)
     prev_generated = np.r_[False, generated[:-1]] & same
-    replies = per_trajectory(keep & generated & ~prev_generated)
+    turns = per_trajectory(keep & generated & ~prev_generated)  # replies: a generated run starts each
 
     chosen = keep & generated & (count > 0)
     oldest, newest, pairs, by_version = _versions(store, owner[chosen], field("token_start")[chosen], count[chosen], n)
@@ -106,8 +106,6 @@ def store_columns(store: StoreView) -> StoreColumns:
     created = records["created"].astype(np.float64)
     updated = created.copy()
     updated[has] = current["time"]
-    turns = np.zeros(n, np.int64)
-    turns[has] = np.where(current["status"] == FAILED, 0, current["rewards_count"])
     fail_reason = _fail_reasons(store, status_code, latest, statuses)
 
     # Consumption: the trajectory's last mark, as `trajectory_rows` reads them.
@@ -128,13 +126,13 @@ def store_columns(store: StoreView) -> StoreColumns:
         "status": STATUS_NAMES[status_code], "reward": reward, "turns": turns, "tokens": tokens,
         "generated_tokens": generated_tokens, "min_version": oldest, "max_version": newest,
         "consumed_step": step, "trained_version": trained, "staleness": staleness, "created": created,
-        "updated": updated, "fail_reason": fail_reason, "replies": replies, "versions": versions,
+        "updated": updated, "fail_reason": fail_reason, "versions": versions,
         "interruptions": interruptions,
     }
     for row, trajectory in assembled.items():
         mark = None if not marked[row] else _mark(marks[last_mark[row]], records)
         exact = trajectory_row(trajectory, mark)
-        for name in ("tokens", "generated_tokens", "replies", "interruptions"):
+        for name in ("tokens", "generated_tokens", "turns", "interruptions"):
             columns[name][row] = exact[name]  # type: ignore[index]
     return StoreColumns(columns, pairs_array, tokens_by_version)
 

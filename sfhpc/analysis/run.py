@@ -29,7 +29,6 @@ Frames (columns typed; missing values are <NA>):
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -41,12 +40,10 @@ from sfhpc.analysis.columns import columns_frame, store_columns
 from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store
 from sfhpc.data import open_store
 from sfhpc.data.rank_intervals import BubbleFraction
+from sfhpc.data.run_log import METRICS_FILE, read_log
 from sfhpc.data.store import ConsumptionMark, StoreReader
 from sfhpc.data.trajectory import NO_VERSION, Trajectory
 from sfhpc.engine.tokenizer import run_tokenizer
-from sfhpc.errors import SfhpcError
-
-METRICS_FILE = "metrics.jsonl"
 
 # Column -> dtype. Nullable types (Int64, Float64, string) so that "none" stays <NA> and survives Parquet.
 STR, INT, OPT_INT, FLOAT, OPT_FLOAT, BOOL = "string", "int64", "Int64", "float64", "Float64", "bool"
@@ -54,7 +51,7 @@ TRAJECTORY_DTYPES: dict[str, str] = {
     "id": STR, "task": STR, "group": STR, "status": STR, "reward": OPT_FLOAT, "turns": INT, "tokens": INT,
     "generated_tokens": INT, "min_version": OPT_INT, "max_version": OPT_INT, "consumed_step": OPT_INT,
     "trained_version": OPT_INT, "staleness": OPT_INT, "created": FLOAT, "updated": FLOAT, "fail_reason": STR,
-    "replies": INT, "versions": INT, "interruptions": INT,
+    "versions": INT, "interruptions": INT,
 }
 assert tuple(TRAJECTORY_DTYPES) == TRAJECTORY_COLUMNS + EXTRA_COLUMNS
 TURN_DTYPES: dict[str, str] = {
@@ -245,19 +242,7 @@ class Run:
         path = None if self.folder is None else self.folder / METRICS_FILE
         if path is None or not path.is_file():
             return None
-        lines = path.read_text(encoding="utf-8").splitlines()
-        records = []
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                if number == len(lines):  # the run is writing its last line right now
-                    break
-                raise SfhpcError(f"{path}: line {number} is not JSON; the file is damaged") from None
-            if isinstance(record, dict) and "step" in record:
-                records.append(record)
+        records = [record for record in read_log(path) if "step" in record]
         if not records:
             return None
         metrics = pd.DataFrame.from_records(records)

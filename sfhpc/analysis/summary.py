@@ -10,7 +10,6 @@ Everything comes from the run's trajectory frame, which is computed over whole t
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -20,11 +19,11 @@ import pandas as pd
 
 from sfhpc.analysis.run import Run
 from sfhpc.data.rank_intervals import BubbleFraction
+from sfhpc.data.run_log import EVENTS_FILE, read_log
 from sfhpc.data.trajectory import Status
 from sfhpc.table import format_table
 
 STEP_RANGES = 10  # the step table has at most this many rows, of equal width
-EVENTS_FILE = "events.jsonl"  # the controller's event log: its last line says whether the run finished
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +133,8 @@ def run_finished(folder: Path | None) -> bool:
     path = None if folder is None else folder / EVENTS_FILE
     if path is None or not path.is_file():
         return False
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    try:
-        return bool(lines) and json.loads(lines[-1]).get("event") == "finished"
-    except json.JSONDecodeError:
-        return False  # the controller is writing its last line right now
+    events = read_log(path)  # a last line the controller is writing right now is left out
+    return bool(events) and events[-1].get("event") == "finished"
 
 
 def _mean(values: pd.Series) -> float | None:

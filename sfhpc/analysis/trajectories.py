@@ -7,13 +7,14 @@
         rows = list(trajectory_rows(store))     # dicts with the TRAJECTORY_COLUMNS keys
     # pandas.DataFrame(rows), if pandas is at hand
 
-Columns: the record's id, task, GRPO group, status and reward; its number of turns (rewards the agent
-reported per reply); tokens on its current branch and how many the policy generated; the oldest and
-newest policy version among those tokens; the training step that consumed it and the trainer's version
-then (empty if none did), hence the staleness it was trained at; creation and last-change times (Unix s);
-why it failed (status failed; empty otherwise). The data frames (`sfhpc.analysis.open_run`) add the
-policy's replies, how many policy versions wrote it, and its interruptions (generations cut by a weight
-update or a restart and continued).
+Columns: the record's id, task, GRPO group, status and reward; its number of turns (the policy's replies
+along the current branch, as `sfhpc traj show` numbers them: `Trajectory.reply_spans`); tokens on its
+current branch and how many the policy generated; the oldest and newest policy version among those
+tokens; the training step that consumed it and the trainer's version then (empty if none did), hence the
+staleness it was trained at; creation and last-change times (Unix s); why it failed (status failed; empty
+otherwise). The data frames (`sfhpc.analysis.open_run`) add how many
+policy versions wrote it and its interruptions (generations cut by a weight update or a restart and
+continued).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ STORE_FILE = "trajectories.h5"
 TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
                       "min_version", "max_version", "consumed_step", "trained_version", "staleness",
                       "created", "updated", "fail_reason")
-EXTRA_COLUMNS = ("replies", "versions", "interruptions")  # in the data frames and Parquet/JSONL, not the CSV
+EXTRA_COLUMNS = ("versions", "interruptions")  # in the data frames and Parquet/JSONL, not the CSV
 
 
 def locate_store(path: str | Path) -> Path:
@@ -57,7 +58,7 @@ def trajectory_rows(store: StoreView) -> Iterator[dict[str, Any]]:
 
 def trajectory_row(trajectory: Trajectory, mark: ConsumptionMark | None) -> dict[str, Any]:
     """The TRAJECTORY_COLUMNS of one trajectory (given the step that consumed it, if any), then the
-    EXTRA_COLUMNS: replies, distinct policy versions, interruptions."""
+    EXTRA_COLUMNS: distinct policy versions, interruptions."""
     versions = trajectory.token_versions()[trajectory.generated_mask()]
     newest = int(versions.max()) if len(versions) else None
     # A generation cut by a weight update or a restart ends with "abort"; another segment continues it.
@@ -66,15 +67,16 @@ def trajectory_row(trajectory: Trajectory, mark: ConsumptionMark | None) -> dict
     return {
         "id": trajectory.id, "task": trajectory.task, "group": trajectory.group or "",
         "status": str(trajectory.status.value), "reward": trajectory.reward,
-        "turns": len(trajectory.turn_rewards), "tokens": trajectory.num_tokens,
+        # A turn is a reply of the policy, whether or not the agent reported a reward for it (an agent
+        # program reports none per turn).
+        "turns": len(trajectory.reply_spans()), "tokens": trajectory.num_tokens,
         "generated_tokens": trajectory.num_generated,
         "min_version": int(versions.min()) if len(versions) else None, "max_version": newest,
         "consumed_step": mark.step if mark else None, "trained_version": mark.policy_version if mark else None,
         # How many versions behind the trainer its oldest token was when it was trained on.
         "staleness": mark.policy_version - int(versions.min()) if mark and len(versions) else None,
         "created": trajectory.created, "updated": trajectory.updated, "fail_reason": trajectory.fail_reason,
-        "replies": len(trajectory.reply_spans()), "versions": len(np.unique(versions)),
-        "interruptions": interruptions,
+        "versions": len(np.unique(versions)), "interruptions": interruptions,
     }
 
 

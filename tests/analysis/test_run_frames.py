@@ -30,9 +30,9 @@ def test_trajectories_one_row_each_with_versions_interruptions_and_marks(run_dir
     cut = df.loc["cut"]
     assert (cut.status, cut.reward, cut.min_version, cut.max_version, cut.versions, cut.interruptions) \
         == ("consumed", 0.5, 1, 2, 2, 1)
-    assert (cut.consumed_step, cut.trained_version, cut.staleness, cut.replies, cut.generated_tokens) \
+    assert (cut.consumed_step, cut.trained_version, cut.staleness, cut.turns, cut.generated_tokens) \
         == (0, 2, 1, 1, 16)
-    assert (df.loc["multi", "replies"], df.loc["multi", "turns"], df.loc["multi", "consumed_step"]) == (2, 2, 1)
+    assert (df.loc["multi", "turns"], df.loc["multi", "consumed_step"]) == (2, 1)
     assert df.loc["failed", "fail_reason"] == "ValueError: not a digit" and pd.isna(df.loc["failed", "reward"])
     assert pd.isna(df.loc["open", "consumed_step"]) and df.loc["open", "status"] == "running"
     assert str(df["reward"].dtype) == "Float64" and str(df["staleness"].dtype) == "Int64"
