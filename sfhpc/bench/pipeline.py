@@ -47,6 +47,7 @@ from typing import Any
 import yaml
 
 from sfhpc.bench import read_recipe_mapping, run_as_script
+from sfhpc.data.run_log import EVENTS_FILE, METRICS_FILE, read_log
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
 
@@ -86,7 +87,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.scales = _choices(args.scales, SCALES, "--scales")
     if args.steps < 2 or (args.timing_steps is not None and args.timing_steps < 2):
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
-    if args.calibrate_from is not None and not (args.calibrate_from / "metrics.jsonl").is_file():
+    if args.calibrate_from is not None and not (args.calibrate_from / METRICS_FILE).is_file():
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if not args.timing_speedup > 0:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
@@ -225,13 +226,14 @@ def run_mode(recipe_data: dict[str, Any], path: Path) -> dict[str, Any]:
     if code != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]).strip()
         raise SfhpcError(f"the {mode} run of {recipe.name} failed (exit {code}); its log is {log}: {tail[-400:]}")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    metrics = read_log(run_dir / METRICS_FILE)
     figures = {"available": True, "run_dir": str(run_dir), "ranks": plan.world_size, "wall_s": wall_s,
                "trainer_ranks": sum("trainer" in s.roles for s in plan.ranks()),
                "rollout_ranks": sum("rollout" in s.roles for s in plan.ranks()), **summarize(metrics)}
     figures.update(store_figures(run_dir))
-    figures["events"] = [e.get("event") for e in read_events(run_dir)]
-    figures["ran_as"] = next((e["mode"] for e in read_events(run_dir) if e.get("event") == "pipeline"), mode)
+    events = read_log(run_dir / EVENTS_FILE)
+    figures["events"] = [e.get("event") for e in events]
+    figures["ran_as"] = next((e["mode"] for e in events if e.get("event") == "pipeline"), mode)
     return figures
 
 
@@ -260,13 +262,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "lends": int(last.get("lends", 0)), "reclaims": int(last.get("reclaims", 0)),
             "reclaim_latency_mean_s": statistics.mean(reclaims) if reclaims else None,
             "reclaim_latency_max_s": max(reclaims) if reclaims else None}
-
-
-def read_events(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def discarded_tokens(statuses: Sequence[str], generated: Sequence[int], segment_kinds: Sequence[str],
@@ -441,7 +436,7 @@ def calibration_of(run_dir: Path, model_dir: Path | None) -> dict[str, Any]:
     """What `timing_costs` calibrates on from an async run's folder: its metrics, how many ranks trained and
     generated (its launch report), how many episodes each engine held (two steps' worth: async with
     ``max_staleness`` 1) and the bytes of its weights."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_log(run_dir / METRICS_FILE)
     ranks = json.loads((run_dir / "launch_report.json").read_text())["ranks"]
     trainers = sum("trainer" in r["roles"] for r in ranks)
     engines = sum("rollout" in r["roles"] for r in ranks)

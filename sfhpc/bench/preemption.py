@@ -44,6 +44,7 @@ import yaml
 
 from sfhpc.bench import read_recipe_mapping, run_as_script
 from sfhpc.bench._processes import rank_pids, step_pids
+from sfhpc.data.run_log import EVENTS_FILE, METRICS_FILE, read_log
 from sfhpc.data.trajectory import Status, Trajectory
 from sfhpc.errors import SfhpcError
 from sfhpc.table import format_table
@@ -168,12 +169,6 @@ class Observed:
     first_new_step_seen: float | None  # the first metrics row of a step after the checkpoint appeared
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def _first(events: list[dict[str, Any]], name: str, after: float = 0.0, **match: Any) -> dict[str, Any]:
     for event in events:
         if event["event"] == name and event["time"] >= after and all(event.get(k) == v for k, v in match.items()):
@@ -183,7 +178,7 @@ def _first(events: list[dict[str, Any]], name: str, after: float = 0.0, **match:
 
 def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
     """The stop and restart figures of a cut and resumed run (see the module's docstring)."""
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = read_log(run_dir / EVENTS_FILE)
     requested = _first(events, "stop-requested", restart=0)
     checkpoint = next((e for e in events if e["event"] == "checkpoint" and e["time"] >= requested["time"]
                        and str(e.get("reason", "")).startswith("stop:")), None)
@@ -192,7 +187,7 @@ def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
     manifest = Path(checkpoint["path"]) / "MANIFEST.json"
     manifest_at = manifest.stat().st_mtime if manifest.exists() else checkpoint["time"]
     resumed = _first(events, "resumed", after=checkpoint["time"])
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_log(run_dir / METRICS_FILE)
     first_new = next((r for r in rows if r["step"] > resumed["step"]), None)
     if first_new is None:
         raise SfhpcError(f"{run_dir}: no step after the checkpoint's step {resumed['step']} in metrics.jsonl")
@@ -217,7 +212,7 @@ def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
         "resume_engines_and_plan_s": resumed["seconds"],
         "first_new_step_s": first_new["step_s"], "first_new_step": first_new["step"],
         "resumed": {k: resumed.get(k) for k in ("resumed", "replayed", "dropped_stale", "abandoned", "finished")},
-        "steps_discarded": len(read_jsonl(run_dir / "metrics-discarded.jsonl")),
+        "steps_discarded": len(read_log(run_dir / "metrics-discarded.jsonl")),
         "metrics_steps": [r["step"] for r in rows],
     }
 
@@ -250,10 +245,8 @@ def _wait(process: subprocess.Popen[bytes], run_dir: Path, what: str) -> int:
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
-    try:
-        return read_jsonl(run_dir / "metrics.jsonl")
-    except ValueError:  # a row half written: read it next time
-        return []
+    # The run is writing: a row half written is left out quietly and read next time.
+    return read_log(run_dir / METRICS_FILE, warn=lambda line: None)
 
 
 def cut_and_resume(recipe_path: Path, output_dir: Path, cut_after: int) -> tuple[Path, Observed, dict[str, AtCut]]:

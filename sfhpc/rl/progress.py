@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sfhpc.data.run_log import METRICS_FILE, repair_log
 from sfhpc.rl.tfevents import EventFile, rewrite
 
 SPARK = " .:-=+*#%@"
@@ -19,7 +20,9 @@ SPARK = " .:-=+*#%@"
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int) -> None:
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
+        # A folder opened again: a crash may have cut the last row, which is set aside before one is appended.
+        repair_log(self.path)
         self.total = total_steps
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
@@ -31,7 +34,7 @@ class Progress:
         ``metrics-discarded.jsonl``, so that no step appears twice in ``metrics.jsonl``."""
         if not self.path.exists():
             return
-        rows = [json.loads(line) for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = repair_log(self.path)
         self.rows = [r for r in rows if r["step"] <= step]
         later = [r for r in rows if r["step"] > step]
         # The event files likewise: one new file with the kept steps replaces the earlier sessions' files.
