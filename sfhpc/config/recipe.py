@@ -17,11 +17,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 from sfhpc.config.cluster import check_name
-from sfhpc.config.schema import Where, build
+from sfhpc.config.schema import Where, build, doc, setting
 from sfhpc.config.yaml_source import read_yaml
 
 RoleName = Literal["controller", "trainer", "rollout", "reward"]
@@ -36,15 +37,22 @@ class Role:
     another role's very ranks (``colocate_with``), which is what makes a recipe colocated.
     """
 
-    name: RoleName
-    tags: tuple[str, ...] = ()
-    nodes: int = 1
-    tasks_per_node: int = 1
-    tasks: int = 1
-    cpus_per_task: int = 1
-    gpus_per_task: int = 0
-    place_with: RoleName | None = None
-    colocate_with: RoleName | None = None
+    name: RoleName = dataclasses.field(metadata=doc("the role: controller (the one rank that runs the RL loop, "
+                                                    "trajectory manager and store), trainer, rollout, or reward "
+                                                    "(placed, but plays no part yet)"))
+    tags: tuple[str, ...] = setting((), "capability tags every node of this role carries (the cluster map says which "
+                                        "pools offer them); needed for a role on nodes of its own")
+    nodes: int = setting(1, "nodes of its own (a role with tags)")
+    tasks_per_node: int = setting(1, "ranks on each of its nodes")
+    tasks: int = setting(1, "ranks it adds to the nodes of the role named by place_with")
+    cpus_per_task: int = setting(1, "CPU cores per rank (Slurm's --cpus-per-task)")
+    gpus_per_task: int = setting(0, "GPUs per rank; 1 gives every rank a GPU of its own (--gpus-per-task, or "
+                                    "--gpus-per-node and CUDA_VISIBLE_DEVICES narrowed per rank where GPU-less ranks "
+                                    "share the component)")
+    place_with: RoleName | None = setting(None, "another role whose nodes this role joins with `tasks` extra ranks "
+                                                "(the controller: place_with: trainer)")
+    colocate_with: RoleName | None = setting(None, "another role whose very ranks also play this role (rollout: "
+                                                   "{colocate_with: trainer} makes a colocated recipe)")
 
     @property
     def owns_nodes(self) -> bool:
@@ -80,17 +88,23 @@ class ModelSpec:
     run folder (`sfhpc.model.tiny`: a BPE tokenizer trained on generated text and the task's, a chat
     template, random weights of ``architecture``); the fields below ``path`` shape that built model."""
 
-    name: str = "tiny-llama"
-    path: str | None = None
-    architecture: Literal["llama", "qwen2"] = "llama"
-    layers: int = 4
-    hidden_size: int = 256
-    heads: int = 4
-    max_seq_len: int = 256
-    tokenizer_vocab: int = 512         # the built tokenizer's size: 256 bytes, the chat's special tokens, merges
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    warm_start_steps: int = 0          # supervised steps on the task's reply format before RL (built model only)
-    warm_start_learning_rate: float = 1e-3
+    name: str = setting("tiny-llama", "the model name agents send (\"model\" in a request) and /v1/models lists")
+    path: str | None = setting(None, "a Hugging Face causal-LM folder (config.json, safetensors weights, tokenizer, "
+                                     "chat template); null: sfhpc builds a tiny model in the run folder")
+    architecture: Literal["llama", "qwen2"] = setting("llama", "the built model's architecture (without path)")
+    layers: int = setting(4, "the built model's transformer layers (without path)")
+    hidden_size: int = setting(256, "the built model's hidden size: heads x 64 (vLLM's CPU attention needs 64-wide "
+                                    "heads)")
+    heads: int = setting(4, "the built model's attention heads (without path)")
+    max_seq_len: int = setting(256, "the longest sequence, prompt and reply together: vLLM's max_model_len for any "
+                                    "model, and the built model's positions")
+    tokenizer_vocab: int = setting(512, "the built tokenizer's size: 256 bytes, the chat's special tokens, then merges "
+                                        "(264 to 65536; 264: no merges)")
+    dtype: Literal["bfloat16", "float32"] = setting("bfloat16", "the engines' dtype, in which the trainer publishes "
+                                                                "the weights (it keeps float32 master weights)")
+    warm_start_steps: int = setting(0, "supervised steps on the task's reply format before RL (built model only; 0: "
+                                       "none)")
+    warm_start_learning_rate: float = setting(1e-3, "the learning rate of the warm start")
 
     def validate(self, where: Where) -> None:
         if self.hidden_size != self.heads * 64:
@@ -116,20 +130,25 @@ class AlgorithmSpec:
     decoding, a top-p nucleus) is refused by the run's endpoint (`sfhpc.endpoint.service.SamplingRule`).
     """
 
-    name: Literal["grpo", "ppo"] = "grpo"
-    group_size: int = 8                  # answers per prompt; GRPO normalises rewards within them
-    learning_rate: float = 1e-4
-    clip_ratio: float = 0.2              # eps_low of the clipped surrogate (and eps_high unless clip_ratio_high)
-    clip_ratio_high: float | None = None  # eps_high, e.g. 0.28 for a wider upper clip (DAPO's clip-higher)
-    ratio_cap: float = 3.0               # truncation C of the importance ratio of stale tokens
-    kl_coef: float = 0.0                 # > 0: k3 penalty to a frozen copy of the initial weights
-    max_grad_norm: float = 1.0           # gradient clipping by global norm
-    weight_decay: float = 0.0            # AdamW's decoupled weight decay
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    advantage_eps: float = 1e-6          # added to a group's reward std (GRPO)
-    temperature: float = 1.0             # sampling temperature of a turn that asks for none
+    name: Literal["grpo", "ppo"] = setting("grpo", "grpo (advantages normalised within each prompt's group) or ppo "
+                                                   "(PPO-clip; advantages: reward minus the batch mean)")
+    group_size: int = setting(8, "answers per prompt: GRPO normalises rewards within them (GRPO needs at least 2)")
+    learning_rate: float = setting(1e-4, "the AdamW learning rate")
+    clip_ratio: float = setting(0.2, "eps_low of the clipped surrogate: the ratio is clipped to [1 - clip_ratio, 1 + "
+                                     "clip_ratio_high]")
+    clip_ratio_high: float | None = setting(None, "eps_high, the upper clip range (null: clip_ratio; e.g. 0.28 for "
+                                                  "DAPO's clip-higher)")
+    ratio_cap: float = setting(3.0, "the importance ratio of stale tokens is truncated here before the surrogate (more "
+                                    "than 1 + the upper clip)")
+    kl_coef: float = setting(0.0, "> 0: a k3 KL penalty to a frozen copy of the initial weights, with this weight")
+    max_grad_norm: float = setting(1.0, "gradient clipping by global norm")
+    weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
+    adam_beta1: float = setting(0.9, "AdamW's beta1")
+    adam_beta2: float = setting(0.999, "AdamW's beta2")
+    adam_eps: float = setting(1e-8, "AdamW's epsilon")
+    advantage_eps: float = setting(1e-6, "added to a group's reward standard deviation (GRPO)")
+    temperature: float = setting(1.0, "sampling temperature of an agent's turn that asks for none (more than 0, at "
+                                      "most 2)")
 
     def problems(self) -> list[tuple[str, str]]:
         """``(key, problem)`` for every setting out of range (empty when all are good): one check for
@@ -179,12 +198,15 @@ class TrainingSpec:
     ``timing_step_s`` plus ``timing_per_token_s`` per trained token over the trainer ranks, and the policy
     version moves as a real trainer's would."""
 
-    backend: Literal["torch", "megatron", "timing"] = "torch"
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    checkpoint_every: int = 0          # steps between trainer checkpoints (0: only at the end of the run)
-    timing_step_s: float = 0.0         # backend timing: seconds of every step
-    timing_per_token_s: float = 0.0    # backend timing: seconds per trained token on one trainer rank
+    backend: Literal["torch", "megatron", "timing"] = setting("torch", "torch (CPU default; DDP over gloo), megatron "
+                                                                       "(megatron-core, for GPUs) or timing (a timing "
+                                                                       "model for benchmarks: learns nothing)")
+    tensor_parallel: int = setting(1, "megatron: tensor-parallel size (divides the model's key/value heads)")
+    pipeline_parallel: int = setting(1, "megatron: pipeline stages (divides the model's layers)")
+    checkpoint_every: int = setting(0, "steps between run checkpoints (0: only at the end of the run and at a stop "
+                                       "request)")
+    timing_step_s: float = setting(0.0, "backend timing: seconds of every step")
+    timing_per_token_s: float = setting(0.0, "backend timing: seconds per trained token on one trainer rank")
 
     def validate(self, where: Where) -> None:
         for key in ("tensor_parallel", "pipeline_parallel"):
@@ -206,8 +228,12 @@ class PipelineSpec:
     a staleness bound) or ``seamless`` (async plus lending idle trainer ranks to rollout: those whose
     nodes the cluster map tags ``rollout``; with none, the run is async and says so)."""
 
-    mode: Literal["sync", "async", "seamless"] = "sync"
-    max_staleness: int = 1
+    mode: Literal["sync", "async", "seamless"] = setting("sync", "sync (generate, then train), async (rollout overlaps "
+                                                                 "training within max_staleness) or seamless (async, "
+                                                                 "and idle trainer ranks tagged rollout are lent to "
+                                                                 "rollout)")
+    max_staleness: int = setting(1, "the most policy versions a trained token may lag the policy being trained; a "
+                                    "group with an older token is dropped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,20 +248,28 @@ class EngineSpec:
     load ``weight_load_s``; with ``writes_to_budget`` it never ends a reply on its own, so every reply is
     as long as the task lets it be (a model that answers at the length asked for)."""
 
-    name: Literal["vllm", "test"] = "vllm"
-    token_delay_s: float = 0.0
-    per_sequence_s: float = 0.0
-    prefill_per_token_s: float = 0.0
-    weight_load_s: float = 0.0
-    writes_to_budget: bool = False
+    name: Literal["vllm", "test"] = setting("vllm", "vllm (the policy model served by vLLM) or test (the deterministic "
+                                                    "test engine: writes letters, no language model)")
+    token_delay_s: float = setting(0.0, "test engine: seconds per decode step")
+    per_sequence_s: float = setting(0.0, "test engine as a timing model: seconds a decode step adds per sequence in "
+                                         "flight")
+    prefill_per_token_s: float = setting(0.0, "test engine as a timing model: seconds per prompt token")
+    weight_load_s: float = setting(0.0, "test engine as a timing model: seconds per weight load")
+    writes_to_budget: bool = setting(False, "test engine: never end a reply early, so every reply is as long as the "
+                                            "task allows")
+    cut_after_tokens: int = setting(0, "test engine: a reply started under weights of version 1 or later waits "
+                                       "after this many tokens for the next weight update, which cuts it there "
+                                       "(tests of partial rollout); 0: never")
 
     def validate(self, where: Where) -> None:
         timing = ("token_delay_s", "per_sequence_s", "prefill_per_token_s", "weight_load_s")
         for key in timing:
             if not getattr(self, key) >= 0:
                 raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
+        if self.cut_after_tokens < 0:
+            raise where.child("cut_after_tokens").error(f"must be 0 or more, found {self.cut_after_tokens}")
         if self.name == "vllm":
-            for key in (*timing, "writes_to_budget"):
+            for key in (*timing, "writes_to_budget", "cut_after_tokens"):
                 if getattr(self, key):
                     raise where.child(key).error("paces the 'test' engine only; leave it out for vLLM")
 
@@ -244,15 +278,24 @@ class EngineSpec:
 class Budgets:
     """How much work one run does: `steps` training steps of `prompts_per_step` GRPO groups each, and
     when it gives up: an episode after `episode_timeout_s`, the run when more than `max_failed_fraction`
-    of the episodes that ended failed, or when no rollout rank was heard from for `stall_timeout_s`."""
+    of the episodes that ended failed, when no rollout rank was heard from for `stall_timeout_s`, or when a
+    rank sent no heartbeat for `heartbeat_timeout_s` (`sfhpc.runtime.liveness`)."""
 
-    steps: int = 20
-    prompts_per_step: int = 16
-    max_new_tokens: int = 32
-    wall_minutes: float | None = None
-    episode_timeout_s: float = 600.0     # an episode still playing after this fails (its group is replaced)
-    max_failed_fraction: float = 0.5     # counted once a step's worth of episodes ended; 1: never stop for it
-    stall_timeout_s: float = 600.0       # silence of every rollout rank while the controller waits for a batch
+    steps: int = setting(20, "training steps of the run")
+    prompts_per_step: int = setting(16, "GRPO groups (prompts) in one training batch")
+    max_new_tokens: int = setting(32, "the most tokens of one policy reply: caps the task's own bound; an agent "
+                                      "program is handed it as max_tokens")
+    wall_minutes: float | None = setting(None, "minutes after which the run ends cleanly, with a final checkpoint "
+                                               "(null: no limit)")
+    episode_timeout_s: float = setting(600.0, "an episode still playing after this many seconds fails (its group is "
+                                              "replaced)")
+    max_failed_fraction: float = setting(0.5, "the run stops when more than this share of the ended episodes failed "
+                                              "(counted once a step's worth ended; 1: never)")
+    stall_timeout_s: float = setting(600.0, "the run stops when no rollout rank was heard from for this many seconds "
+                                            "while the controller waits for a batch")
+    heartbeat_timeout_s: float = setting(60.0, "the run stops when a rank sent no heartbeat for this many seconds (its "
+                                               "process stopped, stuck or cut off; at least 3: ranks beat every "
+                                               "second, from a thread of their own, busy or not)")
 
     def validate(self, where: Where) -> None:
         for key in ("steps", "prompts_per_step", "max_new_tokens"):
@@ -263,6 +306,9 @@ class Budgets:
         for key in ("episode_timeout_s", "stall_timeout_s"):
             if not getattr(self, key) > 0:  # `not >`: NaN is refused too
                 raise where.child(key).error(f"must be more than 0 seconds, found {getattr(self, key)}")
+        if not self.heartbeat_timeout_s >= 3:  # a bound of a beat or two takes scheduling jitter for silence
+            raise where.child("heartbeat_timeout_s").error(
+                f"must be at least 3 seconds (ranks beat every second), found {self.heartbeat_timeout_s}")
         if not 0 <= self.max_failed_fraction <= 1:
             raise where.child("max_failed_fraction").error(
                 f"must be from 0 (stop at the first failure) to 1 (never stop for failures), found "
@@ -277,8 +323,10 @@ class TaskSpec:
     `load_recipe` makes absolute (a rank may run in another working folder). An RL run requires a task
     (`sfhpc.rl.program.check_runnable`); ``sfhpc probe`` needs none, so the empty name means "not given"."""
 
-    name: str = ""
-    options: Any = None
+    name: str = setting("", "a built-in task (next-letter, guess-number, dataset, repeat-letter, letter-chain) or "
+                            "yours as package.module:Name or file.py:Name; required for an RL run")
+    options: Any = setting(None, "a mapping passed to the task as keyword arguments (the dataset task: path, prompt, "
+                                 "answer, reward, ...)")
     base_dir: str | None = dataclasses.field(default=None, compare=False, metadata={"yaml": False})
 
 
@@ -292,12 +340,15 @@ class AgentSpec:
     the bound address, or the node's host name for ``0.0.0.0``). A relative program path is read from the
     recipe's folder, a bare name from ``PATH``; the program runs in the recipe's folder."""
 
-    command: tuple[str, ...] = ()
-    workers: int = 4
-    timeout_s: float | None = None
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    port: int = 0
+    command: tuple[str, ...] = setting((), "the argv of the agent program started once per episode (a relative program "
+                                           "path: from the recipe's folder; a bare name: from PATH)")
+    workers: int = setting(4, "agent programs running at once per rollout rank")
+    timeout_s: float | None = setting(None, "a program still running after this many seconds is killed and its episode "
+                                            "failed (null: budgets.episode_timeout_s)")
+    host: str = setting("127.0.0.1", "the address the endpoint binds (0.0.0.0: reachable by programs on other nodes)")
+    advertise_host: str | None = setting(None, "the host name in the URL handed to programs (null: the bound address, "
+                                               "or the node's host name for 0.0.0.0)")
+    port: int = setting(0, "the endpoint's TCP port (0: a free one)")
 
     def program(self, recipe_source: str) -> Path | str:
         """The executable `command` starts: a path, or the problem with it (a string)."""
@@ -342,17 +393,21 @@ class LaunchSpec:
     script.
     """
 
-    time_minutes: int = 30
-    job_name: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    mpi: str = "pmix"
-    setup: tuple[str, ...] = dataclasses.field(   # shell lines run before srun, e.g. "module load openmpi"
-        default=(), metadata={"shell": True})
-    extra_sbatch: tuple[str, ...] = ()   # escape hatch, e.g. "--reservation=rl" (added to component 0)
-    requeue: bool = True
-    signal_grace_s: int = 120            # seconds before the time limit at which the batch shell gets USR1
-    max_restarts: int = 3                # requeues of a failed run (0: never)
+    time_minutes: int = setting(30, "the job's time limit (sbatch --time)")
+    job_name: str | None = setting(None, "the Slurm job name (null: sfhpc-<recipe name>)")
+    account: str | None = setting(None, "the Slurm account to charge (--account)")
+    qos: str | None = setting(None, "the Slurm quality of service (--qos)")
+    mpi: str = setting("pmix", "srun's MPI plugin (--mpi)")
+    setup: tuple[str, ...] = setting((), "shell lines the batch script runs before srun, as written (e.g. "
+                                         "\"module load openmpi\")", shell=True)
+    extra_sbatch: tuple[str, ...] = setting((), "extra sbatch flags for component 0, e.g. --reservation=rl (the escape "
+                                                "hatch)")
+    requeue: bool = setting(True, "the job may be requeued: --requeue, USR1 signal_grace_s before the time limit, a "
+                                  "failed run requeues itself")
+    signal_grace_s: int = setting(120, "seconds before the time limit at which the batch shell gets USR1 (more than 0, "
+                                       "less than time_minutes x 60)")
+    max_restarts: int = setting(3, "requeues of a failed run while Slurm's restart count is below this (every requeue "
+                                   "counts, preemptions too; 0: never)")
 
     def validate(self, where: Where) -> None:
         if self.time_minutes < 1:
@@ -369,19 +424,24 @@ class LaunchSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    name: str
-    roles: tuple[Role, ...]
-    model: ModelSpec = ModelSpec()
-    algorithm: AlgorithmSpec = AlgorithmSpec()
-    training: TrainingSpec = TrainingSpec()
-    pipeline: PipelineSpec = PipelineSpec()
-    engine: EngineSpec = EngineSpec()
-    budgets: Budgets = Budgets()
-    task: TaskSpec = TaskSpec()
-    agent: AgentSpec | None = None     # an agent program of the user's own plays the episodes
-    launch: LaunchSpec = LaunchSpec()
-    seed: int = 0
-    output_dir: str = "runs"
+    name: str = dataclasses.field(metadata=doc("the run's name: run folders are <output_dir>/<name>-<time> (letters, "
+                                               "digits, '-' and '_')"))
+    roles: tuple[Role, ...] = dataclasses.field(metadata=doc("a mapping of role name to placement: controller, "
+                                                             "trainer and rollout are required"))
+    model: ModelSpec = setting(ModelSpec(), "the policy model: your Hugging Face folder, or the tiny model sfhpc "
+                                            "builds")
+    algorithm: AlgorithmSpec = setting(AlgorithmSpec(), "the RL loss and its optimiser (one section for every training "
+                                                        "backend)")
+    training: TrainingSpec = setting(TrainingSpec(), "the training backend, its parallelism and checkpoints")
+    pipeline: PipelineSpec = setting(PipelineSpec(), "how rollout and training share time")
+    engine: EngineSpec = setting(EngineSpec(), "the rollout engine")
+    budgets: Budgets = setting(Budgets(), "how much work a run does, and when it gives up")
+    task: TaskSpec = setting(TaskSpec(), "what the agents learn: the problems and their verifiable reward")
+    agent: AgentSpec | None = setting(None, "an agent program of your own plays the episodes (absent: the task's "
+                                            "built-in agent)")
+    launch: LaunchSpec = setting(LaunchSpec(), "Slurm job settings that are not placement")
+    seed: int = setting(0, "seeds the controller's draws of problems, the engines' sampling and the built model")
+    output_dir: str = setting("runs", "the folder that run folders are made in (relative to the working folder)")
     source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})
 
     def role(self, name: str) -> Role | None:
@@ -430,9 +490,16 @@ class Recipe:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
 
 
+# Keys that were renamed, old -> new, dotted from the recipe's top level (``*``: any role's name). A recipe that
+# still uses an old key is refused with "renamed to <new>" instead of "unknown key"; entries stay for good,
+# and CHANGELOG.md names the release of each. None has been renamed yet; the first would read, e.g.,
+#   "roles.*.gpus": "roles.*.gpus_per_task",
+RENAMED_KEYS: Mapping[str, str] = {}
+
+
 def load_recipe(path: str | Path) -> Recipe:
     """Read and validate a recipe; raises ConfigError naming file, line and key."""
     data = read_yaml(path)
-    recipe = build(Recipe, data, Where(str(path), "", data.line))
+    recipe = build(Recipe, data, Where(str(path), "", data.line), renamed=RENAMED_KEYS)
     task = dataclasses.replace(recipe.task, base_dir=str(Path(path).parent.resolve()))
     return dataclasses.replace(recipe, source=str(path), task=task)

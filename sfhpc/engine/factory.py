@@ -19,7 +19,8 @@ def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
         vocab = scripted_vocab(model_dir, stops=not spec.writes_to_budget)
         return ScriptedEngine(seed=recipe.seed + rank, vocab=vocab, token_delay=spec.token_delay_s,
                               per_sequence_delay=spec.per_sequence_s, prefill_delay=spec.prefill_per_token_s,
-                              load_delay=spec.weight_load_s, max_model_len=recipe.model.max_seq_len,
+                              load_delay=spec.weight_load_s, cut_after=spec.cut_after_tokens,
+                              max_model_len=recipe.model.max_seq_len,
                               name=f"test-r{rank}")
     from sfhpc.engine.vllm_engine import VllmEngine
 

@@ -10,7 +10,11 @@ consistent with what it samples.
 Its weights are two named values: ``seed`` (int) picks the hash, ``scale`` (float) sharpens or flattens
 the logits. In an RL run (``engine: {name: test}``) it is sent the policy's real tensors instead: their
 digest becomes the seed, so every new version generates differently, as a model would. A per-token delay
-makes generation slow enough for pauses and stop signals to land mid-generation.
+makes generation slow enough for pauses and stop signals to land mid-generation. ``cut_after`` makes a
+weight update cut replies at a known token, whatever the machine's speed: a reply that starts under weights
+of version 1 or later stops after that many tokens and waits for the next pause, which ends it there with
+``abort`` (its continuation, resubmitted from prompt + partial, is not held again). Version 0 is never held,
+so the first batch always completes; a hold gives up after ``cut_hold_s``, so no run can wait on it forever.
 
 Timing model. With the delays of a cost model (`sfhpc.bench.cost_model`) the engine stands in for a
 GPU engine's *speed* while its text stays a hash: a decode step of a batch costs ``token_delay +
@@ -44,7 +48,7 @@ class ScriptedEngine(RolloutEngine):
     def __init__(self, *, seed: int = 0, scale: float = 3.0, vocab: Sequence[int] = DEFAULT_VOCAB,
                  window: int = 8, token_delay: float = 0.0, max_model_len: int = 256, name: str = "scripted",
                  version: int = 0, per_sequence_delay: float = 0.0, prefill_delay: float = 0.0,
-                 load_delay: float = 0.0) -> None:
+                 load_delay: float = 0.0, cut_after: int = 0, cut_hold_s: float = 60.0) -> None:
         super().__init__(name, version=version)
         if len(set(vocab)) != len(vocab) or len(vocab) < 2:
             raise ValueError("vocab must hold at least two distinct token ids")
@@ -58,6 +62,8 @@ class ScriptedEngine(RolloutEngine):
         self._active: set[str] = set()
         self._aborted: set[str] = set()
         self._unseeded = random.Random()
+        self.cut_after, self.cut_hold_s = cut_after, cut_hold_s
+        self._cut_contexts: set[tuple[int, ...]] = set()  # prompt + partial of every request a pause ended
 
     @property
     def max_model_len(self) -> int:
@@ -121,6 +127,8 @@ class ScriptedEngine(RolloutEngine):
         budget = min(request.max_new_tokens, self._max_model_len - len(context))
         stop = set(request.stop_token_ids)
         produced = 0
+        # A continuation's prompt is a cut request's prompt + partial: it runs on, or no reply would finish.
+        hold = self.cut_after > 0 and self.version >= 1 and tuple(context) not in self._cut_contexts
         try:
             if budget <= 0:
                 yield GenerationChunk(rid, (), (), (), "length")
@@ -129,9 +137,13 @@ class ScriptedEngine(RolloutEngine):
                 await asyncio.sleep(self.prefill_delay * len(context))
             while True:
                 await asyncio.sleep(self.step_delay())  # also yields to other requests when the delay is 0
+                if hold and produced == self.cut_after:
+                    await self._hold_until_pause(epoch)
                 # No await between this check and the sample: once pause() returned, no old request
                 # produces a token, and every token carries the version that really produced it.
                 if self.paused or self.pauses != epoch or rid in self._aborted:
+                    if self.cut_after:
+                        self._cut_contexts.add(tuple(context))
                     yield GenerationChunk(rid, (), (), (), "abort")
                     return
                 token, logprob = self._sample(context, request)
@@ -148,6 +160,12 @@ class ScriptedEngine(RolloutEngine):
         finally:
             self._active.discard(rid)
             self._aborted.discard(rid)
+
+    async def _hold_until_pause(self, epoch: int) -> None:
+        """Wait at the cut token until a pause (or `cut_hold_s`), polling: a pause only bumps a counter."""
+        deadline = asyncio.get_running_loop().time() + self.cut_hold_s
+        while self.pauses == epoch and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self._active:
