@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
 # ... and those the tests need besides: a headless browser opens the HTML report (tests/analysis), ~80 MB.
 TEST_SYSTEM_PACKAGES := chromium
 
-.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast bench lint cluster-up cluster-down cluster-status clean
+.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast bench lint docs cluster-up cluster-down cluster-status clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -61,18 +61,24 @@ cluster-down:
 cluster-status:
 	$(DEVCLUSTER) status
 
+# Every tier on two workers (tests/conftest.py says how they are grouped); the 15 slowest tests are listed.
 test: setup test-system-packages cluster-up
-	$(VENV)/bin/pytest -q -ra
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup --durations=15
 
-# Tests that need neither Slurm nor long runs.
+# The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
-	$(VENV)/bin/pytest -q -m "not slurm"
+	$(VENV)/bin/pytest -q -ra -m "not slurm and not vllm and not mpi" --durations=15
 
 bench: setup
 	$(VENV)/bin/sfhpc bench all
 
 lint: setup
 	$(VENV)/bin/ruff check sfhpc tests
+
+# The recipe and cluster-map references (docs/*-reference.md), printed from the config dataclasses; a test
+# fails when the committed pages differ from what this writes.
+docs: setup
+	$(PY) -m sfhpc.config.reference docs
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,4 +1,11 @@
-"""Shared fixtures: the project folder, the real dev Slurm cluster, and a CLI runner."""
+"""Shared fixtures: the project folder, the real dev Slurm cluster, and a CLI runner; the suite's tiers.
+
+Tiers, by marker: ``slurm`` (jobs on the dev cluster), ``vllm`` (a real vLLM engine), ``mpi`` (ranks started
+with mpiexec); everything else is the fast tier (`make test-fast`). `make test` runs every tier on two
+pytest-xdist workers (``--dist loadgroup``): the Slurm tests in one group, since they share the cluster's four
+nodes (a preemption takes them all), every other module a group of its own (module-scoped engines start
+once); the Slurm group first, as the longest.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 DEVCLUSTER = ROOT / "scripts" / "devcluster.sh"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        slurm = item.get_closest_marker("slurm") is not None
+        item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::", 1)[0]))
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Runs of this session (and the Slurm jobs they submit, which inherit the environment) that would build
+    the same tiny model copy it from one build (`sfhpc.model.build_cache`); every xdist worker shares it."""
+    from sfhpc.model.build_cache import ENV
+
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "model-build-cache"
+    os.environ[ENV] = str(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")
