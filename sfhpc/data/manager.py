@@ -13,7 +13,15 @@ batch. Recording calls that arrive for a trajectory the run gave up (aborted or 
 turn that was still generating when its episode failed may still report its tokens.
 
 `take_batch` hands the trainer whole GRPO groups whose tokens are fresh enough and records, in memory and
-in the store, which step consumed them, so nothing is trained on twice, also across a restart.
+in the store, which step consumed them, so nothing is trained on twice, also across a restart. Fresh means
+neither more than ``max_staleness`` versions older than the policy being trained, nor newer than it (a
+token newer than the policy came from weights a restart lost).
+
+The manager also keeps the book of GRPO groups in flight: `book_group` when the controller hands a group
+out, and the group leaves the book when it is trained on, dropped as stale, or spoiled by a failed member.
+The controller hands out work by `groups_in_flight`, so no count of its own can drift from what the
+manager holds. A group key the run ever used (in this process or in the store) is never booked again: the
+members of two hand-outs can never meet in one group, also after a crash lost the controller's state.
 
 Every record also goes to the `TrajectoryStore` (if one is given), which is flushed every `flush_every`
 finished trajectories, at every batch, and on `flush()`.
@@ -118,6 +126,17 @@ class _Live:
                     if self.segments[i].generated and used]
         return min(versions) if versions else None
 
+    def newest_version(self) -> int | None:
+        """The newest policy version among the current branch's generated tokens."""
+        versions = [int(self.segments[i].versions[:used].max()) for i, used in branch_of(self.segments)
+                    if self.segments[i].generated and used]
+        return max(versions) if versions else None
+
+    def tokens_newer_than(self, version: int) -> int:
+        """How many of the current branch's generated tokens a policy newer than `version` produced."""
+        return sum(int((self.segments[i].versions[:used] > version).sum()) for i, used in branch_of(self.segments)
+                   if self.segments[i].generated and used)
+
     def snapshot(self) -> Trajectory:
         return Trajectory(id=self.id, segments=tuple(self.segments), task=self.task, group=self.group,
                           status=self.status, reward=self.reward, turn_rewards=self.turn_rewards,
@@ -182,13 +201,12 @@ class TrajectoryManager:
         self._live: dict[str, _Live] = {}
         self._closed: dict[str, Status] = {}  # consumed, stale, aborted: only the status is kept in memory
         self._groups: dict[str, list[str]] = {}  # group key -> live member ids, oldest group first
-        self._closed_groups: set[str] = set()  # groups all of whose members were closed in this process
         # Groups a failed member spoiled, still holding (or expecting) members: key -> how many of the group's
         # episodes have ended (finish or fail). Once all have, members left open are orphans (a first turn
         # whose agent failed before it learnt the id) and are aborted.
         self._spoiled: dict[str, int] = {}
-        self._spoiled_untaken = 0  # spoiled groups the controller has not replaced yet
-        self._stale_untaken = 0  # groups dropped as stale once complete, not replaced yet
+        self._in_flight: set[str] = set()  # the book: groups handed out, not yet trained on or dropped
+        self._keys: set[str] = set()  # every group key the run used (store included): never booked again
         self._fail_reasons: list[str] = []  # the first FIRST_REASONS distinct ones, for the message that stops a run
         self._next_step = 0
         self._finished_since_flush = 0
@@ -219,6 +237,9 @@ class TrajectoryManager:
                 self._give_up(self._live[member])
         marks = view.marks()
         self._next_step = max((m.step for m in marks), default=-1) + 1
+        # The keys of every group the store holds, closed ones included: a crash may have lost the controller's
+        # record of them, never the store's.
+        self._keys.update(filter(None, (layout.decode_text(g) for g in view.table("trajectories")["group"])))
         store.flush()
 
     # -- lookups ---------------------------------------------------------------------------------------
@@ -291,6 +312,8 @@ class TrajectoryManager:
             live = _Live(record)
             self._live[trajectory_id] = live
             self._groups.setdefault(live.group_key, []).append(trajectory_id)
+            if group is not None:
+                self._keys.add(group)
             if self.store is not None:
                 self.store.add_trajectory(trajectory_id, task=task, group=group, metadata_json=metadata_json,
                                           created=now)
@@ -421,7 +444,7 @@ class TrajectoryManager:
             if key not in self._spoiled:
                 ended = [self._live[m] for m in self._groups[key] if self._live[m].status is Status.FINISHED]
                 self._spoiled[key] = len(ended)
-                self._spoiled_untaken += 1
+                self._in_flight.discard(key)  # never trained on: the controller hands out another
                 for member in ended:
                     self._give_up(member)
             self._spoiled[key] += 1
@@ -444,12 +467,6 @@ class TrajectoryManager:
         with self._lock:
             return list(self._fail_reasons)
 
-    def take_spoiled_groups(self) -> int:
-        """How many GRPO groups a failed member spoiled since the last call (the controller replaces each)."""
-        with self._lock:
-            taken, self._spoiled_untaken = self._spoiled_untaken, 0
-            return taken
-
     def abort(self, trajectory_id: str) -> None:
         """Give a trajectory up: it is kept in the store as aborted and never trained on."""
         with self._lock:
@@ -465,7 +482,6 @@ class TrajectoryManager:
         members.remove(live.id)
         if not members:
             del self._groups[live.group_key]
-            self._closed_groups.add(live.group_key)
 
     # -- batching --------------------------------------------------------------------------------------
 
@@ -492,22 +508,28 @@ class TrajectoryManager:
             finished = [live for live in lives if live.status is Status.FINISHED]
             if not finished or (group_size is not None and len(finished) < group_size):
                 continue
-            oldest = [v for v in (live.oldest_version() for live in finished) if v is not None]
-            if oldest and policy_version - min(oldest) > self.max_staleness:
+            if not self._fresh(finished, policy_version):
                 for live in finished:
                     self._set_status(live, Status.STALE)
                     self._drop(live)
-                self._stale_untaken += 1
+                self._in_flight.discard(key)
                 continue
             yield finished
+
+    def _fresh(self, lives: Sequence[_Live], policy_version: int) -> bool:
+        """Whether a group may train `policy_version`: no token more than ``max_staleness`` versions older,
+        and none newer (such a token came from weights a restart lost: its staleness would be negative)."""
+        oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
+        newest = [v for v in (live.newest_version() for live in lives) if v is not None]
+        return not oldest or (policy_version - min(oldest) <= self.max_staleness and max(newest) <= policy_version)
 
     def drop_hopeless(self, policy_version: int) -> list[str]:
         """Drop, as stale, every group that can no longer be trained on: one of its members (finished or
         still playing) holds a token more than ``max_staleness`` versions older than `policy_version`.
         Versions only grow, so such a group would be dropped when complete anyway; dropped now, its members
         stop taking engine time from fresh groups (late records of theirs are ignored: `_given_up`).
-        Returns the groups' keys, for the controller to cancel their episodes and replace them; they are
-        not counted by `take_stale_groups`."""
+        Returns the groups' keys, for the controller to cancel their episodes; they leave the book of
+        groups in flight (the controller hands out others)."""
         hopeless = []
         with self._lock:
             for key in list(self._groups):
@@ -519,15 +541,9 @@ class TrajectoryManager:
                     for live in lives:
                         self._set_status(live, Status.STALE)
                         self._drop(live)
+                    self._in_flight.discard(key)
                     hopeless.append(key)
         return hopeless
-
-    def take_stale_groups(self) -> int:
-        """How many complete groups were dropped as too stale since the last call (the controller replaces
-        each)."""
-        with self._lock:
-            taken, self._stale_untaken = self._stale_untaken, 0
-            return taken
 
     def take_batch(self, policy_version: int, num_groups: int, group_size: int | None = None,
                    step: int | None = None) -> Batch | None:
@@ -548,6 +564,7 @@ class TrajectoryManager:
                 for live in members:
                     self._set_status(live, Status.CONSUMED)
                     self._drop(live)
+                self._in_flight.discard(members[0].group_key)
                 records.append(tuple(live.snapshot() for live in members))
             if self.store is not None:
                 self.store.mark_consumed(step, [live.id for members in groups for live in members],
@@ -556,6 +573,29 @@ class TrajectoryManager:
             self._next_step = max(self._next_step, step + 1)
             return Batch(step=step, policy_version=policy_version, groups=tuple(records))
 
+    # -- the book of groups in flight ----------------------------------------------------------------------
+
+    def book_group(self, group: str, *, again: bool = False) -> None:
+        """A GRPO group was handed out: it counts among `groups_in_flight` until it is trained on, dropped as
+        stale or spoiled. A key the run already used is refused (InvalidRequest), so that a group never holds
+        members of two hand-outs; `again` books a group of an earlier allocation that a restart continues."""
+        _fits(group, layout.GROUP_BYTES, "group id")
+        with self._lock:
+            if group in self._keys and not again:
+                raise InvalidRequest(f"group {group!r} was handed out before in this run; a group key is used once")
+            self._keys.add(group)
+            self._in_flight.add(group)
+
+    def groups_in_flight(self) -> int:
+        """How many booked groups are neither trained on nor dropped yet."""
+        with self._lock:
+            return len(self._in_flight)
+
+    def in_flight(self, group: str) -> bool:
+        """Whether `group` is booked and neither trained on nor dropped yet."""
+        with self._lock:
+            return group in self._in_flight
+
     # -- groups across a restart -------------------------------------------------------------------------
 
     def group_members(self, group: str) -> list[tuple[str, Status, int | None]]:
@@ -563,12 +603,6 @@ class TrajectoryManager:
         with self._lock:
             lives = sorted((self._live[m] for m in self._groups.get(group, ())), key=lambda live: live.created)
             return [(live.id, live.status, live.oldest_version()) for live in lives]
-
-    def closed_groups(self) -> set[str]:
-        """Keys of the groups whose every member was closed (consumed, stale, aborted) since this manager
-        started."""
-        with self._lock:
-            return set(self._closed_groups)
 
     def live_groups(self) -> list[str]:
         """Keys of the groups with members still held (running, interrupted or finished), oldest first."""
@@ -584,7 +618,20 @@ class TrajectoryManager:
             for live in lives:
                 self._set_status(live, status)
                 self._drop(live)
+            self._in_flight.discard(group)
             return len(lives)
+
+    def drop_newer(self, policy_version: int) -> tuple[int, int]:
+        """Abort every trajectory held that has tokens of a policy newer than `policy_version`: after a
+        restart from a checkpoint of that version, those weights are lost, and such tokens can be neither
+        trained on (their staleness would be negative) nor continued by the restored policy. Returns (the
+        trajectories aborted, their tokens newer than the version)."""
+        with self._lock:
+            newer = [(live, live.tokens_newer_than(policy_version)) for live in self._live.values()]
+            newer = [(live, count) for live, count in newer if count]
+            for live, _ in newer:
+                self._give_up(live)
+            return len(newer), sum(count for _, count in newer)
 
     # -- durability ------------------------------------------------------------------------------------
 

@@ -5,16 +5,23 @@ and weight version, the sampler's state, and the episodes it had handed out and 
 (`ControllerState`). On restart `plan_resume` walks those episode groups against the trajectories the
 store holds (the manager reloaded them; running ones came back interrupted):
 
+- first, every trajectory with tokens of a policy newer than the restored one is aborted and counted:
+  those weights died with the crash (a periodic checkpoint, then more steps), so the tokens can be
+  neither trained on nor continued;
 - a group whose oldest generated token is more than ``max_staleness`` versions behind the restored
   policy is dropped whole, as stale (GRPO needs whole groups), and counted;
 - otherwise each member trajectory that is still open is *continued* from its recorded prefix on a
   new engine (an `Episode` with ``resume_id``), finished members wait for a batch as they are, and
-  episodes whose trajectory never started are played again from the start;
-- open trajectories of groups the checkpoint does not know (handed out after it: the run died without
-  a stop checkpoint) cannot be continued, since their problem is not recorded: they are aborted and
-  counted. Complete groups of finished trajectories among them are kept for training.
+  episodes without a trajectory held (never started, aborted above, or trained on by the lost steps)
+  are played again from the start, so the group is trained whole by the restored run;
+- groups the checkpoint does not know were handed out after it (the run died without a stop
+  checkpoint). Their problem is not recorded, so they cannot be continued: a whole group of finished
+  members, fresh for the restored policy, is trained as its own group; any other is aborted and counted.
 
-The consumption marks in the store decide what was trained, so no trajectory is trained twice.
+Every group kept is booked again in the manager's groups in flight. Group keys carry the store's writer
+session, so the keys handed out from now on differ from every key of the lost allocation: a kept group
+never takes members of a new hand-out. The consumption marks in the store decide what was trained, so no
+trajectory is trained twice.
 """
 
 from __future__ import annotations
@@ -55,18 +62,21 @@ class ControllerState:
 @dataclasses.dataclass
 class ResumePlan:
     episodes: list[Episode]  # to hand out now: continuations (resume_id set) and episodes played again
-    groups: dict[str, tuple[Episode, ...]]  # the groups still out after the restart
-    waiting_groups: int  # complete groups of finished trajectories of unknown episodes, kept for training
+    groups: dict[str, tuple[Episode, ...]]  # the groups of the checkpoint still out after the restart
+    waiting_groups: int  # whole groups handed out after the checkpoint, finished and fresh: kept for training
     resumed: int = 0  # trajectories continued from their prefix
-    replayed: int = 0  # episodes whose trajectory never started, played again
-    dropped_stale: int = 0  # trajectories dropped as too stale to continue
-    abandoned: int = 0  # open trajectories of episodes the checkpoint does not know (aborted)
+    replayed: int = 0  # episodes without a trajectory held, played again
+    dropped_stale: int = 0  # trajectories dropped as too stale to continue or train
+    dropped_newer: int = 0  # trajectories aborted for tokens of a policy newer than the restored one
+    newer_tokens: int = 0  # those tokens
+    abandoned: int = 0  # trajectories of groups handed out after the checkpoint that cannot be whole (aborted)
     finished: int = 0  # finished trajectories waiting for a batch
 
     def describe(self) -> str:
         return (f"{self.resumed} trajectories continued from their prefix, {self.replayed} episodes played "
                 f"again, {self.finished} finished ones waiting for a batch, {self.dropped_stale} dropped as "
-                f"stale, {self.abandoned} abandoned")
+                f"stale, {self.dropped_newer} dropped for {self.newer_tokens} tokens of the lost policy, "
+                f"{self.abandoned} abandoned")
 
     def as_dict(self) -> dict[str, int]:
         return {k: v for k, v in dataclasses.asdict(self).items() if isinstance(v, int)}
@@ -74,13 +84,17 @@ class ResumePlan:
 
 def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_staleness: int,
                 group_size: int) -> ResumePlan:
+    """What to do with every group of the checkpoint and every trajectory the store holds (module docstring);
+    books the groups kept in `manager`."""
     plan = ResumePlan([], {}, 0)
+    plan.dropped_newer, plan.newer_tokens = manager.drop_newer(state.version)
     for group, episodes in state.open_groups.items():
         members = manager.group_members(group)
         oldest = [v for _, _, v in members if v is not None]
         if oldest and state.version - min(oldest) > max_staleness:
             plan.dropped_stale += manager.drop_group(group, Status.STALE)
             continue
+        # Members are alike (one problem, seeds of their own): the held trajectories take the first episodes.
         for (trajectory_id, status, _), episode in zip(members, episodes):
             if status.is_open:
                 plan.episodes.append(dataclasses.replace(episode, resume_id=trajectory_id))
@@ -91,16 +105,21 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_stale
         plan.episodes += again
         plan.replayed += len(again)
         plan.groups[group] = episodes
+        manager.book_group(group, again=True)
     for group in manager.live_groups():
         if group in state.open_groups:
             continue
         members = manager.group_members(group)
-        if len(members) >= group_size and all(status is Status.FINISHED for _, status, _ in members):
+        whole = len(members) >= group_size and all(status is Status.FINISHED for _, status, _ in members)
+        oldest = [v for _, _, v in members if v is not None]
+        if whole and oldest and state.version - min(oldest) > max_staleness:
+            plan.dropped_stale += manager.drop_group(group, Status.STALE)
+        elif whole:
+            manager.book_group(group, again=True)
             plan.waiting_groups += 1
             plan.finished += len(members)
         else:
-            plan.abandoned += sum(1 for _, status, _ in members if status.is_open)
-            manager.drop_group(group, Status.ABORTED)
+            plan.abandoned += manager.drop_group(group, Status.ABORTED)
     return plan
 
 

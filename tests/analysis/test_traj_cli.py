@@ -15,15 +15,15 @@ def _run_folder(tmp_path: Path) -> Path:
     run = tmp_path / "run"
     run.mkdir()
     manager = TrajectoryManager(TrajectoryStore.create(run / "trajectories.h5"), max_staleness=1)
-    for name, versions in (("a", (2, 2)), ("b", (2, 3))):
+    # Each group is trained by the policy version after its newest token (no token is newer than its policy).
+    for name, versions, policy in (("a", (2, 2), 2), ("b", (2, 3), 3)):
         for j in range(2):
             tid = manager.start([1, 2, 3], task="t", group=name, trajectory_id=f"{name}-{j}")
             manager.add_generated(tid, [4, 5], [-0.1, -0.2], versions[j])
             manager.observe(tid, [1, 2, 3, 4, 5, 6])  # an environment answer, then a second reply
             manager.add_generated(tid, [7], [-0.3], versions[j])
             manager.finish(tid, reward=float(j), turn_rewards=[0.0, float(j)])
-    assert manager.take_batch(policy_version=2, num_groups=1, group_size=2) is not None
-    assert manager.take_batch(policy_version=3, num_groups=1, group_size=2) is not None
+        assert manager.take_batch(policy_version=policy, num_groups=1, group_size=2) is not None
     manager.start([9], task="t", group="c", trajectory_id="c-0")
     manager.close()
     return run

@@ -25,6 +25,8 @@ def _member(manager: TrajectoryManager, group: str, j: int, *, finish: bool) -> 
 
 def test_a_failed_member_drops_its_whole_group_and_the_reason_is_stored(store_path):
     manager = TrajectoryManager(TrajectoryStore.create(store_path))
+    manager.book_group("g")
+    manager.book_group("h")
     done = _member(manager, "g", 0, finish=True)  # finished before the failure: waits for its group
     running = _member(manager, "g", 1, finish=False)  # still playing when the failure arrives
     failing = _member(manager, "g", 2, finish=False)
@@ -32,7 +34,8 @@ def test_a_failed_member_drops_its_whole_group_and_the_reason_is_stored(store_pa
     manager.fail(failing, "ValueError: invalid literal for int() with base 10: '²'")
     assert manager.status(failing) == "failed" and manager.status(done) == "aborted"
     assert manager.status(running) == "running"  # its agent is still at work: it is not cut off
-    assert manager.take_spoiled_groups() == 1 and manager.take_spoiled_groups() == 0  # replaced once
+    # The group leaves the book of groups in flight (the controller replaces it), once.
+    assert not manager.in_flight("g") and manager.in_flight("h") and manager.groups_in_flight() == 1
     manager.add_generated(running, [5], [-0.1], 0)
     manager.finish(running, reward=0.5)  # ends like any episode, but is never trained on
     assert manager.status(running) == "aborted"
@@ -97,12 +100,14 @@ def test_a_restarted_manager_keeps_failed_groups_out_of_batches(store_path):
 
 def test_only_the_first_distinct_reasons_are_kept_in_memory():
     manager = TrajectoryManager()
+    for key in ["g", *(f"g{i}" for i in range(1, FIRST_REASONS + 3))]:
+        manager.book_group(key)
     manager.fail(manager.start([1], group="g"), "ValueError: 0")  # both members of a group, alike
     manager.fail(manager.start([1], group="g"), "ValueError: 0")
     for i in range(1, FIRST_REASONS + 2):
         manager.fail(manager.start([1], group=f"g{i}"), f"ValueError: {i}")
     assert manager.fail_reasons() == [f"ValueError: {i}" for i in range(FIRST_REASONS)]
-    assert manager.counts()["failed"] == FIRST_REASONS + 3 and manager.take_spoiled_groups() == FIRST_REASONS + 2
+    assert manager.counts()["failed"] == FIRST_REASONS + 3 and manager.groups_in_flight() == 1  # the last one
 
 
 def test_the_store_keeps_reasons_only_for_failed_records(store_path):

@@ -64,11 +64,13 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0) -> Controller:
         "scheduler": _Attributes(rollout_ranks=(1, 2), begin_step=lambda step: None, timeline=Timeline()),
         "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
-        "groups_out": 2, "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0,
+        "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0,
         "started": time.monotonic(),
         "live": LiveStatus(tmp_path, restart=0, job_id=None),
     }
     ctl.__dict__.update(values)
+    for group in ("g0", "g1"):  # one step's groups handed out (sync)
+        ctl.manager.book_group(group)
     return ctl
 
 
@@ -89,7 +91,12 @@ def test_a_group_spoiled_by_a_failure_is_replaced_and_a_fault_stops_every_rank(t
 def test_replacing_spoiled_groups_keeps_the_run_going(tmp_path: Path) -> None:
     ctl = _controller(tmp_path, wall_minutes=0.002)  # 120 ms: the wait ends by the budget, not by a batch
     handed_out: list[int] = []
-    ctl.keep_rollouts_busy = lambda: handed_out.append(ctl.groups_out)  # type: ignore[method-assign]
+
+    def replace() -> None:
+        handed_out.append(ctl.groups_out)
+        ctl.manager.book_group(f"new{len(handed_out)}")
+
+    ctl.keep_rollouts_busy = replace  # type: ignore[method-assign]
     ctl.manager.fail(ctl.manager.start([1], group="g0"), "KeyError: 'x'")
     ctl.server.last_seen.update({1: time.monotonic() + 3600, 2: time.monotonic() + 3600})  # never silent
     assert ctl.wait_for_batch(1) is None  # budgets.wall_minutes ran out while waiting: a clean stop
@@ -111,7 +118,8 @@ def test_groups_that_can_no_longer_be_trained_on_are_dropped_and_their_episodes_
     ctl.scheduler.assignable_ranks = (1, 2)
     ctl.scheduler.withdraw = lambda rank, episodes: withdrawn.append((rank, episodes))
     monkeypatch.setattr(msg, "receive", lambda comm, rank, tag, idle=None: msg.Cancelled(rank, rank))
-    ctl.open_groups = {"g-old": (), "g-new": ()}
+    for group in ("g-old", "g-new"):
+        ctl.manager.book_group(group)
     old = ctl.manager.start([1], group="g-old")
     ctl.manager.add_generated(old, [2, 3], [-0.1, -0.1], 0)  # a long reply begun by version 0
     new = ctl.manager.start([1], group="g-new")
@@ -122,5 +130,5 @@ def test_groups_that_can_no_longer_be_trained_on_are_dropped_and_their_episodes_
         [(msg.Cancel, ("g-old",), 1), (msg.Cancel, ("g-old",), 2)]
     assert withdrawn == [(1, 1), (2, 2)]  # the scheduler no longer counts the stopped episodes in flight
     assert ctl.manager.status(old) == "stale" and ctl.manager.status(new) == "running"
-    assert list(ctl.open_groups) == ["g-new"] and ctl.hopeless_groups == 1
+    assert not ctl.manager.in_flight("g-old") and ctl.groups_out == 3 and ctl.hopeless_groups == 1
     assert ctl.drop_hopeless_groups() == 0 and len(ctl.layout.world.sent) == 2  # once per version

@@ -5,6 +5,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
+from sfhpc.data.errors import InvalidRequest
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Status
@@ -44,6 +47,51 @@ def test_open_trajectories_continue_missing_ones_replay_stale_groups_drop(tmp_pa
     assert (plan.resumed, plan.replayed, plan.finished, plan.dropped_stale, plan.abandoned) == (1, 2, 1, 1, 1)
     assert set(plan.groups) == {"g-fresh", "g-unstarted"}
     assert manager.status(old) == Status.STALE and manager.status(orphan) == Status.ABORTED
+    manager.close()
+
+
+def _members(manager: TrajectoryManager, group: str, versions: list[list[int]], *, finish: list[bool]) -> list[str]:
+    ids = []
+    for tokens_versions, done in zip(versions, finish):
+        tid = manager.start([1, 2], group=group)
+        manager.add_generated(tid, [3] * len(tokens_versions), [-0.1] * len(tokens_versions), tokens_versions)
+        if done:
+            manager.finish(tid, 1.0)
+        ids.append(tid)
+    return ids
+
+
+def test_groups_of_the_lost_allocation_are_kept_whole_or_dropped_never_merged(tmp_path: Path) -> None:
+    """A periodic checkpoint at version 5, then the allocation went on (version 6) and crashed."""
+    store_path = tmp_path / "t.h5"
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)
+    # Out at the checkpoint: one member finished by version 5, the other cut while version 6 wrote it.
+    known_done, known_newer = _members(manager, "s1-g4-w", [[5], [5, 6]], finish=[True, False])
+    # Handed out after it: g5-x finished by version 5; g6-y written by version 6; g7-z left half done.
+    kept = _members(manager, "s1-g5-x", [[5], [5]], finish=[True, True])
+    _members(manager, "s1-g6-y", [[6], [6, 6]], finish=[True, False])
+    _members(manager, "s1-g7-z", [[5], [5]], finish=[True, False])
+    manager.close()
+
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)  # the restarted run
+    state = ControllerState(step=5, version=5, rng=random.Random(0).getstate(), next_group=5,
+                            open_groups={"s1-g4-w": episodes("s1-g4-w")})
+    plan = plan_resume(state, manager, max_staleness=1, group_size=2)
+    assert (plan.dropped_newer, plan.newer_tokens) == (3, 4)  # g4-w's cut member and both of g6-y
+    assert (plan.waiting_groups, plan.finished, plan.abandoned, plan.replayed, plan.resumed) == (1, 3, 2, 1, 0)
+    assert [(e.group, e.resume_id) for e in plan.episodes] == [("s1-g4-w", None)]  # played again, same group
+    assert manager.status(known_newer) == Status.ABORTED and manager.status(known_done) == Status.FINISHED
+    assert manager.groups_in_flight() == 2 and manager.in_flight("s1-g4-w") and manager.in_flight("s1-g5-x")
+    with pytest.raises(InvalidRequest, match="handed out before"):
+        manager.book_group("s1-g5-x")  # the restored counter's next key, as the lost allocation spelt it
+    # The restored controller hands g5's problem out again under this session's key: a group of its own.
+    new_key = f"s{manager.store.session}-g5-x"
+    manager.book_group(new_key)
+    new = _members(manager, new_key, [[5], [5]], finish=[True, True])
+    batch = manager.take_batch(5, 2, 2, step=6)
+    assert batch is not None and [[t.id for t in g] for g in batch.groups] == [kept, new]
+    assert {v for t in batch.trajectories for v in t.token_versions().tolist() if v >= 0} == {5}
+    assert manager.groups_in_flight() == 1  # s1-g4-w, still to be whole
     manager.close()
 
 

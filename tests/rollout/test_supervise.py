@@ -86,8 +86,9 @@ def test_a_task_that_raises_in_a_later_turn_fails_that_trajectory(tmp_path: Path
 
 def test_a_failure_before_the_first_reply_is_still_reported() -> None:
     manager = TrajectoryManager()
+    manager.book_group("g")
     assert _play(manager, "opening") is None
-    assert manager.counts()["failed"] == 1 and manager.take_spoiled_groups() == 1  # the controller hears of it
+    assert manager.counts()["failed"] == 1 and manager.groups_in_flight() == 0  # the controller hands out another
     assert manager.fail_reasons() == ["RuntimeError: no opening for this problem"]
 
 
