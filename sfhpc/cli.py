@@ -2,8 +2,10 @@
 
     sfhpc launch RECIPE [--cluster MAP] [--wait]   submit one heterogeneous Slurm job
     sfhpc render RECIPE [--cluster MAP] [--template] print the batch script without submitting
-    sfhpc run RECIPE [--cluster MAP] [--resume RUN_DIR]  run on this machine with mpiexec (no Slurm);
-                                                   --resume continues a stopped run (exit 75: stopped)
+    sfhpc run RECIPE [--cluster MAP] [--resume RUN_DIR] [--verbose]  run on this machine with mpiexec (no
+                                                   Slurm); --resume continues a stopped run (exit 75:
+                                                   stopped); --verbose: engine and library logs on the
+                                                   console too (else in the run's logs/rank-NNN.log)
     sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
     sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
                                                    launch report over MPI), no RL and no task needed
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -150,17 +153,28 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(recipe.output_dir, recipe.name)
     print(plan.describe())
     print(f"run folder {run_dir}", flush=True)
-    code = run_local(plan, args.recipe, args.cluster, run_dir)
-    return _run_outcome(run_dir, code)
+    code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose)
+    return _run_outcome(run_dir, code, verbose=args.verbose)
 
 
 # A run that stopped at a signal's safe point exits with this code (EX_TEMPFAIL): not done, resumable.
 STOPPED_EXIT = 75
 
 
-def _run_outcome(run_dir: Path, code: int) -> int:
+def _run_outcome(run_dir: Path, code: int, verbose: bool = False) -> int:
+    """The exit code of ``sfhpc run``: mpiexec's (a failed rank's own, which said why in its line), 75 for a
+    run stopped at a signal's safe point; a rank ended by a signal has no line of its own, so one is said."""
     from sfhpc.rl.controller import last_event
 
+    if code > 128:
+        try:
+            name = signal.Signals(code - 128).name
+        except ValueError:
+            name = "unknown"
+        which = "" if verbose else "; `sfhpc run --verbose` has mpiexec name the rank"
+        print(f"sfhpc: error: a rank of the run was ended by signal {code - 128} ({name}): killed, out of memory? "
+              f"its log is in {run_dir / 'logs'}{which}", file=sys.stderr)
+        return code
     event = last_event(run_dir)
     if code == 0 and event is not None and event["event"] == "stopped":
         return STOPPED_EXIT
@@ -317,17 +331,18 @@ def cmd_tags_check(args: argparse.Namespace) -> int:
 
 
 def available_benchmarks() -> list[str]:
-    """Modules of sfhpc.bench with a ``main(argv) -> int`` (each one figure of merit)."""
-    import importlib
+    """Modules of sfhpc.bench with a ``main(argv) -> int`` (each one figure of merit). Read from their source,
+    not imported: one of them imports torch, which would cost every ``sfhpc bench`` seconds before it can
+    even refuse a bad option."""
     import pkgutil
+    import re
+    from pathlib import Path
 
     import sfhpc.bench
 
-    names = []
-    for info in pkgutil.iter_modules(sfhpc.bench.__path__):
-        if not info.name.startswith("_") and hasattr(importlib.import_module(f"sfhpc.bench.{info.name}"), "main"):
-            names.append(info.name)
-    return sorted(names)
+    folder = Path(sfhpc.bench.__path__[0])
+    return sorted(info.name for info in pkgutil.iter_modules([str(folder)]) if not info.name.startswith("_")
+                  and re.search(r"^def main\(", (folder / f"{info.name}.py").read_text(encoding="utf-8"), re.M))
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -367,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = recipe_command("run", cmd_run, "run a recipe on this machine with mpiexec (no Slurm)", cluster_default=None)
     p.add_argument("--resume", metavar="RUN_DIR",
                    help="continue a stopped run from its latest complete checkpoint, in its own folder")
+    p.add_argument("--verbose", action="store_true",
+                   help="the engine's and libraries' INFO lines (vLLM's) and mpiexec's own messages on the console "
+                        "too (else they go to the run's logs/rank-NNN.log)")
     recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
     p = recipe_command("probe", cmd_probe, "start a recipe's ranks and prove where they run (the launch report), "
                                            "without RL")

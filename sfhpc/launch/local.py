@@ -34,26 +34,33 @@ def local_cluster_map(recipe: Recipe) -> ClusterMap:
 
 
 def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
-                    probe: bool = False) -> list[str]:
+                    probe: bool = False, verbose: bool = False) -> list[str]:
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin) "
                          "or run `make setup`")
     # --bind-to none: Open MPI would pin each rank to one core, and vLLM's CPU engine then finds no
     # core to spare. --oversubscribe: a recipe may ask for more ranks than this machine has cores.
-    command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(plan.world_size),
-               sys.executable, "-m", "sfhpc.runtime", recipe_path, "--run-dir", str(run_dir),
-               "--cluster", cluster_path or LOCAL_MAP_NAME] + (["--probe"] if probe else [])
-    return command
+    # --quiet: a failing rank says what failed in one line (sfhpc.runtime.fault) and ends the job with
+    # MPI_Abort; mpiexec's banners about it would only repeat that (`sfhpc run` itself names a rank killed by
+    # a signal, which mpiexec then no longer does). mpiexec ends the other ranks with SIGTERM and, after
+    # odls_base_sigkill_timeout seconds, SIGKILL: 0, since a rank takes SIGTERM for a stop request
+    # (sfhpc.runtime.preemption) and would announce a checkpoint that never comes.
+    command = [mpiexec, *([] if verbose else ["--quiet"]), "--oversubscribe", "--bind-to", "none",
+               "--mca", "odls_base_sigkill_timeout", "0",
+               "-n", str(plan.world_size), sys.executable, "-m", "sfhpc.runtime", recipe_path,
+               "--run-dir", str(run_dir), "--cluster", cluster_path or LOCAL_MAP_NAME]
+    return command + (["--probe"] if probe else []) + (["--verbose"] if verbose else [])
 
 
 def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
-              probe: bool = False, output: IO[str] | None = None) -> int:
-    """Start every rank with mpiexec and wait; returns mpiexec's exit code. The ranks' output goes to this
-    process's, or to `output` (a file) when given."""
+              probe: bool = False, output: IO[str] | None = None, verbose: bool = False) -> int:
+    """Start every rank with mpiexec and wait; returns mpiexec's exit code: a failed rank's own (its
+    `MPI_Abort` code: 2 for a user error, 1 for a fault), or 128 + N for a rank ended by signal N. The
+    ranks' output goes to this process's, or to `output` (a file) when given."""
     env = dict(os.environ)
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe), env=env,
+    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose), env=env,
                            stdout=output, stderr=None if output is None else subprocess.STDOUT)

@@ -56,7 +56,7 @@ USER_ERROR = SfhpcError.exit_code  # a rank's one-line user error: a rerun would
 
 # What this rank will report in its mark: failure until the rank's program says it finished.
 _outcome = 1
-_armed = False
+_armed: tuple[Path, int] | None = None  # (marks folder, rank) once armed
 
 
 def arm(rank: int) -> None:
@@ -65,7 +65,7 @@ def arm(rank: int) -> None:
     folder = os.environ.get(MARKS_ENV)
     if not folder or _armed:
         return
-    _armed = True
+    _armed = (Path(folder), rank)
     # Python's atexit handlers run before mpi4py finalizes MPI, and after submitit pickles the results.
     atexit.register(_leave_mark, Path(folder), rank)
 
@@ -74,6 +74,14 @@ def finished(outcome: int = 0) -> None:
     """Record how this rank's program ended (0: success)."""
     global _outcome
     _outcome = outcome
+
+
+def abandon(outcome: int) -> None:
+    """Record `outcome` and leave the mark now: the process is about to end without its atexit handlers
+    (`MPI_Abort`, `sfhpc.runtime.fault`), and a user error must still keep the guard from requeueing."""
+    finished(outcome)
+    if _armed is not None:
+        _leave_mark(*_armed)
 
 
 def _leave_mark(folder: Path, rank: int) -> None:

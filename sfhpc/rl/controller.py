@@ -28,6 +28,7 @@ from typing import Any
 from sfhpc.config.recipe import Recipe
 from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fraction, from the timeline
+from sfhpc.data.run_log import EVENTS_FILE, read_log, repair_log
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.launch.resolve import LaunchPlan
@@ -45,8 +46,8 @@ from sfhpc.tasks.base import Task
 log = logging.getLogger("sfhpc")
 
 STORE_NAME = "trajectories.h5"
-EVENTS_NAME = "events.jsonl"
 STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
+FAULT_STOP_GRACE_S = 10.0  # the same after a fault, which must end every rank within seconds
 HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every trajectory's status
 # In sync mode a stop request lets the step in progress finish (its episodes were all handed out at once,
 # and a seeded run then resumes exactly) unless that takes longer than this.
@@ -91,11 +92,14 @@ class Controller:
         self.rng = random.Random(recipe.seed)
         self.version = 0
         self.step_done = 0  # the last training step whose weights the trainers hold
-        self.groups_out = 0  # GRPO groups handed out and not yet trained on or dropped as stale
         self.hopeless_checked = 0  # the policy version whose hopeless groups were dropped last
         self.hopeless_groups = 0  # groups dropped as stale while they still played, this run (for metrics)
         self.next_group = 0
-        self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}  # handed out, not trained on: checkpointed
+        # The episodes of the groups in flight, for the checkpoint (the manager's book says which are).
+        self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}
+        # The event log of a folder opened again: a crash may have cut its last line, which is set aside
+        # before the first event is appended (the metrics likewise, by `Progress`).
+        repair_log(run_dir / EVENTS_FILE)
         self.progress = Progress(run_dir, recipe.budgets.steps)
         self.checkpoints = RunCheckpoints(run_dir)
         self.identity = run_identity(recipe, model_dir)
@@ -109,24 +113,34 @@ class Controller:
         self._announce_lending()
 
     # -- the steps of the loop ---------------------------------------------------------------------
+    @property
+    def groups_out(self) -> int:
+        """GRPO groups handed out and not yet trained on or dropped: the trajectory manager's book, the one
+        count of them (every path that ends a group ends it there)."""
+        return self.manager.groups_in_flight()
+
+    def groups_wanted(self) -> int:
+        """Groups to keep in flight: one step's worth (sync), or up to the staleness bound (async)."""
+        ahead = 1 if self.recipe.pipeline.mode == "sync" else self.recipe.pipeline.max_staleness + 1
+        return self.recipe.budgets.prompts_per_step * ahead
+
     def keep_rollouts_busy(self) -> None:
         """Hand out episodes: one step's worth (sync), or up to the staleness bound (async), in place of the
         groups trained on, dropped as stale or spoiled by a failed member."""
-        self.groups_out -= self.drop_hopeless_groups()
-        per_step = self.recipe.budgets.prompts_per_step
-        ahead = 1 if self.recipe.pipeline.mode == "sync" else self.recipe.pipeline.max_staleness + 1
-        limit = per_step * ahead
-        new_groups = max(0, limit - self.groups_out)
+        self.drop_hopeless_groups()
+        self.open_groups = {g: e for g, e in self.open_groups.items() if self.manager.in_flight(g)}
         episodes = []
-        for _ in range(new_groups):
+        for _ in range(max(0, self.groups_wanted() - self.groups_out)):
             problem = self.task.sample(self.rng)
-            group = f"g{self.next_group}-{problem.key}"
+            # The store's writer session makes the key unique across allocations: a restart restores
+            # `next_group` from its checkpoint, and the lost allocation's later keys may be in the store.
+            group = f"s{self.store.session}-g{self.next_group}-{problem.key}"
             self.next_group += 1
             members = tuple(msg.Episode(problem, group, self.rng.randrange(2**31))
                             for _ in range(self.recipe.algorithm.group_size))
+            self.manager.book_group(group)
             self.open_groups[group] = members
             episodes += members
-        self.groups_out += new_groups
         self.hand_out(episodes)
 
     def drop_hopeless_groups(self) -> int:
@@ -146,8 +160,6 @@ class Controller:
         for rank in ranks:
             reply: msg.Cancelled = msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested)
             self.scheduler.withdraw(reply.rank, reply.episodes)
-        for group in groups:
-            self.open_groups.pop(group, None)
         self.hopeless_groups += len(groups)
         return len(groups)
 
@@ -210,9 +222,6 @@ class Controller:
         while True:
             batch = self.manager.take_batch(self.version, per_step, size, step)
             if batch is not None:
-                self.groups_out -= len(batch.groups)
-                for group in batch.groups:
-                    self.open_groups.pop(group[0].group_key, None)
                 return batch
             if self.stop_requested() and not self._finish_step_first():
                 return None
@@ -220,10 +229,9 @@ class Controller:
                 if not self.check_health(waiting_since):
                     return None  # out of wall-clock time: the run ends as after its last step
                 next_check = time.monotonic() + HEALTH_EVERY_S
-            # Complete groups found too stale, and groups a failed member spoiled, are never trained on.
-            thrown_away = self.manager.take_stale_groups() + self.manager.take_spoiled_groups()
-            if thrown_away:  # replace them
-                self.groups_out -= thrown_away
+            # Complete groups found too stale, and groups a failed member spoiled, are never trained on:
+            # they left the manager's book, and others replace them.
+            if self.groups_out < self.groups_wanted():
                 self.keep_rollouts_busy()
             time.sleep(0.005)
 
@@ -247,12 +255,13 @@ class Controller:
         return not self.out_of_time()
 
     def stop_after_fault(self, fault: health.RunFault) -> None:
-        """Every other rank stops and the store is flushed before the fault ends the run: a rank left
-        waiting for commands would keep MPI, and so the job, from ever ending."""
+        """Every other rank is told to stop and the store is flushed before the fault ends the run (the fault
+        path, `sfhpc.runtime.fault`, then ends every rank still there): the failed episodes stay readable."""
         self.event("fault", message=str(fault), step=self.step_done)
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
-        self._serving.join(timeout=STOP_GRACE_S)  # episodes in flight still make calls: keep answering them
+        # Episodes in flight still make calls: keep answering them, for a while only (a hung rank never ends).
+        self._serving.join(timeout=FAULT_STOP_GRACE_S)
         self._stop_serving.set()
         self._serving.join()
         self.scheduler.timeline.close()  # the timeline's last intervals go with the store's close
@@ -300,7 +309,7 @@ class Controller:
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
-            "hopeless_groups": self.hopeless_groups, **self._lending_metrics(),
+            "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out, **self._lending_metrics(),
         })
 
     def _lending_metrics(self) -> dict[str, float | int]:
@@ -339,10 +348,8 @@ class Controller:
         return info
 
     def _state(self) -> ControllerState:
-        live, closed = set(self.manager.live_groups()), self.manager.closed_groups()
-        # Groups every member of which is closed (consumed, stale, aborted) are done with; a group with no
-        # trajectory yet is still out (its episodes are played again after a restart).
-        self.open_groups = {g: e for g, e in self.open_groups.items() if g in live or g not in closed}
+        # The groups in flight, also those with no trajectory yet (their episodes are played after a restart).
+        self.open_groups = {g: e for g, e in self.open_groups.items() if self.manager.in_flight(g)}
         task_state = getattr(self.task, "state", None)
         return ControllerState(step=self.step_done, version=self.version, rng=self.rng.getstate(),
                                next_group=self.next_group, open_groups=dict(self.open_groups),
@@ -426,7 +433,6 @@ class Controller:
         plan = plan_resume(state, self.manager, max_staleness=self.recipe.pipeline.max_staleness,
                            group_size=self.recipe.algorithm.group_size)
         self.open_groups = plan.groups
-        self.groups_out = len(plan.groups) + plan.waiting_groups
         self.hand_out(plan.episodes)
         self.event("resumed", checkpoint=str(info.path), step=state.step, version=state.version,
                    seconds=round(time.monotonic() - started, 3), **plan.as_dict())
@@ -437,7 +443,7 @@ class Controller:
     def event(self, name: str, **fields: Any) -> None:
         """One line of the run's event log (``events.jsonl``): stops, checkpoints, restarts, the end."""
         row = {"event": name, "time": time.time(), "restart": self.restart, **fields}
-        with open(self.run_dir / EVENTS_NAME, "a", encoding="utf-8") as f:
+        with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     def out_of_time(self) -> bool:
@@ -530,9 +536,6 @@ def lending_summary(rows: list[dict[str, Any]]) -> str | None:
 
 
 def last_event(run_dir: Path) -> dict[str, Any] | None:
-    """The last line of a run's event log (None when it has none)."""
-    path = run_dir / EVENTS_NAME
-    if not path.exists():
-        return None
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return json.loads(lines[-1]) if lines else None
+    """The last whole event of a run's event log (None when it has none)."""
+    events = read_log(run_dir / EVENTS_FILE)
+    return events[-1] if events else None

@@ -10,11 +10,13 @@ from typing import Any
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.runtime import fault
 from sfhpc.runtime.comm_layout import build_comm_layout
 from sfhpc.runtime.identity import RankIdentity
 from sfhpc.tasks import Task, get_task
 
 log = logging.getLogger("sfhpc")
+FAULT_CLOSE_S = 10.0  # a failing rollout rank's clean-up, before every rank is ended
 
 
 def check_runnable(recipe: Recipe) -> None:
@@ -48,16 +50,29 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
         else:
             path = run_dir / "model"
             if not (path / "config.json").exists():  # a restarted run keeps the model it built
-                from sfhpc.model.tiny import build_tiny_model
-                from sfhpc.model.warm_start import warm_start
-
-                build_tiny_model(recipe.model, path, seed=recipe.seed, task=task)
-                if recipe.model.warm_start_steps:
-                    loss = warm_start(path, task, steps=recipe.model.warm_start_steps,
-                                      learning_rate=recipe.model.warm_start_learning_rate, seed=recipe.seed)
-                    print(f"warm start: {recipe.model.warm_start_steps} steps on the reply format, "
-                          f"loss {loss:.3f}", flush=True)
+                _build_model(recipe, task, path)
     return Path(world.bcast(str(path) if path else None, root=0))
+
+
+def _build_model(recipe: Recipe, task: Task, path: Path) -> None:
+    """sfhpc's own model for this recipe, warm-started on the task's reply format (or the same build copied
+    from ``SFHPC_MODEL_CACHE``, `sfhpc.model.build_cache`)."""
+    from sfhpc.model.build_cache import build_key, build_or_copy
+    from sfhpc.model.tiny import task_texts
+
+    def build(folder: Path) -> None:
+        from sfhpc.model.tiny import build_tiny_model
+        from sfhpc.model.warm_start import warm_start
+
+        build_tiny_model(recipe.model, folder, seed=recipe.seed, task=task)
+        if recipe.model.warm_start_steps:
+            loss = warm_start(folder, task, steps=recipe.model.warm_start_steps,
+                              learning_rate=recipe.model.warm_start_learning_rate, seed=recipe.seed)
+            print(f"warm start: {recipe.model.warm_start_steps} steps on the reply format, loss {loss:.3f}",
+                  flush=True)
+
+    if build_or_copy(path, lambda: build_key(recipe.model, recipe.seed, task_texts(task, recipe.seed)), build):
+        print(f"model: the same build as before, from the cache ({path})", flush=True)
 
 
 def find_resume_checkpoint(recipe: Recipe, run_dir: Path, model_dir: Path, world: Any) -> Any:
@@ -135,8 +150,12 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
                 serve_trainer(trainer_worker, lent=worker)
             else:
                 serve_rollout(worker, on_train=_colocated_training(trainer_worker))
-        finally:
-            worker.close()
+        except BaseException:
+            # On the way to the fault path (sfhpc.runtime.fault): the agent programs and the engine are ended
+            # first, but an engine that hangs must not hold the report back.
+            fault.within(FAULT_CLOSE_S, worker.close, "rollout-close")
+            raise
+        worker.close()
     elif trainer_worker is not None:
         serve_trainer(trainer_worker)
     return {"rank": identity.rank, "roles": list(identity.roles)}

@@ -101,6 +101,7 @@ class RolloutWorker:
 
     # -- commands ----------------------------------------------------------------------------------
     def play(self, episodes: tuple[Episode, ...]) -> None:
+        fault_injection.strike("play", self.rank)  # a test makes the rank fail here
         if self.refusing_turns:  # lent again after a reclaim: turns are served again (this is queued first)
             self.refusing_turns = False
             self.server.loop.call_soon_threadsafe(self.endpoint.refuse_turns, False)

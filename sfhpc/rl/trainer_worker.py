@@ -61,6 +61,7 @@ class TrainerWorker:
     def train(self, command: msg.Train) -> None:
         if hold := fault_injection.hold_seconds("train"):
             time.sleep(hold)  # a test stretches the step to signal the job inside it
+        fault_injection.strike("train", self.rank)  # a test makes the rank fail here
         batch = command.batch
         if self.layout.trainers.Get_size() > 1:
             # Once over the trainers' communicator: the controller sent the batch to the first trainer only.

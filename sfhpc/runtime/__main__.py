@@ -1,5 +1,6 @@
-"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR] [--probe]``: run one rank of a recipe
-(``--probe``: only the launch report, no RL).
+"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR] [--probe] [--verbose]``: run one rank of a
+recipe (``--probe``: only the launch report, no RL; ``--verbose``: the libraries' INFO lines on the console
+too, not only in the rank's log).
 
 This is what sbatch templates and ``sfhpc run`` start on every rank. The cluster map comes from
 ``--cluster`` (``local``: this machine alone), else ``$SFHPC_CLUSTER_MAP``, else
@@ -30,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster", default=os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP))
     parser.add_argument("--run-dir", default=os.environ.get("SFHPC_RUN_DIR"))
     parser.add_argument("--probe", action="store_true", help="only the launch report: where every rank runs")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the engine's and libraries' INFO lines on the console too, not only in the rank's log")
     args = parser.parse_args(argv)
     env = read_rank_environment()
     try:
@@ -49,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             record_job(recipe.output_dir, env.job_id, run_dir, recipe.source)
     except SfhpcError as exc:
         return report_user_error(exc, env.world_rank == 0)
-    return run_rank_main(RankProgram(recipe, plan, run_dir, probe=args.probe), env.world_rank == 0)
+    return run_rank_main(RankProgram(recipe, plan, run_dir, probe=args.probe, verbose=args.verbose),
+                         env.world_rank == 0)
 
 
 if __name__ == "__main__":

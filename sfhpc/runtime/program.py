@@ -4,6 +4,11 @@
 ``python -m sfhpc.runtime`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank. Every
 run starts with the launch report; a *probe* (``sfhpc probe``, ``--probe``) is that report alone: where
 the ranks landed, proven over MPI, with no RL and no task.
+
+From the moment a rank has joined the MPI world, whatever goes wrong on it ends every rank through the
+one fault path (`sfhpc.runtime.fault`), and an RL run keeps every rank's heartbeat
+(`sfhpc.runtime.liveness`). Before that (a recipe a rank cannot read), each rank reports on its own
+(`report_user_error`, `run_rank_main`): no rank waits for another yet.
 """
 
 from __future__ import annotations
@@ -20,14 +25,13 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch import step_guard
 from sfhpc.launch.resolve import LaunchPlan
-from sfhpc.runtime import preemption
+from sfhpc.runtime import fault, fault_injection, liveness, preemption, rank_log
 from sfhpc.runtime.gpu_binding import bind_one_gpu
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 log = logging.getLogger("sfhpc")
-_OTHER_RANKS_EXIT_DELAY_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,7 @@ class RankProgram:
     plan: LaunchPlan
     run_dir: Path
     probe: bool = False  # the launch report only (sfhpc probe)
+    verbose: bool = False  # the libraries' INFO lines on the console too, not only in the rank's log
 
     def __call__(self) -> dict[str, Any]:
         preemption.install()  # from the first moment: a stop signal during start-up is acted on, not lost
@@ -52,9 +57,17 @@ class RankProgram:
         return result
 
     def _run(self, identity: RankIdentity) -> dict[str, Any]:
-        _log_to_file(self.run_dir / "logs" / f"rank-{identity.rank:03d}.log", identity)
+        log_path = self.run_dir / "logs" / f"rank-{identity.rank:03d}.log"
+        rank_log.set_up(log_path, identity.rank, verbose=self.verbose)  # before anything imports vLLM
         # Import mpi4py here, never at module level: vLLM's CPU engine spawns children that re-import
-        # the main module, and a top-level import would run MPI_Init in them.
+        # the main module, and a top-level import would run MPI_Init in them. The import joins the world.
+        from mpi4py import MPI  # noqa: F401
+
+        with fault.armed(identity.rank, fault.describe_rank(identity.rank, identity.roles, identity.env.node),
+                         log_path):
+            return self._in_world(identity)
+
+    def _in_world(self, identity: RankIdentity) -> dict[str, Any]:
         from mpi4py import MPI
 
         from sfhpc.runtime.mpi_threads import check_thread_level
@@ -70,20 +83,15 @@ class RankProgram:
         if identity.rank == 0:
             print(self.plan.describe(), flush=True)
         # Every run starts with the launch report: who runs where, proven by one Allgather over the world.
-        report = launch_report(identity, comm, self.run_dir)
+        ranks = launch_report(identity, comm, self.run_dir)
         if self.probe:
-            return report
+            return ranks[identity.rank]
         from sfhpc.rl.program import run_rl
 
-        return run_rl(identity, comm, self.plan, self.recipe, self.run_dir)
-
-
-def _log_to_file(path: Path, identity: RankIdentity) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path, encoding="utf-8")
-    handler.setFormatter(logging.Formatter(f"%(asctime)s rank {identity.rank} %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
+        labels = {r["rank"]: fault.describe_rank(r["rank"], r["roles"], r["node"]) for r in ranks}
+        with liveness.watched(comm, labels, self.recipe.budgets.heartbeat_timeout_s):
+            fault_injection.strike("start", identity.rank)  # a test makes every rank fail here
+            return run_rl(identity, comm, self.plan, self.recipe, self.run_dir)
 
 
 def report_user_error(exc: SfhpcError, is_rank_zero: bool) -> int:
@@ -95,23 +103,20 @@ def report_user_error(exc: SfhpcError, is_rank_zero: bool) -> int:
     if is_rank_zero:
         print(f"sfhpc: error: {exc}", file=sys.stderr, flush=True)
     else:
-        time.sleep(_OTHER_RANKS_EXIT_DELAY_S)
+        time.sleep(fault.OTHER_RANKS_DELAY_S)
     return exc.exit_code
 
 
 def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
-    """Run `program`, turning user errors into one line (printed once, by rank 0) and exit code 2."""
+    """Run `program`; an error before the rank joined the MPI world (after that, `sfhpc.runtime.fault` takes
+    over) becomes one line, printed once by rank 0, and exit code 2, or a traceback and exit code 1."""
     try:
         program()
     except SfhpcError as exc:
         step_guard.finished(exc.exit_code)
         return report_user_error(exc, is_rank_zero)
     except Exception:
-        # A crashed rank must not leave the others blocked in MPI forever (mpiexec would wait): print the
-        # traceback, then end every rank of the job.
         traceback.print_exc()
         sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+        return fault.FAULT_EXIT
     return 0

@@ -18,8 +18,9 @@ from sfhpc.table import format_table
 REPORT_NAME = "launch_report.json"
 
 
-def launch_report(identity: RankIdentity, comm: Any, run_dir: Path) -> dict[str, Any]:
-    """Gather every rank's identity on every rank; rank 0 writes `run_dir/launch_report.json`."""
+def launch_report(identity: RankIdentity, comm: Any, run_dir: Path) -> list[dict[str, Any]]:
+    """Gather every rank's identity on every rank (returned, in rank order); rank 0 writes
+    `run_dir/launch_report.json`."""
     import numpy as np
     from mpi4py import MPI
 
@@ -42,7 +43,7 @@ def launch_report(identity: RankIdentity, comm: Any, run_dir: Path) -> dict[str,
         os.replace(tmp, run_dir / REPORT_NAME)
         print(format_report(everyone), flush=True)
         print(f"launch report: {run_dir / REPORT_NAME}", flush=True)
-    return mine
+    return everyone
 
 
 def format_report(ranks: list[dict[str, Any]]) -> str:

@@ -1,4 +1,4 @@
-"""The budgets that make a faulty run stop: episode timeout, failed fraction, stall timeout."""
+"""The budgets that make a faulty run stop: episode timeout, failed fraction, stall and heartbeat timeouts."""
 
 from __future__ import annotations
 
@@ -19,12 +19,15 @@ def test_defaults_give_up_after_ten_minutes_and_at_half_failed(tmp_path: Path) -
     path.write_text(GOOD_RECIPE)
     budgets = load_recipe(path).budgets
     assert (budgets.episode_timeout_s, budgets.max_failed_fraction) == (600.0, 0.5)
+    assert budgets.heartbeat_timeout_s == 60.0  # a silent rank ends the run within a minute
 
 
 @pytest.mark.parametrize(("budgets", "fragments"), [
     ("{episode_timeout_s: 0}", ["budgets.episode_timeout_s", "more than 0 seconds, found 0"]),
     ("{stall_timeout_s: -5}", ["budgets.stall_timeout_s", "more than 0 seconds, found -5"]),
     ("{stall_timeout_s: .nan}", ["budgets.stall_timeout_s", "found nan"]),
+    ("{heartbeat_timeout_s: 1}", ["budgets.heartbeat_timeout_s", "at least 3 seconds", "found 1"]),
+    ("{heartbeat_timeout_s: .nan}", ["budgets.heartbeat_timeout_s", "found nan"]),
     ("{max_failed_fraction: 1.5}", ["budgets.max_failed_fraction", "from 0", "to 1", "found 1.5"]),
     ("{max_failed_fraction: -0.1}", ["budgets.max_failed_fraction", "found -0.1"]),
 ])

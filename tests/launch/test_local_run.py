@@ -40,3 +40,18 @@ def test_an_rl_run_needs_a_task(tmp_path: Path) -> None:
         assert_one_line_error(run_sfhpc(command, str(path)), f"{path}: task: required: the task the agents learn",
                               f"run `sfhpc probe {path}`")
     assert not (tmp_path / "runs").exists()
+
+
+def test_verbose_gives_the_console_back_to_mpiexec_and_the_libraries(tmp_path: Path) -> None:
+    """Without --verbose mpiexec is quiet (a failing rank's own line says it all) and the ranks keep the
+    libraries' INFO lines in their logs; with it, both are as they were (sfhpc.runtime.rank_log)."""
+    from sfhpc.config import load_recipe
+    from sfhpc.launch.local import local_cluster_map, mpiexec_command
+    from sfhpc.launch.resolve import resolve
+
+    recipe = load_recipe(RECIPES / "report.yaml")
+    plan = resolve(recipe, local_cluster_map(recipe))
+    quiet = mpiexec_command(plan, "r.yaml", None, tmp_path)
+    verbose = mpiexec_command(plan, "r.yaml", None, tmp_path, verbose=True)
+    assert "--quiet" in quiet and "--verbose" not in quiet
+    assert "--quiet" not in verbose and verbose[-1] == "--verbose"  # an argument of the rank's command
