@@ -7,6 +7,7 @@
                                                    stopped); --verbose: engine and library logs on the
                                                    console too (else in the run's logs/rank-NNN.log)
     sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
+    sfhpc check RECIPE [--cluster MAP]             every check run (or launch, with a map) makes, one line each
     sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
                                                    launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
@@ -45,6 +46,17 @@ def _load(args: argparse.Namespace) -> tuple[Recipe, ClusterMap, LaunchPlan]:
                          "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
     cluster = load_cluster_map(args.cluster)
     return recipe, cluster, resolve(recipe, cluster)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Every check `run` (no --cluster) or `launch` (--cluster MAP) makes before starting, one line per problem;
+    nothing printed for a recipe that passes."""
+    from sfhpc.launch.preflight import problems
+
+    found = problems(args.recipe, args.cluster)
+    for line in found:
+        print(f"sfhpc: error: {line}", file=sys.stderr)
+    return 2 if found else 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -386,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's and libraries' INFO lines (vLLM's) and mpiexec's own messages on the console "
                         "too (else they go to the run's logs/rank-NNN.log)")
     recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
+    recipe_command("check", cmd_check, "every check `run` (or, with --cluster, `launch`) makes before it starts, "
+                                       "one line per problem; silent when there is none", cluster_default=None)
     p = recipe_command("probe", cmd_probe, "start a recipe's ranks and prove where they run (the launch report), "
                                            "without RL")
     p.add_argument("--local", action="store_true", help="on this machine with mpiexec, as `sfhpc run` does")

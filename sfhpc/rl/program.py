@@ -20,24 +20,36 @@ FAULT_CLOSE_S = 10.0  # a failing rollout rank's clean-up, before every rank is 
 
 
 def check_runnable(recipe: Recipe) -> None:
-    """Refuse, before any job starts, what this version cannot run."""
+    """Refuse, before any job starts, what this version cannot run (the first of `runnable_problems`)."""
+    problems = runnable_problems(recipe)
+    if problems:
+        raise SfhpcError(problems[0])
+
+
+def runnable_problems(recipe: Recipe) -> list[str]:
+    """What in a loaded recipe would stop a run on every rank after the job started, one line each: the task
+    (an unknown one, user code that does not import, a reward of the wrong signature, bad options or data
+    file) and the model folder (one the engines cannot load)."""
+    problems = []
     if not recipe.task.name:
         from sfhpc.tasks.registry import BUILTIN_TASKS
 
-        raise SfhpcError(f"{recipe.source}: task: required: the task the agents learn ({', '.join(BUILTIN_TASKS)}, "
-                         f"or your own as 'package.module:Name'); to check only where the ranks start, run "
-                         f"`sfhpc probe {recipe.source}`")
-    # An unknown task, user code that does not import, bad options or a bad data file: ConfigError now,
-    # not on every rank of the job.
-    get_task(recipe.task, recipe.source).check()
+        problems.append(f"{recipe.source}: task: required: the task the agents learn ({', '.join(BUILTIN_TASKS)}, "
+                        f"or your own as 'package.module:Name'); to check only where the ranks start, run "
+                        f"`sfhpc probe {recipe.source}`")
+    else:
+        try:
+            get_task(recipe.task, recipe.source).check()
+        except SfhpcError as exc:
+            problems.append(str(exc))
     if recipe.model.path is not None:
-        # A folder the engines cannot load would hang or fail on every rank, after the job started.
         from sfhpc.model.folder import model_folder_problem
 
         problem = model_folder_problem(Path(recipe.model.path), backend=recipe.training.backend)
         if problem is not None:
-            raise SfhpcError(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
-                             "leave model.path out to build sfhpc's own tiny model")
+            problems.append(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
+                            "leave model.path out to build sfhpc's own tiny model")
+    return problems
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:

@@ -1,6 +1,6 @@
 """A recipe whose task cannot work is refused by ``sfhpc run`` and ``sfhpc launch`` in one line, before any
 job starts and before anything is written: a bad data file, a reward or task that does not import or has
-the wrong signature."""
+the wrong signature; ``sfhpc check`` finds each of them alike."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("command", ["run", "launch"])
+@pytest.mark.parametrize("command", ["run", "launch", "check"])
 @pytest.mark.parametrize("case", sorted(TASKS))
 def test_a_bad_task_is_refused_before_any_job(project: Path, command: str, case: str) -> None:
     task, expected = TASKS[case]

@@ -1,0 +1,43 @@
+"""``sfhpc check RECIPE [--cluster MAP]``: what `run` (or `launch`) would refuse before starting, one line per
+problem, every independent problem in one pass, nothing written; silent on a recipe that would start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RECIPES, run_sfhpc
+
+RUNNABLE = ["demo.yaml", "arith-word.yaml", "guess-number.yaml", "guess-number-agent.yaml", "bench-pipeline.yaml"]
+
+
+@pytest.mark.parametrize("cluster", [None, "cluster-dev.yaml"])
+def test_the_shipped_recipes_pass_in_silence(cluster: str | None) -> None:
+    for name in RUNNABLE:
+        args = ["check", str(RECIPES / name)] + (["--cluster", str(RECIPES / cluster)] if cluster else [])
+        done = run_sfhpc(*args)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), (name, done.stderr)
+
+
+def test_every_problem_is_one_line_and_nothing_is_written(tmp_path: Path) -> None:
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("name: bad\ntask: {name: next-word}\nmodel: {path: nowhere}\n"
+                      "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train], nodes: 1}\n"
+                      "  rollout: {tags: [tpu], nodes: 1}\n"
+                      f"output_dir: {tmp_path / 'runs'}\n")
+    done = run_sfhpc("check", str(recipe), "--cluster", str(RECIPES / "cluster-dev.yaml"))
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 3 and all(line.startswith("sfhpc: error: ") for line in lines), lines
+    assert "unknown task 'next-word'" in lines[0]
+    assert f"model.path: {tmp_path / 'nowhere'}" in lines[1] or "model.path: nowhere" in lines[1]
+    assert "role 'rollout' needs nodes tagged [tpu]" in lines[2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.yaml"]  # nothing written
+
+
+def test_a_recipe_that_does_not_load_is_one_line(tmp_path: Path) -> None:
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text((RECIPES / "demo.yaml").read_text().replace("budgets:", "budget:"))
+    done = run_sfhpc("check", str(recipe))
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "budget" in done.stderr, done.stderr
