@@ -1,7 +1,7 @@
 """The recipe: what an ML engineer writes to describe one RL run.
 
 A recipe names a model, an algorithm, a pipeline mode, budgets, a task and the *roles* of the run with
-the capability tags and sizes they need. It never names partitions: `sfhpc.launch.resolve` places the
+the capability tags and sizes they need. It never names partitions: `sfhpc.plan.resolve` places the
 roles on a cluster through the admin's tag map.
 
     roles:
@@ -38,8 +38,8 @@ class Role:
     """
 
     name: RoleName = dataclasses.field(metadata=doc("the role: controller (the one rank that runs the RL loop, "
-                                                    "trajectory manager and store), trainer, rollout, or reward "
-                                                    "(placed, but plays no part yet)"))
+                                                    "trajectory manager and store), trainer or rollout (a reward "
+                                                    "role is refused: rewards are computed where episodes play)"))
     tags: tuple[str, ...] = setting((), "capability tags every node of this role carries (the cluster map says which "
                                         "pools offer them); needed for a role on nodes of its own")
     nodes: int = setting(1, "nodes of its own (a role with tags)")
@@ -459,7 +459,12 @@ class Recipe:
         names = [r.name for r in self.roles]
         for required in ("controller", "trainer", "rollout"):
             if required not in names:
-                raise roles.error(f"missing role '{required}' (roles: controller, trainer, rollout, reward)")
+                raise roles.error(f"missing role '{required}' (roles: controller, trainer, rollout)")
+        if "reward" in names:
+            # Placed ranks that do nothing would hold a site's nodes for the whole job.
+            raise roles.child("reward").error(
+                "is not built: rewards are computed where the episodes play (the task's reward function, or the "
+                "agent program's own reward); remove this role")
         for role in self.roles:
             target = role.place_with or role.colocate_with
             if target is None:

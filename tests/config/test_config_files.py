@@ -45,7 +45,7 @@ def test_shipped_examples_load() -> None:
 @pytest.mark.parametrize("name", ["demo", "guess-number", "arith-word", "report", "report-colocated",
                                   "h100-l40s-grpo"])
 def test_every_shipped_recipe_resolves_on_its_cluster_and_is_runnable(name: str) -> None:
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.plan.resolve import resolve
     from sfhpc.rl.program import check_runnable
 
     recipe = load_recipe(RECIPES / f"{name}.yaml")
@@ -85,9 +85,12 @@ def test_config_objects_are_immutable() -> None:
         (GOOD_RECIPE.replace("trainer: {tags: [train], nodes: 1}", "trainer: {nodes: 1}"), ["needs 'tags'"]),
         (GOOD_RECIPE.replace("rollout: {tags: [rollout], nodes: 2}", "rollout: {colocate_with: trainer}")
          + "pipeline: {mode: async}\n", ["pipeline.mode", "use mode 'sync'"]),
+        (GOOD_RECIPE.replace("  rollout:", "  reward: {tags: [reward], nodes: 1}\n  rollout:"),
+         ["roles.reward", "is not built", "remove this role"]),
     ],
     ids=["malformed", "unknown-nested-key", "unknown-top-key", "missing-field", "wrong-type", "bad-choice",
-         "missing-role", "duplicate-key", "empty", "bad-reference", "zero-nodes", "no-tags", "async-colocated"],
+         "missing-role", "duplicate-key", "empty", "bad-reference", "zero-nodes", "no-tags", "async-colocated",
+         "reward-role"],
 )
 def test_bad_recipe_names_file_line_and_key(tmp_path: Path, text: str, fragments: list[str]) -> None:
     path = write(tmp_path, text)
