@@ -67,13 +67,15 @@ test: setup test-system-packages cluster-up
 
 # The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
-	$(VENV)/bin/pytest -q -ra -m "not slurm and not vllm and not mpi" --durations=15
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15
 
 bench: setup
 	$(VENV)/bin/sfhpc bench all
 
 lint: setup
 	$(VENV)/bin/ruff check sfhpc tests
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # The recipe and cluster-map references (docs/*-reference.md), printed from the config dataclasses; a test
 # fails when the committed pages differ from what this writes.
@@ -81,4 +83,4 @@ docs: setup
 	$(PY) -m sfhpc.config.reference docs
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -30,7 +30,8 @@ from pathlib import Path
 from sfhpc import __version__
 from sfhpc.config import ClusterMap, Recipe, load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan, resolve
+from sfhpc.plan.resolve import LaunchPlan, resolve
+from sfhpc.rundir import RunPaths
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
 
@@ -80,9 +81,9 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from sfhpc.launch.rundir import new_run_dir
     from sfhpc.launch.slurm_launch import executor_for, submit
     from sfhpc.rl.program import check_runnable
+    from sfhpc.rundir import new_run_dir
 
     recipe, cluster, plan = _load(args)
     check_runnable(recipe)
@@ -100,10 +101,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
 def cmd_probe(args: argparse.Namespace) -> int:
     """The recipe's ranks started as `launch` (or, with --local, `run`) would start them, each saying where
     it is: the launch report, gathered over the MPI world, in the run folder. No RL, so no task."""
-    from sfhpc.launch.rundir import new_run_dir
+    from sfhpc.rundir import new_run_dir
 
     if args.local:
-        from sfhpc.launch.local import local_cluster_map, run_local
+        from sfhpc.launch.local import run_local
+        from sfhpc.plan.local_map import local_cluster_map
 
         recipe = load_recipe(args.recipe)
         plan = resolve(recipe, local_cluster_map(recipe))
@@ -139,7 +141,7 @@ def _wait(job_id: str, run_dir: Path, timeout: float, poll_s: float = 1.0) -> in
         for line in follower.observe(live, accounted):
             print(line, flush=True)
         if follower.final is not None:
-            log = run_dir / f"slurm-{job_id}.out"
+            log = RunPaths(run_dir).slurm_log(job_id)
             if log.exists():
                 print(log.read_text(encoding="utf-8", errors="replace"), end="")
             return 0 if follower.succeeded else 1
@@ -149,9 +151,10 @@ def _wait(job_id: str, run_dir: Path, timeout: float, poll_s: float = 1.0) -> in
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from sfhpc.launch.local import local_cluster_map, run_local
-    from sfhpc.launch.rundir import new_run_dir
+    from sfhpc.launch.local import run_local
+    from sfhpc.plan.local_map import local_cluster_map
     from sfhpc.rl.program import check_runnable
+    from sfhpc.rundir import new_run_dir
 
     recipe = load_recipe(args.recipe)
     check_runnable(recipe)
@@ -195,8 +198,8 @@ def _run_outcome(run_dir: Path, code: int, verbose: bool = False) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from sfhpc.launch.jobs import format_status, job_restarts, job_status
-    from sfhpc.launch.rundir import find_run_dir
     from sfhpc.rl.live_status import read_live_status
+    from sfhpc.rundir import find_run_dir
 
     status = job_status(args.job)
     run_dir = find_run_dir(args.output_dir, args.job)

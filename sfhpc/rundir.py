@@ -3,17 +3,96 @@
 Every run writes into one folder: ``<output_dir>/<recipe>-<UTC time>`` for ``sfhpc launch`` and
 ``sfhpc run``, ``<output_dir>/<recipe>-job<JOBID>`` for a job started from an sbatch template (a
 requeued job keeps its id, so it finds its folder again). ``<output_dir>/jobs.tsv`` maps job ids to
-run folders, so that ``sfhpc status|logs JOB`` can find them.
+run folders, so that ``sfhpc status|logs JOB`` can find them. `RunPaths` names every file and folder
+inside a run folder: the one place that spells them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import fcntl
 import os
 from pathlib import Path
 
 INDEX_NAME = "jobs.tsv"
+DAMAGED_SUFFIX = ".damaged"  # a log's cut last line is kept beside it, in <log name> + this (sfhpc.data.run_log)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    """The layout of one run folder (`root`): what the ranks, the CLI and the analysis read and write."""
+
+    root: Path
+
+    @property
+    def store(self) -> Path:
+        """The trajectory store (HDF5), written by the controller."""
+        return self.root / "trajectories.h5"
+
+    @property
+    def events(self) -> Path:
+        """Stops, checkpoints, restarts, the end: one JSON line each."""
+        return self.root / "events.jsonl"
+
+    @property
+    def metrics(self) -> Path:
+        """One JSON line per trained step."""
+        return self.root / "metrics.jsonl"
+
+    @property
+    def metrics_discarded(self) -> Path:
+        """The steps a resume rolled back (trained after the checkpoint it resumed from)."""
+        return self.root / "metrics-discarded.jsonl"
+
+    @staticmethod
+    def damaged(log: Path) -> Path:
+        """Where the cut last line of the JSON-lines log `log` is kept."""
+        return log.with_name(log.name + DAMAGED_SUFFIX)
+
+    @property
+    def status(self) -> Path:
+        """The run's live status (phase, step), rewritten as it goes."""
+        return self.root / "status.json"
+
+    @property
+    def launch_report(self) -> Path:
+        """Where every rank runs, proven over MPI at start."""
+        return self.root / "launch_report.json"
+
+    @property
+    def model(self) -> Path:
+        """The model folder a run builds when its recipe names none."""
+        return self.root / "model"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    def rank_log(self, rank: int) -> Path:
+        return self.logs / f"rank-{rank:03d}.log"
+
+    @property
+    def reward_plot(self) -> Path:
+        return self.root / "reward.png"
+
+    @property
+    def submitit(self) -> Path:
+        """The job folder `sfhpc launch` hands to submitit (the pickled rank program, its results)."""
+        return self.root / "submitit"
+
+    def slurm_log(self, job_id: str) -> Path:
+        """The batch script's output (every rank, labelled) of job `job_id`."""
+        return self.root / f"slurm-{job_id}.out"
+
+    @property
+    def slurm_log_pattern(self) -> Path:
+        """`slurm_log` as sbatch's ``--output`` names it (``%j``: the job id)."""
+        return self.root / "slurm-%j.out"
 
 
 def new_run_dir(output_dir: str | Path, recipe_name: str) -> Path:

@@ -12,6 +12,7 @@ import base64
 import contextlib
 import html
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -129,7 +130,7 @@ def _samples(run: Run) -> str:
     return "\n".join(parts)
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+def _table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> str:
     head = "".join(f"<th>{_e(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{_e(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><tr>{head}</tr>{body}</table>"

@@ -40,10 +40,11 @@ from sfhpc.analysis.columns import columns_frame, store_columns
 from sfhpc.analysis.trajectories import EXTRA_COLUMNS, TRAJECTORY_COLUMNS, locate_store
 from sfhpc.data import open_store
 from sfhpc.data.rank_intervals import BubbleFraction
-from sfhpc.data.run_log import METRICS_FILE, read_log
+from sfhpc.data.run_log import read_log
 from sfhpc.data.store import ConsumptionMark, StoreReader
 from sfhpc.data.trajectory import NO_VERSION, Trajectory
 from sfhpc.engine.tokenizer import run_tokenizer
+from sfhpc.rundir import RunPaths
 
 # Column -> dtype. Nullable types (Int64, Float64, string) so that "none" stays <NA> and survives Parquet.
 STR, INT, OPT_INT, FLOAT, OPT_FLOAT, BOOL = "string", "int64", "Int64", "float64", "Float64", "bool"
@@ -239,7 +240,7 @@ class Run:
 
     def _metrics(self) -> pd.DataFrame | None:
         """The run's ``metrics.jsonl`` (one JSON object per trained step), or None without one."""
-        path = None if self.folder is None else self.folder / METRICS_FILE
+        path = None if self.folder is None else RunPaths(self.folder).metrics
         if path is None or not path.is_file():
             return None
         records = [record for record in read_log(path) if "step" in record]

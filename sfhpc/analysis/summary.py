@@ -19,8 +19,9 @@ import pandas as pd
 
 from sfhpc.analysis.run import Run
 from sfhpc.data.rank_intervals import BubbleFraction
-from sfhpc.data.run_log import EVENTS_FILE, read_log
+from sfhpc.data.run_log import read_log
 from sfhpc.data.trajectory import Status
+from sfhpc.rundir import RunPaths
 from sfhpc.table import format_table
 
 STEP_RANGES = 10  # the step table has at most this many rows, of equal width
@@ -130,7 +131,7 @@ def update_line(run: Run, previous: Summary | None, summary: Summary) -> str:
 
 def run_finished(folder: Path | None) -> bool:
     """Whether the run's event log ends with its ``finished`` event (a stopped run may resume: not finished)."""
-    path = None if folder is None else folder / EVENTS_FILE
+    path = None if folder is None else RunPaths(folder).events
     if path is None or not path.is_file():
         return False
     events = read_log(path)  # a last line the controller is writing right now is left out

@@ -29,8 +29,8 @@ import numpy as np
 from sfhpc.data.store import ConsumptionMark, StoreView
 from sfhpc.data.trajectory import Trajectory
 from sfhpc.errors import SfhpcError
+from sfhpc.rundir import RunPaths
 
-STORE_FILE = "trajectories.h5"
 TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
                       "min_version", "max_version", "consumed_step", "trained_version", "staleness",
                       "created", "updated", "fail_reason")
@@ -41,11 +41,11 @@ def locate_store(path: str | Path) -> Path:
     """The store file named by `path`: the file itself, or a run folder holding ``trajectories.h5``."""
     path = Path(path)
     if path.is_dir():
-        path = path / STORE_FILE
+        path = RunPaths(path).store
         if not path.exists():
-            raise SfhpcError(f"{path.parent}: no {STORE_FILE} in this folder; pass a run folder or a store file")
+            raise SfhpcError(f"{path.parent}: no {path.name} in this folder; pass a run folder or a store file")
     elif not path.exists():
-        raise SfhpcError(f"{path}: no such file or folder; pass a run folder or its {STORE_FILE}")
+        raise SfhpcError(f"{path}: no such file or folder; pass a run folder or its {RunPaths(path).store.name}")
     return path
 
 

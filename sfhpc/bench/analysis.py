@@ -28,6 +28,7 @@ import numpy as np
 from sfhpc.bench import run_as_script
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Segment, SegmentKind, Status
+from sfhpc.rundir import RunPaths
 from sfhpc.table import format_table
 
 PROMPT, REPLY, OBSERVATION, SECOND_REPLY = 40, 40, 10, 10  # 100 tokens per trajectory
@@ -142,9 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = Path(folder) / "run"
         run.mkdir()
         began = time.perf_counter()
-        held = build_store(run / "trajectories.h5", args.trajectories)
+        held = build_store(RunPaths(run).store, args.trajectories)
         build_s = time.perf_counter() - began
-        store_gb = (run / "trajectories.h5").stat().st_size / 1e9
+        store_gb = RunPaths(run).store.stat().st_size / 1e9
         sfhpc = [sys.executable, "-m", "sfhpc", "traj"]
         figures = {
             "summary": timed([*sfhpc, "summary", str(run)], Path(folder) / "summary.log"),

@@ -116,7 +116,7 @@ def _timed(comm: Any, fn: Any) -> float:
 def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
-    from sfhpc.weights import MPITransport, WeightPublisher, WeightReceiver
+    from sfhpc.weights import IncomingWeights, MPITransport, WeightPublisher, WeightReceiver
     from sfhpc.weights.manifest import plan_buckets
 
     wire = torch.bfloat16
@@ -125,13 +125,21 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
     source = transport.is_source
     named = make() if source else None  # the receivers only learn the layout from the manifest
     # Every rank needs the total size for the raw buffer; the source knows it from the plan.
-    total = comm.bcast(plan_buckets(named, 0, bucket_bytes, dtype=wire).total_bytes if source else None, root=0)
+    total = comm.bcast(plan_buckets(named, 0, bucket_bytes, dtype=wire).total_bytes if named is not None else None,
+                       root=0)
     repeats = args.small_repeats if total < SMALL_SET_BYTES else args.repeats
     raw = np.empty(total, dtype=np.uint8)
     raw.fill(7 if source else 0)  # touched before timing, like the publisher's persistent buffers
     publisher = WeightPublisher(transport, bucket_bytes) if source else None
     receiver = None if source else WeightReceiver(transport)
     published: list[Any] = []  # PublishStats of every "publish" (the source's stage time is read from them)
+
+    def next_version() -> IncomingWeights:
+        # A receiving rank, before the source's finish: a version always comes.
+        assert receiver is not None
+        incoming = receiver.receive()
+        assert incoming is not None
+        return incoming
 
     def do_raw() -> None:
         comm.Bcast(raw, root=0)
@@ -140,18 +148,22 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
         if publisher is not None:
             publisher.send(version)
         else:
-            receiver.receive().drain()  # every bucket received into (name, tensor) views
+            next_version().drain()  # every bucket received into (name, tensor) views
 
     def do_publish(version: int) -> None:
         if publisher is not None:
+            assert named is not None  # the source's
             published.append(publisher.publish(named, version, dtype=wire))
             return
         # Receivers poll for the header with sleeps in between, as rollout ranks do while they generate,
         # rather than spinning in MPI and taking the core the source casts on.
+        assert receiver is not None
         pending = receiver.start()
         while not pending.ready():
             time.sleep(POLL_SECONDS)
-        pending.result().drain()
+        incoming = pending.result()
+        assert incoming is not None  # the source has not finished
+        incoming.drain()
 
     # The first publish sends the manifest and builds the persistent buffers: timed on its own.
     first = _timed(comm, lambda: do_publish(0))
@@ -165,7 +177,7 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
             if which == "raw":
                 t = _timed(comm, do_raw)
             elif which == "send":
-                if publisher is not None:
+                if publisher is not None and named is not None:
                     publisher.stage(named, dtype=wire)  # before the barrier: engines are not waiting yet
                 t = _timed(comm, lambda v=version: do_send(v))
             else:
@@ -176,11 +188,11 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
 
     # Correctness, outside the timings: receivers compare one version with the weights regenerated here.
     ok = True
-    if publisher is not None:
+    if publisher is not None and named is not None:
         publisher.publish(named, 10_000, dtype=wire)
     else:
         expected = {n: t.to(wire) for n, t in make()}
-        incoming = receiver.receive()
+        incoming = next_version()
         names = []
         for bucket in incoming:  # a bucket's views are valid until the next one is requested: check each now
             names += [n for n, _ in bucket]
@@ -188,13 +200,13 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
         ok = ok and incoming.version == 10_000 and names == list(expected)
     if publisher is not None:
         publisher.finish()
-    else:
+    elif receiver is not None:
         ok = ok and receiver.receive() is None
     verified = all(comm.allgather(ok))
     raw_s, send_s, pub_s = (statistics.median(times[k]) for k in ("raw", "send", "publish"))
     stage_s = statistics.median(s.stage_seconds for s in timed_publish) if source else None
     last = timed_publish[0] if source else None
-    return {"set": name, "tensors": len(named) if source else None, "bytes": total, "repeats": repeats,
+    return {"set": name, "tensors": len(named) if named is not None else None, "bytes": total, "repeats": repeats,
             "messages": last.messages if last else None, "buckets": last.buckets if last else None,
             "raw_median_s": raw_s, "send_median_s": send_s, "publish_median_s": pub_s,
             "stage_median_s": stage_s, "first_publish_s": first,

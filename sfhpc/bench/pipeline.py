@@ -16,7 +16,7 @@ Scales:
 * ``small``: the recipe ``--recipe`` (default ``recipes/bench-pipeline.yaml``: the ``repeat-letter`` task,
   whose reply lengths are long-tailed) with real vLLM engines and real torch training. Measured.
 * ``timing``: ``--ranks`` ranks (16-64) with the test engine and trainer as timing models: decode steps,
-  prompts, weight loads and training steps *sleep* the time that `sfhpc.bench.cost_model` gives, calibrated
+  prompts, weight loads and training steps *sleep* the time that `sfhpc.sim.cost_model` gives, calibrated
   on the small scale's ``async`` run (or, without one, the published figures of a 7B model on an L40S
   engine and an H100 trainer). The scheduler, trajectory manager, store, endpoint, agents, weight
   broadcast and MPI are the real ones; only compute is modelled, and the output says so.
@@ -47,8 +47,9 @@ from typing import Any
 import yaml
 
 from sfhpc.bench import read_recipe_mapping, run_as_script
-from sfhpc.data.run_log import EVENTS_FILE, METRICS_FILE, read_log
+from sfhpc.data.run_log import read_log
 from sfhpc.errors import SfhpcError
+from sfhpc.rundir import RunPaths
 from sfhpc.table import format_table
 
 MODES = ("sync", "async", "seamless")
@@ -87,7 +88,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.scales = _choices(args.scales, SCALES, "--scales")
     if args.steps < 2 or (args.timing_steps is not None and args.timing_steps < 2):
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
-    if args.calibrate_from is not None and not (args.calibrate_from / METRICS_FILE).is_file():
+    if args.calibrate_from is not None and not RunPaths(args.calibrate_from).metrics.is_file():
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if not args.timing_speedup > 0:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
@@ -178,7 +179,7 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
 
 def timing_costs(calibration: dict[str, Any] | None) -> Any:
     """The cost model of the timing scale: calibrated on the small scale's async run when there is one."""
-    from sfhpc.bench.cost_model import CostModel
+    from sfhpc.sim.cost_model import CostModel
 
     if calibration is None:
         published = CostModel.published("qwen2.5-7b", ("h100", "l40s"))
@@ -199,10 +200,11 @@ def run_mode(recipe_data: dict[str, Any], path: Path) -> dict[str, Any]:
     """Write `recipe_data` to `path`, run it on this machine and measure it. A mode this version refuses
     before a job starts comes back as ``{"available": False, "reason": ...}``."""
     from sfhpc.config import load_recipe
-    from sfhpc.launch.local import local_cluster_map, run_local
-    from sfhpc.launch.resolve import resolve
-    from sfhpc.launch.rundir import new_run_dir
+    from sfhpc.launch.local import run_local
+    from sfhpc.plan.local_map import local_cluster_map
+    from sfhpc.plan.resolve import resolve
     from sfhpc.rl.program import check_runnable
+    from sfhpc.rundir import new_run_dir
 
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(recipe_data, sort_keys=False))
@@ -226,12 +228,12 @@ def run_mode(recipe_data: dict[str, Any], path: Path) -> dict[str, Any]:
     if code != 0:
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-5:]).strip()
         raise SfhpcError(f"the {mode} run of {recipe.name} failed (exit {code}); its log is {log}: {tail[-400:]}")
-    metrics = read_log(run_dir / METRICS_FILE)
+    metrics = read_log(RunPaths(run_dir).metrics)
     figures = {"available": True, "run_dir": str(run_dir), "ranks": plan.world_size, "wall_s": wall_s,
                "trainer_ranks": sum("trainer" in s.roles for s in plan.ranks()),
                "rollout_ranks": sum("rollout" in s.roles for s in plan.ranks()), **summarize(metrics)}
     figures.update(store_figures(run_dir))
-    events = read_log(run_dir / EVENTS_FILE)
+    events = read_log(RunPaths(run_dir).events)
     figures["events"] = [e.get("event") for e in events]
     figures["ran_as"] = next((e["mode"] for e in events if e.get("event") == "pipeline"), mode)
     return figures
@@ -321,7 +323,7 @@ def timeline_rows(run_dir: Path) -> list[dict[str, Any]]:
     """The store's timeline table as plain rows (empty for a store without one)."""
     from sfhpc.data import open_store
 
-    with open_store(run_dir / "trajectories.h5") as store:
+    with open_store(RunPaths(run_dir).store) as store:
         try:
             rows = store.table("timeline")
         except KeyError:
@@ -436,12 +438,12 @@ def calibration_of(run_dir: Path, model_dir: Path | None) -> dict[str, Any]:
     """What `timing_costs` calibrates on from an async run's folder: its metrics, how many ranks trained and
     generated (its launch report), how many episodes each engine held (two steps' worth: async with
     ``max_staleness`` 1) and the bytes of its weights."""
-    rows = read_log(run_dir / METRICS_FILE)
-    ranks = json.loads((run_dir / "launch_report.json").read_text())["ranks"]
+    rows = read_log(RunPaths(run_dir).metrics)
+    ranks = json.loads(RunPaths(run_dir).launch_report.read_text())["ranks"]
     trainers = sum("trainer" in r["roles"] for r in ranks)
     engines = sum("rollout" in r["roles"] for r in ranks)
     per_step = statistics.median(r["trajectories"] for r in rows)
-    model_dir = model_dir if model_dir is not None else run_dir / "model"
+    model_dir = model_dir if model_dir is not None else RunPaths(run_dir).model
     return {"rows": rows, "trainers": trainers, "engines": engines,
             "concurrency": max(1, int(2 * per_step) // max(engines, 1)), "weight_bytes": weight_bytes(model_dir)}
 
@@ -466,7 +468,7 @@ def run_scale(scale: str, base: dict[str, Any], modes: Sequence[str], steps: int
             print(f"{scale} scale, seamless: not available ({figures['reason']})", flush=True)
         model = base.setdefault("model", {})
         if figures["available"] and not model.get("path"):
-            model["path"] = str(Path(figures["run_dir"]).resolve() / "model")
+            model["path"] = str(RunPaths(Path(figures["run_dir"]).resolve()).model)
             model.pop("warm_start_steps", None)
         result["model"] = model.get("path")
         results.append(result)

@@ -44,9 +44,10 @@ import yaml
 
 from sfhpc.bench import read_recipe_mapping, run_as_script
 from sfhpc.bench._processes import rank_pids, step_pids
-from sfhpc.data.run_log import EVENTS_FILE, METRICS_FILE, read_log
+from sfhpc.data.run_log import read_log
 from sfhpc.data.trajectory import Status, Trajectory
 from sfhpc.errors import SfhpcError
+from sfhpc.rundir import RunPaths
 from sfhpc.table import format_table
 
 STOPPED_EXIT = 75  # `sfhpc run`: stopped at a safe point, resumable (sfhpc.cli.STOPPED_EXIT)
@@ -178,7 +179,7 @@ def _first(events: list[dict[str, Any]], name: str, after: float = 0.0, **match:
 
 def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
     """The stop and restart figures of a cut and resumed run (see the module's docstring)."""
-    events = read_log(run_dir / EVENTS_FILE)
+    events = read_log(RunPaths(run_dir).events)
     requested = _first(events, "stop-requested", restart=0)
     checkpoint = next((e for e in events if e["event"] == "checkpoint" and e["time"] >= requested["time"]
                        and str(e.get("reason", "")).startswith("stop:")), None)
@@ -187,7 +188,7 @@ def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
     manifest = Path(checkpoint["path"]) / "MANIFEST.json"
     manifest_at = manifest.stat().st_mtime if manifest.exists() else checkpoint["time"]
     resumed = _first(events, "resumed", after=checkpoint["time"])
-    rows = read_log(run_dir / METRICS_FILE)
+    rows = read_log(RunPaths(run_dir).metrics)
     first_new = next((r for r in rows if r["step"] > resumed["step"]), None)
     if first_new is None:
         raise SfhpcError(f"{run_dir}: no step after the checkpoint's step {resumed['step']} in metrics.jsonl")
@@ -212,7 +213,7 @@ def stop_and_restart_times(run_dir: Path, seen: Observed) -> dict[str, Any]:
         "resume_engines_and_plan_s": resumed["seconds"],
         "first_new_step_s": first_new["step_s"], "first_new_step": first_new["step"],
         "resumed": {k: resumed.get(k) for k in ("resumed", "replayed", "dropped_stale", "abandoned", "finished")},
-        "steps_discarded": len(read_log(run_dir / "metrics-discarded.jsonl")),
+        "steps_discarded": len(read_log(RunPaths(run_dir).metrics_discarded)),
         "metrics_steps": [r["step"] for r in rows],
     }
 
@@ -246,7 +247,7 @@ def _wait(process: subprocess.Popen[bytes], run_dir: Path, what: str) -> int:
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:
     # The run is writing: a row half written is left out quietly and read next time.
-    return read_log(run_dir / METRICS_FILE, warn=lambda line: None)
+    return read_log(RunPaths(run_dir).metrics, warn=lambda line: None)
 
 
 def cut_and_resume(recipe_path: Path, output_dir: Path, cut_after: int) -> tuple[Path, Observed, dict[str, AtCut]]:
@@ -283,7 +284,7 @@ def cut_and_resume(recipe_path: Path, output_dir: Path, cut_after: int) -> tuple
     if code != STOPPED_EXIT:
         raise SfhpcError(f"the cut run exited with {code}, not {STOPPED_EXIT} (stopped at a safe point); "
                          f"its logs are in {run_dir / 'logs'}")
-    with open_store(run_dir / "trajectories.h5") as store:
+    with open_store(RunPaths(run_dir).store) as store:
         before = {t.id: at_cut(t) for t in store.trajectories()}
     checkpoint_step = max(r["step"] for r in _rows(run_dir))
     print(f"== resuming {run_dir.name} from step {checkpoint_step}", flush=True)
@@ -305,7 +306,7 @@ def measure(run_dir: Path, seen: Observed, before: Mapping[str, AtCut]) -> dict[
     from sfhpc.data.store import open_store
 
     times = stop_and_restart_times(run_dir, seen)
-    with open_store(run_dir / "trajectories.h5") as store:
+    with open_store(RunPaths(run_dir).store) as store:
         after = [store.get(tid) for tid in before if tid in store]
     return {**times, **token_fates(before, after, times["resumed_time"])}
 

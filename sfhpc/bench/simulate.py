@@ -7,7 +7,7 @@ The cluster tag map is scaled to each size (its trainer pool of H100 nodes and i
 nodes in the map's proportion), and each mode runs the same long-tailed workload (and, at the smallest
 size, the multi-turn one) for a few training steps on a discrete-event clock (`sfhpc.sim`). The episodes
 go out through the project's `Scheduler` (by load, lending and reclaiming in ``seamless``); decode,
-prefill, training, weight sync and lend/reclaim take the times of `sfhpc.bench.cost_model` (published
+prefill, training, weight sync and lend/reclaim take the times of `sfhpc.sim.cost_model` (published
 H100/L40S figures, cited there). Per mode and size: trained tokens/s, bubble fraction per role (from the
 scheduler's timeline, as a run reports it), tokens dropped as stale, staleness, lend and reclaim counts,
 reclaim latency (batch ready -> training started). Writes ``simulate.json``, ``simulate.txt`` (the table)
@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.bench import run_as_script
-from sfhpc.bench.cost_model import MODELS, CostModel
 from sfhpc.config.cluster import ClusterMap, load_cluster_map
 from sfhpc.errors import SfhpcError
 from sfhpc.sim.cluster import scaled_cluster
+from sfhpc.sim.cost_model import MODELS, CostModel
 from sfhpc.sim.pipeline import MODES, SimConfig, SimResult, simulate
 from sfhpc.sim.workload import WORKLOADS, workload_named
 from sfhpc.table import format_table

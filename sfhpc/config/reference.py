@@ -83,7 +83,7 @@ def _yaml_keys(cls: type) -> Iterator[dataclasses.Field[Any]]:
 def _dataclass_of(hint: Any) -> type | None:
     """D for a hint D or D | None, where D is a dataclass: a section."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (Union, types.UnionType) else (hint,)
-    found = [a for a in args if dataclasses.is_dataclass(a)]
+    found = [a for a in args if isinstance(a, type) and dataclasses.is_dataclass(a)]
     return found[0] if len(found) == 1 else None
 
 
@@ -124,7 +124,7 @@ def default_text(field: dataclasses.Field[Any]) -> str:
     """A field's default as YAML would write it; *required* when it has none."""
     if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
         return "*required*"
-    value = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+    value = field.default if field.default_factory is dataclasses.MISSING else field.default_factory()
     if isinstance(value, tuple):
         value = list(value)
     if isinstance(value, float):
@@ -169,7 +169,7 @@ def undocumented(cls: type) -> list[str]:
 def key_paths(cls: type) -> set[str]:
     """Every key under the dataclass `cls`, dotted, with ``*`` for a role's or a pool's name: what a table
     of renamed keys may point to."""
-    paths = set()
+    paths: set[str] = set()
     for section in sections(cls):
         prefix = ".".join("*" if part.startswith("<") else part for part in section.path.split(".") if part)
         paths.update(f"{prefix}.{key.name}" if prefix else key.name for key in section.keys if not key.entry)

@@ -105,14 +105,14 @@ TIMELINE_DTYPE = np.dtype([
 ])
 
 # The growing datasets, in the order a flush writes them: data first, the rows that point into it after.
-DATA = {
+DATA: dict[str, np.dtype] = {
     "tokens/ids": np.dtype("i4"),
     "tokens/logprobs": np.dtype("f4"),
     "tokens/versions": np.dtype("i4"),
     "blobs/metadata": np.dtype("u1"),
     "blobs/rewards": np.dtype("f8"),
 }
-TABLES = {
+TABLES: dict[str, np.dtype] = {
     "trajectories": TRAJECTORY_DTYPE,
     "segments": SEGMENT_DTYPE,
     "statuses": STATUS_DTYPE,
@@ -168,6 +168,7 @@ def upgraded(name: str, rows: np.ndarray) -> np.ndarray:
     if rows.dtype == dtype:
         return rows
     out = np.zeros(len(rows), dtype)
+    assert dtype.names is not None and rows.dtype.names is not None  # table rows are structured
     for field in dtype.names:
         if field in rows.dtype.names:
             out[field] = rows[field]

@@ -656,5 +656,5 @@ class TrajectoryManager:
                 self.store.close()
 
     def _take_timeline(self) -> None:
-        if self._timeline_drain is not None and not self.store.closed:
+        if self._timeline_drain is not None and self.store is not None and not self.store.closed:
             self.store.add_intervals(self._timeline_drain())

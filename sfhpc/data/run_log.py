@@ -25,10 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.errors import SfhpcError
-
-METRICS_FILE = "metrics.jsonl"  # one row per trained step (`sfhpc.rl.progress`)
-EVENTS_FILE = "events.jsonl"  # stops, checkpoints, restarts, the end (`sfhpc.rl.controller`)
-DAMAGED_SUFFIX = ".damaged"
+from sfhpc.rundir import RunPaths
 
 Warn = Callable[[str], None]
 _warned: set[tuple[str, int, int]] = set()  # (file, line, size): a reader that polls warns once per cut
@@ -57,7 +54,7 @@ def repair_log(path: Path, *, warn: Warn | None = None) -> list[dict[str, Any]]:
             _terminate(path)
             return rows
         line, start, size = cut
-        damaged = path.with_name(path.name + DAMAGED_SUFFIX)
+        damaged = RunPaths.damaged(path)
         with path.open("rb") as f:
             f.seek(start)
             text = f.read()

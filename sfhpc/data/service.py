@@ -210,7 +210,7 @@ class ManagerClient:
         # An id made here cannot clash, so the call goes one-way once the other checks pass; the caller's
         # own id may clash: then wait for the manager's word.
         one_way = trajectory_id is None
-        if one_way:
+        if trajectory_id is None:
             trajectory_id = new_trajectory_id()
             check_start(trajectory_id, task, group, metadata)
         started = self._call("start", list(prompt_tokens), task=task, group=group, metadata=metadata,
@@ -237,7 +237,8 @@ class ManagerClient:
                       started_at: float | None = None, temperature: float | None = None,
                       top_p: float | None = None) -> None:
         self._call("add_generated", trajectory_id, list(tokens), list(logprobs),
-                   int(versions) if isinstance(versions, numbers.Integral) else list(versions), engine=engine,
+                   # (int: what a type checker narrows on; numbers.Integral: numpy's integers too)
+                   int(versions) if isinstance(versions, int | numbers.Integral) else list(versions), engine=engine,
                    finish_reason=finish_reason, started_at=started_at, temperature=temperature, top_p=top_p)
 
     def interrupt(self, trajectory_id: str) -> None:

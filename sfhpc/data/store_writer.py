@@ -75,7 +75,7 @@ class TrajectoryStore:
         self._committed = {name: int(last[name.replace("/", ".")]) for name in self._layout.growing}
         self._next = dict(self._committed)  # lengths including what is buffered
         self._pending: dict[str, list[Any]] = {name: [] for name in self._layout.growing}
-        self._sampling = "temperature" in self._layout.tables["segments"].names
+        self._sampling = "temperature" in (self._layout.tables["segments"].names or ())
         self.session = int(last["session"])
         ids = self._ds["trajectories"][: self._committed["trajectories"]]["id"]
         self._rows = {_text(raw): row for row, raw in enumerate(ids)}
@@ -207,7 +207,7 @@ class TrajectoryStore:
         start = self._push("tokens/ids", segment.tokens, n)
         self._push("tokens/logprobs", segment.logprobs, n)
         self._push("tokens/versions", segment.versions, n)
-        values = (row, index, segment.parent, segment.fork_at, segment.kind.code, start, n,
+        values: tuple[Any, ...] = (row, index, segment.parent, segment.fork_at, segment.kind.code, start, n,
                   _fixed_cached(segment.engine, layout.ENGINE_BYTES, "engine name"), segment.t_start, segment.t_end,
                   _fixed_cached(segment.finish_reason, layout.REASON_BYTES, "finish reason"))
         if self._sampling:  # (a schema-1 store, reopened, has no place for them)

@@ -79,7 +79,7 @@ _KIND_CODES = {k: i for i, k in enumerate(_KIND_LIST)}
 
 
 def _frozen_array(values: Any, dtype: type) -> np.ndarray:
-    array = np.array(values, dtype=dtype).reshape(-1)  # a copy: the caller may reuse its buffer
+    array: np.ndarray = np.array(values, dtype=dtype).reshape(-1)  # a copy: the caller may reuse its buffer
     array.flags.writeable = False  # records are values: nobody edits a token after it is recorded
     return array
 
@@ -92,8 +92,10 @@ class Segment:
     parent: int
     fork_at: int
     tokens: np.ndarray  # int32
-    logprobs: np.ndarray | None = None  # float32, 0.0 where the policy did not generate the token (None: all)
-    versions: np.ndarray | None = None  # int32, NO_VERSION where the policy did not generate it (None: all)
+    # float32, 0.0 where the policy did not generate the token (None: all; filled in __post_init__)
+    logprobs: np.ndarray = None  # type: ignore[assignment]
+    # int32, NO_VERSION where the policy did not generate it (None: all; filled in __post_init__)
+    versions: np.ndarray = None  # type: ignore[assignment]
     engine: str = ""  # the engine/rank that generated it
     t_start: float = 0.0  # wall-clock seconds (time.time())
     t_end: float = 0.0
@@ -122,15 +124,20 @@ class Segment:
                 set_(self, name, None if math.isnan(value) else float(value))
 
     @classmethod
-    def of(cls, kind: SegmentKind, parent: int, fork_at: int, tokens: Sequence[int], *,
-           logprobs: Sequence[float] | None = None, versions: int | Sequence[int] | None = None,
+    def of(cls, kind: SegmentKind, parent: int, fork_at: int, tokens: Sequence[int] | np.ndarray, *,
+           logprobs: Sequence[float] | np.ndarray | None = None,
+           versions: int | Sequence[int] | np.ndarray | None = None,
            engine: str = "", t_start: float = 0.0, t_end: float = 0.0, finish_reason: str = "",
            temperature: float | None = None, top_p: float | None = None) -> Segment:
         """Build a segment, filling per-token columns that do not apply (a single version is broadcast)."""
         toks = np.asarray(tokens, dtype=np.int32)
+        n = len(toks)
+        lps = np.zeros(n, np.float32) if logprobs is None else np.asarray(logprobs, np.float32)
         if isinstance(versions, int | np.integer):
-            versions = np.full(len(toks), int(versions), np.int32)
-        return cls(kind, parent, fork_at, toks, logprobs, versions, engine, t_start, t_end, finish_reason,
+            vers = np.full(n, int(versions), np.int32)
+        else:
+            vers = np.full(n, NO_VERSION, np.int32) if versions is None else np.asarray(versions, np.int32)
+        return cls(kind, parent, fork_at, toks, lps, vers, engine, t_start, t_end, finish_reason,
                    temperature, top_p)
 
     def __len__(self) -> int:

@@ -196,7 +196,8 @@ async def start_site(api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0,
         raise EndpointConfigError(f"the agent endpoint cannot listen on {host}:{port}: {exc.strerror}; "
                                   f"choose another port (0 picks a free one)") from exc
     server = site._server  # aiohttp keeps the listening sockets there
-    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port
+    # (typed AbstractServer, which has no `sockets`; the loop's server, asyncio's or uvloop's, has them)
+    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port  # type: ignore[attr-defined]
     return runner, bound
 
 

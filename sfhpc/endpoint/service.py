@@ -385,6 +385,7 @@ class Turn:
     async def _generate(self) -> AsyncIterator[TokenDelta]:
         ep, req, tid = self._endpoint, self.request, self.trajectory_id
         s = self._sampling
+        assert s.temperature is not None and s.top_p is not None  # resolved() filled them
         base = GenerationRequest(request_id=ep._next_request_id(), prompt_token_ids=req.prompt_token_ids,
                                  max_new_tokens=self._max_new, temperature=s.temperature, top_p=s.top_p,
                                  seed=s.seed, stop_token_ids=s.stop_token_ids)

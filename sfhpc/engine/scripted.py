@@ -16,7 +16,7 @@ of version 1 or later stops after that many tokens and waits for the next pause,
 ``abort`` (its continuation, resubmitted from prompt + partial, is not held again). Version 0 is never held,
 so the first batch always completes; a hold gives up after ``cut_hold_s``, so no run can wait on it forever.
 
-Timing model. With the delays of a cost model (`sfhpc.bench.cost_model`) the engine stands in for a
+Timing model. With the delays of a cost model (`sfhpc.sim.cost_model`) the engine stands in for a
 GPU engine's *speed* while its text stays a hash: a decode step of a batch costs ``token_delay +
 per_sequence_delay * in_flight`` (memory-bound decoding: every sequence in flight gets one token per
 step, and each one makes the step a little longer), a request's prompt costs ``prefill_delay`` per token

@@ -192,7 +192,7 @@ class ByteTokenizer:
         ids = [BOS]
         for index, message in enumerate(messages):
             role = message.get("role")
-            if role not in ROLE_MARKERS:
+            if not isinstance(role, str) or role not in ROLE_MARKERS:
                 raise ChatFormatError(f"messages[{index}].role must be one of {sorted(ROLE_MARKERS)}, "
                                       f"found {role!r}")
             content = message.get("content")

@@ -34,9 +34,9 @@ import multiprocessing
 import os
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
-from sfhpc.engine.base import GenerationChunk, GenerationRequest, RolloutEngine
+from sfhpc.engine.base import FinishReason, GenerationChunk, GenerationRequest, RolloutEngine
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
@@ -125,7 +125,8 @@ class VllmEngine(RolloutEngine):
         self._open: set[str] = set()  # request ids whose stream has not ended
 
     @classmethod
-    def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256, dtype: str = "bfloat16",
+    def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256,
+              dtype: Literal["bfloat16", "float32"] = "bfloat16",
               kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0) -> VllmEngine:
         """Start the engine (about 20 s on a CPU). Call from the event loop that will use it."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
@@ -226,6 +227,6 @@ def _already_shut_down(*_args: object, **_kwargs: object) -> None:
     return None
 
 
-def _finish_reason(reason: str | None) -> str:
+def _finish_reason(reason: str | None) -> FinishReason:
     # vLLM says "stop" for stop tokens, "length" for the budget, "abort" for aborted/paused requests.
-    return reason if reason in ("stop", "length", "abort") else "abort"
+    return cast(FinishReason, reason) if reason in ("stop", "length", "abort") else "abort"

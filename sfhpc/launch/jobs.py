@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.errors import SfhpcError, SlurmError
-from sfhpc.launch.rundir import find_run_dir
 from sfhpc.launch.submitit_het import combine_states
+from sfhpc.rundir import RunPaths, find_run_dir
 from sfhpc.table import format_table
 
 SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList", "Elapsed")
@@ -219,7 +219,8 @@ def job_logs(job_id: str, output_dir: str, rank: int | None = None) -> str:
     if run_dir is None:
         raise SfhpcError(f"job {job_id} is not in {Path(output_dir) / 'jobs.tsv'}: pass --output-dir "
                          "with the recipe's output_dir (default: runs)")
-    path = run_dir / "logs" / f"rank-{rank:03d}.log" if rank is not None else run_dir / f"slurm-{job_id}.out"
+    paths = RunPaths(run_dir)
+    path = paths.rank_log(rank) if rank is not None else paths.slurm_log(job_id)
     if not path.exists():
         raise SfhpcError(f"job {job_id}: no log at {path} yet (is the job still pending?)")
     return path.read_text(encoding="utf-8", errors="replace")

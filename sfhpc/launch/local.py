@@ -1,7 +1,5 @@
-"""Run a recipe on one machine without Slurm: the same ranks, started by Open MPI's mpiexec.
-
-The recipe is placed on a *local* map (one pool that offers every tag the recipe asks for), so the rank
-table, roles and components are the ones a Slurm launch would give.
+"""Run a recipe on one machine without Slurm: the same ranks, started by Open MPI's mpiexec, placed on the
+map of this machine (`sfhpc.plan.local_map`).
 """
 
 from __future__ import annotations
@@ -13,24 +11,10 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from sfhpc.config.cluster import ClusterMap, Pool
-from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.plan.local_map import LOCAL_MAP_NAME
+from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.runtime.slurm_env import TASKS_PER_COMPONENT_VAR
-
-LOCAL_MAP_NAME = "local"  # `--cluster local`: place the recipe on this machine alone
-
-
-def local_cluster_map(recipe: Recipe) -> ClusterMap:
-    """A map of this machine: one pool carrying every tag the recipe needs, with room for every role."""
-    tags = tuple(sorted({t for r in recipe.roles for t in r.tags}))
-    nodes = sum(r.nodes for r in recipe.roles if r.owns_nodes)
-    cpus = max(os.cpu_count() or 1, sum(r.num_tasks * r.cpus_per_task for r in recipe.roles))
-    gpus = max(r.tasks_per_node * r.gpus_per_task for r in recipe.roles)
-    pool = Pool(name="local", partition="local", nodes=nodes, tags=tags, cpus_per_node=cpus,
-                memory_mb=1, gpus_per_node=gpus)
-    return ClusterMap(cluster="local", pools=(pool,), source="(this machine)")
 
 
 def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.resolve import resolve
 
 T = TypeVar("T")
 
@@ -24,7 +24,7 @@ T = TypeVar("T")
 def problems(recipe_path: str, cluster_path: str | None) -> list[str]:
     """The problems `sfhpc run` (no `cluster_path`: this machine alone) or `sfhpc launch` (against the map at
     `cluster_path`) would stop at before starting anything, one line each; empty when there are none."""
-    from sfhpc.launch.local import local_cluster_map
+    from sfhpc.plan.local_map import local_cluster_map
     from sfhpc.rl.program import runnable_problems
 
     found: list[str] = []

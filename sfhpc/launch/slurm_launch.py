@@ -17,11 +17,11 @@ from pathlib import Path
 
 from sfhpc.config.cluster import ClusterMap
 from sfhpc.config.recipe import Recipe
-from sfhpc.launch.resolve import LaunchPlan
-from sfhpc.launch.rundir import record_job
 from sfhpc.launch.sbatch import SbatchSpec, double_quoted, render_sbatch, spec_for_plan
 from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
-from sfhpc.runtime.program import RankProgram
+from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.rank.program import RankProgram
+from sfhpc.rundir import RunPaths, record_job
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,7 @@ def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: 
     """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point); the batch
     script runs the step guard with `python` (shell words)."""
     # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
-    return spec_for_plan(plan, recipe, command, output=str(run_dir / "slurm-%j.out"),
+    return spec_for_plan(plan, recipe, command, output=str(RunPaths(run_dir).slurm_log_pattern),
                          python=python, environment={"SUBMITIT_EXECUTOR": "slurm"},
                          header=_header(recipe, cluster, plan))
 
@@ -54,7 +54,7 @@ def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir:
     def spec(command: str) -> SbatchSpec:
         return launch_spec(recipe, cluster, plan, run_dir, command, python=shlex.quote(sys.executable))
 
-    return HetSlurmExecutor(run_dir / "submitit", spec, num_tasks=plan.world_size)
+    return HetSlurmExecutor(RunPaths(run_dir).submitit, spec, num_tasks=plan.world_size)
 
 
 def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, *, probe: bool = False) -> Submission:

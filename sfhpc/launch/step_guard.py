@@ -24,13 +24,13 @@ With ``--requeue-on-failure N`` a failed step requeues its own job: when srun (o
 ends with a status other than 0 and 2 (2: a user error, which a rerun would repeat; a rank's mark saying
 2 counts too), no signal came from outside (a cancel, preemption, requeue or time limit: Slurm or the
 ranks decide then), and the job has been restarted fewer than N times, the guard says so in one line
-and runs ``scontrol requeue``. The job then starts again and resumes from its last checkpoint.
+and runs ``scontrol requeue``. The job then starts again and resumes from its last checkpoint. The rules
+are `sfhpc.runtime.requeue`'s, the one place that decides a requeue.
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import shutil
@@ -42,9 +42,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sfhpc.errors import SfhpcError
+from sfhpc.runtime import requeue
+from sfhpc.runtime.requeue import USER_ERROR
 from sfhpc.runtime.slurm_env import current_job_id, restart_count
+from sfhpc.runtime.step_marks import MARKS_ENV, read_marks
 
-MARKS_ENV = "SFHPC_STEP_MARKS"
 DEFAULT_GRACE_S = 30.0
 POLL_S = 1.0
 # Passed on to srun: the job's own stop requests. Not TERM/INT/HUP: srun answers those by killing the
@@ -52,56 +54,6 @@ POLL_S = 1.0
 # means TERM for the ranks (requeue, preemption, node shutdown) it sends it to them itself.
 _FORWARDED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGCONT)
 _HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)  # noted, never the guard's end
-USER_ERROR = SfhpcError.exit_code  # a rank's one-line user error: a rerun would fail the same way
-
-# What this rank will report in its mark: failure until the rank's program says it finished.
-_outcome = 1
-_armed: tuple[Path, int] | None = None  # (marks folder, rank) once armed
-
-
-def arm(rank: int) -> None:
-    """Leave this rank's mark at interpreter exit, if a guard is watching (no-op otherwise)."""
-    global _armed
-    folder = os.environ.get(MARKS_ENV)
-    if not folder or _armed:
-        return
-    _armed = (Path(folder), rank)
-    # Python's atexit handlers run before mpi4py finalizes MPI, and after submitit pickles the results.
-    atexit.register(_leave_mark, Path(folder), rank)
-
-
-def finished(outcome: int = 0) -> None:
-    """Record how this rank's program ended (0: success)."""
-    global _outcome
-    _outcome = outcome
-
-
-def abandon(outcome: int) -> None:
-    """Record `outcome` and leave the mark now: the process is about to end without its atexit handlers
-    (`MPI_Abort`, `sfhpc.runtime.fault`), and a user error must still keep the guard from requeueing."""
-    finished(outcome)
-    if _armed is not None:
-        _leave_mark(*_armed)
-
-
-def _leave_mark(folder: Path, rank: int) -> None:
-    try:
-        temporary = folder / f".rank-{rank}.tmp"
-        temporary.write_text(f"{_outcome}\n")
-        temporary.replace(folder / f"rank-{rank}")  # whole or absent: the guard never reads half a mark
-    except OSError:
-        pass  # the folder is gone (the guard already returned): nothing is watching
-
-
-def read_marks(folder: Path) -> dict[int, int]:
-    """Rank -> outcome of every mark in `folder`."""
-    marks: dict[int, int] = {}
-    for path in folder.glob("rank-*"):
-        try:
-            marks[int(path.name.removeprefix("rank-"))] = int(path.read_text().strip() or 1)
-        except (OSError, ValueError):
-            continue
-    return marks
 
 
 def _restarts() -> int:
@@ -153,12 +105,14 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
                 shutil.rmtree(folder, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     folder.parent.rmdir()  # only when no other job's marks are in it
-        # A rank's user error shows in its mark even when srun's status does not (a rank that exits 2
-        # makes --kill-on-bad-exit end the others, and srun may report their status instead).
-        user_error = status == USER_ERROR or USER_ERROR in outcomes.values()
-        stopped = any(s != signal.SIGCONT for s in received)
-        if requeue_on_failure is not None and status != 0 and not user_error and not stopped:
-            _requeue_after_failure(status, requeue_on_failure)
+        stops = [signal.Signals(s).name for s in received if s != signal.SIGCONT]
+        _requeue_if_decided(requeue.Situation(
+            job_id=current_job_id(), enabled=requeue_on_failure is not None, signal=stops[0] if stops else None,
+            exit_status=status,
+            # A rank's user error shows in its mark even when srun's status does not (a rank that exits 2
+            # makes --kill-on-bad-exit end the others, and srun may report their status instead).
+            user_error=USER_ERROR in outcomes.values(),
+            restarts=_restarts(), max_restarts=requeue_on_failure or 0))
         return status
     finally:
         for signum, handler in previous.items():
@@ -190,22 +144,17 @@ def _shell_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def _requeue_after_failure(status: int, limit: int) -> None:
-    """Requeue this job after a failed step if it has restarts left; one line either way."""
-    job = current_job_id()
-    if job is None:
-        return  # not inside a Slurm job: nothing to requeue
-    restarts = _restarts()
-    if restarts >= limit:
-        print(f"sfhpc: the step failed (exit {status}); job {job} is not requeued: it has been restarted "
-              f"{restarts} time(s), launch.max_restarts is {limit}", file=sys.stderr, flush=True)
+def _requeue_if_decided(situation: requeue.Situation) -> None:
+    """Requeue this job after its step if `sfhpc.runtime.requeue` says so, with its one line."""
+    decision = requeue.decide(situation)
+    if decision.line is not None:
+        print(f"sfhpc: {decision.line}", file=sys.stderr, flush=True)
+    if not decision.requeue or situation.job_id is None:
         return
-    print(f"sfhpc: the step failed (exit {status}); requeueing job {job} (restart {restarts + 1} of {limit}): "
-          "it resumes from its last checkpoint", file=sys.stderr, flush=True)
     from sfhpc.launch.jobs import requeue_job  # only now: the guard starts fast without Slurm's helpers
 
     try:
-        requeue_job(job)
+        requeue_job(situation.job_id)
     except SfhpcError as exc:
         print(f"sfhpc: {exc}", file=sys.stderr, flush=True)
 

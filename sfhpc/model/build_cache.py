@@ -29,7 +29,8 @@ _BUILDERS = ("tiny.py", "hf_folder.py", "warm_start.py")  # sources whose change
 def build_key(model_section: object, seed: int, task_texts: Iterable[str]) -> str:
     """The cache key of one build: a hash of its inputs and of the code that turns them into a folder."""
     digest = hashlib.sha256()
-    section = dataclasses.asdict(model_section) if dataclasses.is_dataclass(model_section) else model_section
+    section = (dataclasses.asdict(model_section)
+               if dataclasses.is_dataclass(model_section) and not isinstance(model_section, type) else model_section)
     digest.update(json.dumps({"model": section, "seed": seed}, sort_keys=True, default=str).encode())
     for text in task_texts:
         digest.update(text.encode())

@@ -103,5 +103,6 @@ def vllm_architectures() -> frozenset[str] | None:
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_TEXT_GENERATION_MODELS"
                                                 for t in node.targets) and isinstance(node.value, ast.Dict):
-            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+            return frozenset(k.value for k in node.value.keys
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
     return None

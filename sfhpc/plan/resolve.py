@@ -179,7 +179,7 @@ def _cpus_per_task(owner: Role, placed: list[Role], colocated: list[Role]) -> in
 def _component(index: int, recipe: Recipe, owner: Role, pool: Pool) -> Component:
     placed, colocated = _riders(recipe, owner)
     owner_roles = (owner.name, *(r.name for r in colocated))
-    task_roles = [(r.name,) for r in placed for _ in range(r.tasks)]
+    task_roles: list[tuple[str, ...]] = [(r.name,) for r in placed for _ in range(r.tasks)]
     task_roles += [owner_roles] * (owner.nodes * owner.tasks_per_node)
     gpus_per_task = max(r.gpus_per_task for r in [owner, *colocated])
     return Component(

@@ -23,9 +23,9 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch import step_guard
-from sfhpc.launch.resolve import LaunchPlan
-from sfhpc.runtime import fault, fault_injection, liveness, preemption, rank_log
+from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.rundir import RunPaths
+from sfhpc.runtime import fault, fault_injection, liveness, preemption, rank_log, step_marks
 from sfhpc.runtime.gpu_binding import bind_one_gpu
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
@@ -45,19 +45,19 @@ class RankProgram:
     def __call__(self) -> dict[str, Any]:
         preemption.install()  # from the first moment: a stop signal during start-up is acted on, not lost
         identity = identify(self.plan, read_rank_environment())
-        step_guard.arm(identity.rank)
+        step_marks.arm(identity.rank)
         try:
             # Before CUDA starts: a GPU rank that Slurm left seeing every GPU of its node takes its own.
             bind_one_gpu(self.plan.components[identity.env.component], identity.env)
             result = self._run(identity)
         except SfhpcError as exc:  # a user error's mark keeps the step guard from requeueing the job
-            step_guard.finished(exc.exit_code)
+            step_marks.finished(exc.exit_code)
             raise
-        step_guard.finished(0)
+        step_marks.finished(0)
         return result
 
     def _run(self, identity: RankIdentity) -> dict[str, Any]:
-        log_path = self.run_dir / "logs" / f"rank-{identity.rank:03d}.log"
+        log_path = RunPaths(self.run_dir).rank_log(identity.rank)
         rank_log.set_up(log_path, identity.rank, verbose=self.verbose)  # before anything imports vLLM
         # Import mpi4py here, never at module level: vLLM's CPU engine spawns children that re-import
         # the main module, and a top-level import would run MPI_Init in them. The import joins the world.
@@ -113,7 +113,7 @@ def run_rank_main(program: RankProgram, is_rank_zero: bool) -> int:
     try:
         program()
     except SfhpcError as exc:
-        step_guard.finished(exc.exit_code)
+        step_marks.finished(exc.exit_code)
         return report_user_error(exc, is_rank_zero)
     except Exception:
         traceback.print_exc()

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.errors import SfhpcError
+from sfhpc.rundir import RunPaths
 
 MANIFEST = "MANIFEST.json"
 TRAINER_FILE = "trainer.pt"
@@ -88,7 +89,7 @@ class RunCheckpoints:
     """The ``checkpoints/`` folder of one run."""
 
     def __init__(self, run_dir: Path) -> None:
-        self.root = Path(run_dir) / "checkpoints"
+        self.root = RunPaths(Path(run_dir)).checkpoints
 
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the checkpoint of `step` (the trainers write into it)."""

@@ -28,10 +28,10 @@ from typing import Any
 from sfhpc.config.recipe import Recipe
 from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fraction, from the timeline
-from sfhpc.data.run_log import EVENTS_FILE, read_log, repair_log
+from sfhpc.data.run_log import read_log, repair_log
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
-from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
@@ -39,13 +39,13 @@ from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
-from sfhpc.runtime import preemption
+from sfhpc.rundir import RunPaths
+from sfhpc.runtime import preemption, requeue
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
 log = logging.getLogger("sfhpc")
 
-STORE_NAME = "trajectories.h5"
 STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
 FAULT_STOP_GRACE_S = 10.0  # the same after a fault, which must end every rank within seconds
 HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every trajectory's status
@@ -74,7 +74,7 @@ class Controller:
         self.recipe, self.layout, self.task, self.run_dir = recipe, layout, task, run_dir
         self.resume_from, self.restart, self.job_id = resume_from, restart, job_id
         self.scheduler = Scheduler(plan, lending=recipe.pipeline.mode == "seamless")
-        self.store_path = run_dir / STORE_NAME
+        self.store_path = RunPaths(run_dir).store
         self.store = TrajectoryStore.open(self.store_path,
                                           run_metadata={"recipe": recipe.name, "source": recipe.source,
                                                         "model": str(model_dir)})  # its tokenizer
@@ -99,7 +99,7 @@ class Controller:
         self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}
         # The event log of a folder opened again: a crash may have cut its last line, which is set aside
         # before the first event is appended (the metrics likewise, by `Progress`).
-        repair_log(run_dir / EVENTS_FILE)
+        repair_log(RunPaths(run_dir).events)
         self.progress = Progress(run_dir, recipe.budgets.steps)
         self.checkpoints = RunCheckpoints(run_dir)
         self.identity = run_identity(recipe, model_dir)
@@ -129,7 +129,7 @@ class Controller:
         groups trained on, dropped as stale or spoiled by a failed member."""
         self.drop_hopeless_groups()
         self.open_groups = {g: e for g, e in self.open_groups.items() if self.manager.in_flight(g)}
-        episodes = []
+        episodes: list[msg.Episode] = []
         for _ in range(max(0, self.groups_wanted() - self.groups_out)):
             problem = self.task.sample(self.rng)
             # The store's writer session makes the key unique across allocations: a restart restores
@@ -158,7 +158,7 @@ class Controller:
         for rank in ranks:
             msg.send(self.layout.world, msg.Cancel(groups), rank)
         for rank in ranks:
-            reply: msg.Cancelled = msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested)
+            reply = msg.receive_reply(self.layout.world, rank, msg.Cancelled, idle=self.stop_requested)
             self.scheduler.withdraw(reply.rank, reply.episodes)
         self.hopeless_groups += len(groups)
         return len(groups)
@@ -178,8 +178,8 @@ class Controller:
             return
         for rank in ranks:
             msg.send(self.layout.world, msg.Reclaim(), rank)
-        replies: list[msg.Reclaimed] = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested)
-                                        for rank in ranks]
+        replies = [msg.receive_reply(self.layout.world, rank, msg.Reclaimed, idle=self.stop_requested)
+                   for rank in ranks]
         moved = [episode for reply in replies for episode in reply.episodes]
         for reply in replies:
             self.scheduler.withdraw(reply.rank, len(reply.episodes))
@@ -279,8 +279,8 @@ class Controller:
         msg.send(self.layout.world, command, trainers[0])
         for rank in trainers[1:]:
             msg.send(self.layout.world, msg.Train(step, None), rank)
-        reply = msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG, idle=self.stop_requested)
-        self.scheduler.set_state(trainers, RankState.IDLE)
+        reply = msg.receive_reply(self.layout.world, trainers[0], msg.Trained, idle=self.stop_requested)
+        self.scheduler.set_state(trainers, RankState.WAITING)
         return reply
 
     def sync_weights(self, version: int) -> float:
@@ -293,8 +293,9 @@ class Controller:
             msg.send(self.layout.world, msg.SyncWeights(version), rank)
         answering = list(rollouts) + ([trainers[0]] if trainers[0] not in rollouts else [])
         # A stop request is noted meanwhile (and acted on once every engine holds the new weights).
-        replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, idle=self.stop_requested) for rank in answering]
-        self.scheduler.set_state(everyone, RankState.IDLE)
+        replies = [msg.receive_reply(self.layout.world, rank, msg.Synced, idle=self.stop_requested)
+                   for rank in answering]
+        self.scheduler.set_state(everyone, RankState.WAITING)
         self.version = version
         return max(r.seconds for r in replies if r.rank in rollouts)
 
@@ -337,7 +338,7 @@ class Controller:
         trainers = self.scheduler.trainer_ranks
         for rank in trainers:
             msg.send(self.layout.world, msg.Checkpoint(str(partial / TRAINER_FILE)), rank)
-        msg.receive(self.layout.world, trainers[0], msg.REPLY_TAG)
+        msg.receive_reply(self.layout.world, trainers[0], msg.CheckpointWritten)
         self.manager.flush()
         self._state().save(partial / "controller.pt")
         info = self.checkpoints.commit(partial, step=self.step_done, version=self.version, identity=self.identity,
@@ -363,7 +364,7 @@ class Controller:
         for rank in rollouts:
             msg.send(self.layout.world, msg.Quiesce(), rank)
         try:
-            replies = [msg.receive(self.layout.world, rank, msg.REPLY_TAG, timeout=QUIESCE_TIMEOUT_S)
+            replies = [msg.receive_reply(self.layout.world, rank, msg.Quiesced, timeout=QUIESCE_TIMEOUT_S)
                        for rank in rollouts]
         except TimeoutError:
             log.warning("a rollout rank did not answer the quiesce within %.0f s", QUIESCE_TIMEOUT_S)
@@ -377,23 +378,22 @@ class Controller:
         assert self.stopping is not None and self.last_checkpoint is not None
         signal_name = self.stopping[1]
         self.event("stopped", signal=signal_name, step=self.step_done, checkpoint=str(self.last_checkpoint.path))
-        if self.job_id is not None and self.recipe.launch.requeue and self._requeue_after(signal_name):
-            from sfhpc.launch.jobs import requeue_job
-
-            print(f"requeueing job {self.job_id} after {signal_name}", flush=True)
-            requeue_job(self.job_id)
-            self.event("requeue-requested", job=self.job_id)
-        elif self.job_id is None:
+        if self.job_id is None:
             print(f"stopped by {signal_name} after step {self.step_done}; checkpoint {self.last_checkpoint.path}; "
                   f"continue with: sfhpc run {self.recipe.source} --resume {self.run_dir}", flush=True)
+            return
+        from sfhpc.launch.jobs import preempted_and_running, requeue_job
 
-    def _requeue_after(self, signal_name: str) -> bool:
-        """USR1/USR2 are the job's own request; after TERM only a preemption needs the run to requeue itself
-        (see `sfhpc.launch.jobs.preempted_and_running`): `scontrol requeue` already requeued it, and a
-        job cancelled with `scancel` must end."""
-        from sfhpc.launch.jobs import preempted_and_running
-
-        return preemption.asks_for_requeue(signal_name) or preempted_and_running(str(self.job_id))
+        enabled = self.recipe.launch.requeue
+        # slurmctld is asked only where the answer counts: after TERM, a preemption under way.
+        decision = requeue.decide(requeue.Situation(
+            job_id=self.job_id, enabled=enabled, signal=signal_name,
+            preempted=enabled and signal_name == "SIGTERM" and preempted_and_running(self.job_id)))
+        if decision.line is not None:
+            print(decision.line, flush=True)
+        if decision.requeue:
+            requeue_job(self.job_id)
+            self.event("requeue-requested", job=self.job_id)
 
     # -- stop requests and restarts ----------------------------------------------------------------
     def stop_requested(self) -> bool:
@@ -443,7 +443,7 @@ class Controller:
     def event(self, name: str, **fields: Any) -> None:
         """One line of the run's event log (``events.jsonl``): stops, checkpoints, restarts, the end."""
         row = {"event": name, "time": time.time(), "restart": self.restart, **fields}
-        with open(self.run_dir / EVENTS_FILE, "a", encoding="utf-8") as f:
+        with open(RunPaths(self.run_dir).events, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
     def out_of_time(self) -> bool:
@@ -455,7 +455,7 @@ class Controller:
         rank stops; a run stopped by USR1/USR2 under Slurm then requeues itself."""
         preempted = self.stopping is not None
         self.live.enter("stopping", self.step_done)
-        if preempted:
+        if self.stopping is not None:
             # Checkpoint first: after a TERM, Slurm may end the step within seconds, and the trainers' state
             # is what cannot be had again. The generations cut by the quiesce reach the store afterwards.
             self.checkpoint(f"stop:{self.stopping[1]}")
@@ -537,5 +537,5 @@ def lending_summary(rows: list[dict[str, Any]]) -> str | None:
 
 def last_event(run_dir: Path) -> dict[str, Any] | None:
     """The last whole event of a run's event log (None when it has none)."""
-    events = read_log(run_dir / EVENTS_FILE)
+    events = read_log(RunPaths(run_dir).events)
     return events[-1] if events else None

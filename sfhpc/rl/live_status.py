@@ -11,14 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-STATUS_NAME = "status.json"
+from sfhpc.rundir import RunPaths
 
 
 class LiveStatus:
     """The controller's phase, kept on disk (atomically: a reader never sees half a file)."""
 
     def __init__(self, run_dir: Path, *, restart: int, job_id: str | None) -> None:
-        self.path = run_dir / STATUS_NAME
+        self.path = RunPaths(run_dir).status
         self.restart, self.job_id = restart, job_id
         self.phase, self.step = "starting", 0
         self.enter("starting", 0)
@@ -34,6 +34,6 @@ class LiveStatus:
 def read_live_status(run_dir: Path) -> dict[str, Any] | None:
     """The last phase a run's controller entered (None when it wrote none)."""
     try:
-        return json.loads((run_dir / STATUS_NAME).read_text(encoding="utf-8"))
+        return json.loads(RunPaths(run_dir).status.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None

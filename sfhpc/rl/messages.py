@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from sfhpc.tasks.base import Problem
 
 CONTROL_TAG = 0x5F20
 REPLY_TAG = 0x5F21
+R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +76,16 @@ class Synced:
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """Controller -> trainer ranks: write a checkpoint at `path` (trainer 0 answers `Synced`-like ack)."""
+    """Controller -> trainer ranks: write a checkpoint at `path` (trainer 0 answers `CheckpointWritten`)."""
 
     path: str
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWritten:
+    rank: int
+    path: str
+    version: int  # the policy version the checkpoint holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +133,13 @@ class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 
 
+# Each command's reply, from the ranks that answer it (None: no rank answers).
+REPLIES: dict[type, type | None] = {
+    Play: None, Train: Trained, SyncWeights: Synced, Checkpoint: CheckpointWritten, Quiesce: Quiesced,
+    Reclaim: Reclaimed, Cancel: Cancelled, Stop: None,
+}
+
+
 def send(comm: Any, message: object, dest: int, tag: int = CONTROL_TAG) -> None:
     comm.send(message, dest=dest, tag=tag)
 
@@ -146,6 +161,15 @@ def receive(comm: Any, source: int | None = None, tag: int = CONTROL_TAG, timeou
         time.sleep(delay)
         delay = min(delay * 2, 2e-3)
     return comm.recv(source=source, tag=tag)
+
+
+def receive_reply(comm: Any, source: int, kind: type[R], timeout: float | None = None,
+                  idle: Callable[[], object] | None = None) -> R:
+    """The reply of rank `source` to a command, which must be a `kind` (see `REPLIES`)."""
+    reply = receive(comm, source, REPLY_TAG, timeout=timeout, idle=idle)
+    if not isinstance(reply, kind):
+        raise RuntimeError(f"rank {source} answered {reply!r} where a {kind.__name__} was due")
+    return reply
 
 
 def poll(comm: Any, source: int, tag: int = CONTROL_TAG) -> Any | None:

@@ -9,7 +9,8 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault
 from sfhpc.runtime.comm_layout import build_comm_layout
 from sfhpc.runtime.identity import RankIdentity
@@ -60,7 +61,7 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
         if recipe.model.path is not None:
             path = Path(recipe.model.path)
         else:
-            path = run_dir / "model"
+            path = RunPaths(run_dir).model
             if not (path / "config.json").exists():  # a restarted run keeps the model it built
                 _build_model(recipe, task, path)
     return Path(world.bcast(str(path) if path else None, root=0))
@@ -113,9 +114,10 @@ def find_resume_checkpoint(recipe: Recipe, run_dir: Path, model_dir: Path, world
 
 def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     from sfhpc.rl.controller import Controller, describe, run_loop
-    from sfhpc.rl.rollout_worker import RolloutWorker, serve_rollout
+    from sfhpc.rl.rank_commands import serve
+    from sfhpc.rl.rollout_worker import RolloutWorker
     from sfhpc.rl.scheduler import Scheduler
-    from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer, serve_trainer
+    from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer
 
     check_runnable(recipe)
     task = get_task(recipe.task, recipe.source)
@@ -157,11 +159,8 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
                                tokenizer=load_tokenizer(model_dir),  # the endpoint speaks the model's tokenizer
                                lendable=lendable)
         try:
-            if lendable:
-                assert trainer_worker is not None  # lendable ranks are trainer ranks
-                serve_trainer(trainer_worker, lent=worker)
-            else:
-                serve_rollout(worker, on_train=_colocated_training(trainer_worker))
+            assert trainer_worker is not None or not lendable  # lendable ranks are trainer ranks
+            serve(layout, trainer=trainer_worker, rollout=worker, lent=lendable)
         except BaseException:
             # On the way to the fault path (sfhpc.runtime.fault): the agent programs and the engine are ended
             # first, but an engine that hangs must not hold the report back.
@@ -169,20 +168,6 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
             raise
         worker.close()
     elif trainer_worker is not None:
-        serve_trainer(trainer_worker)
+        serve(layout, trainer=trainer_worker)
     return {"rank": identity.rank, "roles": list(identity.roles)}
 
-
-def _colocated_training(worker: Any) -> Any:
-    """On a rank that trains and serves rollouts, the rollout loop forwards training commands here."""
-    if worker is None:
-        return None
-    from sfhpc.rl import messages as msg
-
-    def handle(command: Any) -> None:
-        if isinstance(command, msg.Train):
-            worker.train(command)
-        elif isinstance(command, msg.Checkpoint):
-            worker.checkpoint(command)
-
-    return handle

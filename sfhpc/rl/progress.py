@@ -12,15 +12,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sfhpc.data.run_log import METRICS_FILE, repair_log
+from sfhpc.data.run_log import repair_log
 from sfhpc.rl.tfevents import EventFile, rewrite
+from sfhpc.rundir import RunPaths
 
 SPARK = " .:-=+*#%@"
 
 
 class Progress:
     def __init__(self, run_dir: Path, total_steps: int) -> None:
-        self.path = run_dir / METRICS_FILE
+        self.paths = RunPaths(run_dir)
+        self.path = self.paths.metrics
         # A folder opened again: a crash may have cut the last row, which is set aside before one is appended.
         repair_log(self.path)
         self.total = total_steps
@@ -41,7 +43,7 @@ class Progress:
         self.events = rewrite(self.path.parent, self.rows)
         if not later:
             return
-        with open(self.path.with_name("metrics-discarded.jsonl"), "a", encoding="utf-8") as f:
+        with open(self.paths.metrics_discarded, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in later)
         temporary = self.path.with_name(".metrics.jsonl.tmp")
         temporary.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
@@ -96,7 +98,7 @@ class Progress:
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")
         fig.tight_layout()
-        out = self.path.parent / "reward.png"
+        out = self.paths.reward_plot
         fig.savefig(out, dpi=100)
         plt.close(fig)
         return out

@@ -34,6 +34,7 @@ from typing import Any
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Status
 from sfhpc.rl.messages import Episode
+from sfhpc.rundir import RunPaths
 
 
 @dataclasses.dataclass
@@ -132,7 +133,8 @@ def check_resumable(run_dir: Path, recipe: Any) -> Path:
     run_dir = run_dir.absolute()
     if not run_dir.is_dir():
         raise SfhpcError(f"--resume {run_dir}: no such folder")
-    if not any((run_dir / name).exists() for name in ("launch_report.json", "trajectories.h5", "checkpoints")):
+    paths = RunPaths(run_dir)
+    if not any(p.exists() for p in (paths.launch_report, paths.store, paths.checkpoints)):
         raise SfhpcError(f"--resume {run_dir}: not a run folder (no launch_report.json, trajectories.h5 or "
                          "checkpoints/ in it)")
     problems: list[str] = []
@@ -140,6 +142,6 @@ def check_resumable(run_dir: Path, recipe: Any) -> Path:
     if info is None:
         detail = f" ({problems[0]})" if problems else ""
         raise SfhpcError(f"--resume {run_dir}: no complete checkpoint to continue from{detail}")
-    model_dir = Path(recipe.model.path) if recipe.model.path else run_dir / "model"
+    model_dir = Path(recipe.model.path) if recipe.model.path else paths.model
     check_identity(info, run_identity(recipe, model_dir))
     return run_dir

@@ -28,7 +28,6 @@ from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.endpoint.service import SamplingRule
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.engine.tokenizer import ChatTokenizer
-from sfhpc.rl import messages as msg
 from sfhpc.rl.messages import Episode
 from sfhpc.rollout.agent import (
     ChatBackend,
@@ -41,6 +40,7 @@ from sfhpc.rollout.agent import (
 )
 from sfhpc.rollout.agent_process import AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
+from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault_injection, preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
@@ -63,8 +63,9 @@ class RolloutWorker:
         self.endpoint = AgentEndpoint(placeholder, self.starts or self.manager)
         # A token of the run's own, demanded on every route (loopback too): another user on a shared node
         # cannot add trajectories to this run. The run's HTTP agents send it.
+        token = new_run_token()
         self.server = EndpointServer(OpenAIApi(self.endpoint, model_name=recipe.model.name, tokenizer=tokenizer,
-                                               token=new_run_token(),
+                                               token=token,
                                                # A turn without a temperature gets the recipe's; what the
                                                # trainer cannot match is refused with a 400.
                                                sampling_rule=SamplingRule(recipe.algorithm.temperature)),
@@ -81,7 +82,7 @@ class RolloutWorker:
             return engine
 
         self.engine: RolloutEngine = self.server.call(start_engine(), timeout=600)
-        self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=self.server.token)
+        self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
                                      if task.max_turns > 1
                                      else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
         self.trainer = trainer  # colocated: this rank also trains, and loads its own weights
@@ -209,6 +210,7 @@ class RolloutWorker:
             return time.perf_counter() - start
 
         async def from_own_trainer() -> float:
+            assert self.trainer is not None
             start = time.perf_counter()
             await self.engine.pause()
             await self.engine.load_weights(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)),
@@ -390,38 +392,5 @@ class _Idle(RolloutEngine):
         return None
 
 
-def serve_rollout(worker: RolloutWorker, on_train: Any = None) -> None:
-    """The rollout rank's command loop (the main thread), until the controller says Stop."""
-    world, controller = worker.layout.world, worker.layout.controller_rank
-    notice = preemption.StopNotice(world, controller)
-    while True:
-        errors = worker.errors()
-        if errors:
-            raise errors[0]
-        notice.check()
-        command = msg.poll(world, controller)
-        if command is None:
-            time.sleep(0.002)
-            continue
-        if isinstance(command, msg.Play):
-            worker.play(command.episodes)
-        elif isinstance(command, msg.Train) and on_train is not None:
-            on_train(command)
-        elif isinstance(command, msg.SyncWeights):
-            seconds = worker.sync_weights(command.version)
-            msg.send(world, msg.Synced(worker.rank, command.version, seconds), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Checkpoint) and on_train is not None:
-            on_train(command)
-        elif isinstance(command, msg.Quiesce):
-            msg.send(world, msg.Quiesced(worker.rank, worker.quiesce()), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Cancel):
-            msg.send(world, msg.Cancelled(worker.rank, worker.cancel(command.groups)), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Stop):
-            worker.end_weight_stream()
-            return
-        else:
-            raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")
-
-
 def model_dir_of(run_dir: Path) -> Path:
-    return run_dir / "model"
+    return RunPaths(run_dir).model

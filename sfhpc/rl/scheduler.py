@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.rl.messages import Episode
 from sfhpc.rl.timeline import Timeline
 from sfhpc.table import format_table
@@ -35,7 +35,6 @@ from sfhpc.table import format_table
 
 class RankState(enum.StrEnum):
     WAITING = "waiting"  # at rest: a rank with the rollout role and episodes in flight is GENERATING instead
-    IDLE = "waiting"  # (the same member: "back to rest")
     GENERATING = "generating"
     TRAINING = "training"
     SYNCING = "syncing"
@@ -47,7 +46,7 @@ class RankEntry:
     rank: int
     roles: tuple[str, ...]
     tags: tuple[str, ...]
-    state: RankState = RankState.IDLE
+    state: RankState = RankState.WAITING
     assigned: int = 0  # episodes sent to this rank so far
 
 
@@ -114,7 +113,7 @@ class Scheduler:
         """Every lent rank back to its trainer (state idle); returns them. The caller moves their unfinished
         episodes to other ranks (and `withdraw`s them from the lent rank's count)."""
         ranks = self.lent_ranks
-        self.set_state(ranks, RankState.IDLE)
+        self.set_state(ranks, RankState.WAITING)
         self.reclaims += len(ranks)
         return ranks
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.rl import messages as msg
-from sfhpc.runtime import fault_injection, preemption
+from sfhpc.runtime import fault_injection
 from sfhpc.runtime.comm_layout import CommLayout
 
 
@@ -50,7 +50,9 @@ class TrainerWorker:
     def __init__(self, recipe: Recipe, layout: CommLayout, trainer: Any) -> None:
         self.recipe, self.layout, self.trainer = recipe, layout, trainer
         self.rank = layout.world.Get_rank()
-        self.is_first = layout.trainers.Get_rank() == 0
+        assert layout.trainers is not None  # a trainer rank is in the trainers' communicator
+        self.trainers = layout.trainers
+        self.is_first = self.trainers.Get_rank() == 0
         self.publisher = None
         if layout.weight_broadcast is not None and self.rank == layout.weight_root:
             from sfhpc.weights.publisher import WeightPublisher
@@ -58,22 +60,21 @@ class TrainerWorker:
 
             self.publisher = WeightPublisher(MPITransport(layout.weight_broadcast, root=0))
 
-    def train(self, command: msg.Train) -> None:
+    def train(self, command: msg.Train) -> msg.Trained | None:
         if hold := fault_injection.hold_seconds("train"):
             time.sleep(hold)  # a test stretches the step to signal the job inside it
         fault_injection.strike("train", self.rank)  # a test makes the rank fail here
         batch = command.batch
-        if self.layout.trainers.Get_size() > 1:
+        if self.trainers.Get_size() > 1:
             # Once over the trainers' communicator: the controller sent the batch to the first trainer only.
-            batch = self.layout.trainers.bcast(batch, root=0)
+            batch = self.trainers.bcast(batch, root=0)
         if batch is None:
             raise RuntimeError(f"rank {self.rank}: step {command.step} came without a batch to train on")
         metrics = self.trainer.train_step(batch)
-        if self.is_first:
-            reply = msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict())
-            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
+        # The first trainer answers for every trainer rank.
+        return msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict()) if self.is_first else None
 
-    def publish(self, command: msg.SyncWeights) -> None:
+    def publish(self, command: msg.SyncWeights) -> msg.Synced | None:
         start = time.perf_counter()
         if self.publisher is not None:
             import torch
@@ -88,9 +89,7 @@ class TrainerWorker:
             # and drop what they get. The other data-parallel replicas hold copies and sit it out.
             for _ in self.trainer.named_weights():
                 pass
-        if self.is_first:
-            reply = msg.Synced(self.rank, command.version, time.perf_counter() - start)
-            msg.send(self.layout.world, reply, self.layout.controller_rank, msg.REPLY_TAG)
+        return msg.Synced(self.rank, command.version, time.perf_counter() - start) if self.is_first else None
 
     @property
     def gathers_published_weights(self) -> bool:
@@ -101,53 +100,12 @@ class TrainerWorker:
             return False
         return bool(self.trainer.dp_rank == 0)
 
-    def checkpoint(self, command: msg.Checkpoint) -> None:
+    def checkpoint(self, command: msg.Checkpoint) -> msg.CheckpointWritten | None:
         Path(command.path).parent.mkdir(parents=True, exist_ok=True)
         self.trainer.save_checkpoint(Path(command.path))
-        if self.is_first:
-            msg.send(self.layout.world, msg.Synced(self.rank, self.trainer.policy_version, 0.0),
-                     self.layout.controller_rank, msg.REPLY_TAG)
+        return msg.CheckpointWritten(self.rank, command.path, self.trainer.policy_version) if self.is_first else None
 
+    def stop(self, _command: msg.Stop) -> None:
+        if self.publisher is not None:
+            self.publisher.finish()  # the rollout ranks take the stream's end before they stop
 
-def serve_trainer(worker: TrainerWorker, lent: Any | None = None) -> None:
-    """The trainer rank's command loop, until the controller says Stop.
-
-    `lent` (a `sfhpc.rl.rollout_worker.RolloutWorker`, in ``seamless`` mode on a node tagged ``rollout``):
-    the rank also holds an engine, loaded from its own trainer at every weight update. While the controller
-    lends it to rollout it plays the episodes it is sent (on the engine's own thread, so this loop stays
-    free for commands); at Reclaim it gives them back cut at a token boundary, before the Train that
-    follows (every trainer rank gets that Train, so the trainers' collectives line up as without lending).
-    """
-    world, controller = worker.layout.world, worker.layout.controller_rank
-    notice = preemption.StopNotice(world, controller)
-
-    def idle() -> None:
-        notice.check()
-        if lent is not None and (errors := lent.errors()):
-            raise errors[0]  # an agent that crashed must not go unnoticed
-
-    while True:
-        command = msg.receive(world, controller, idle=idle)
-        if isinstance(command, msg.Train):
-            worker.train(command)
-        elif isinstance(command, msg.SyncWeights):
-            worker.publish(command)
-            if lent is not None:  # after the broadcast: the rollout ranks are not kept waiting for it
-                lent.sync_weights(command.version)
-        elif isinstance(command, msg.Checkpoint):
-            worker.checkpoint(command)
-        elif isinstance(command, msg.Play) and lent is not None:
-            lent.play(command.episodes)
-        elif isinstance(command, msg.Reclaim) and lent is not None:
-            interrupted, episodes = lent.reclaim()
-            msg.send(world, msg.Reclaimed(worker.rank, interrupted, episodes), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Cancel) and lent is not None:
-            msg.send(world, msg.Cancelled(worker.rank, lent.cancel(command.groups)), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Quiesce) and lent is not None:
-            msg.send(world, msg.Quiesced(worker.rank, lent.quiesce()), controller, msg.REPLY_TAG)
-        elif isinstance(command, msg.Stop):
-            if worker.publisher is not None:
-                worker.publisher.finish()  # the rollout ranks take it before they stop
-            return
-        else:
-            raise RuntimeError(f"rank {worker.rank}: unexpected command {command!r}")

@@ -22,7 +22,7 @@ import dataclasses
 from typing import Any
 
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan
+from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.table import format_table
 
 CONTROLLER_RANK = 0

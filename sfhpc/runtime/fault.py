@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from sfhpc.errors import SfhpcError
-from sfhpc.launch import step_guard
+from sfhpc.runtime import step_marks
 
 log = logging.getLogger("sfhpc")
 
@@ -94,7 +94,7 @@ def fail(exc: BaseException, thread: str | None = None) -> NoReturn:
         print(f"sfhpc: error: {label}: {one_line(exc, None if where is None else where.log_path)}", file=sys.stderr,
               flush=True)
         sys.stdout.flush()
-        step_guard.abandon(code)  # the abort skips atexit, where the guard's mark is left otherwise
+        step_marks.abandon(code)  # the abort skips atexit, where the guard's mark is left otherwise
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(code)

@@ -14,7 +14,7 @@ import os
 from collections.abc import MutableMapping
 
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import Component
+from sfhpc.plan.resolve import Component
 from sfhpc.runtime.slurm_env import RankEnvironment
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"

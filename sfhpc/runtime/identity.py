@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan, RankSlot
+from sfhpc.plan.resolve import LaunchPlan, RankSlot
 from sfhpc.runtime.slurm_env import RankEnvironment
 
 

@@ -9,7 +9,7 @@ rank means the same: checkpoint and stop.
 A handler must do nothing heavy (it runs between two bytecodes of whatever the main thread was doing,
 possibly inside an MPI call), so it records the signal's name and returns. Each worker rank's command
 loop calls `StopNotice.check`, which tells the controller once; the controller reads its own flag and
-the notices in `stop_requested`.
+the notices in `stop_requested`. Whether the job then requeues is `sfhpc.runtime.requeue`'s decision.
 """
 
 from __future__ import annotations
@@ -46,12 +46,6 @@ def reset() -> None:
     """Forget a received signal (tests)."""
     global _received
     _received = None
-
-
-def asks_for_requeue(signal_name: str) -> bool:
-    """USR1/USR2 are the job's own request (time limit near, ``scancel --signal``): after its checkpoint
-    the run requeues itself. After TERM, Slurm is already ending the job and requeues it on its own."""
-    return signal_name in ("SIGUSR1", "SIGUSR2")
 
 
 class StopNotice:

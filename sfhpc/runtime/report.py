@@ -12,10 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sfhpc.rundir import RunPaths
 from sfhpc.runtime.identity import RankIdentity
 from sfhpc.table import format_table
-
-REPORT_NAME = "launch_report.json"
 
 
 def launch_report(identity: RankIdentity, comm: Any, run_dir: Path) -> list[dict[str, Any]]:
@@ -38,11 +37,12 @@ def launch_report(identity: RankIdentity, comm: Any, run_dir: Path) -> list[dict
             "allgather_rank_component": pairs,
             "ranks": everyone,
         }
-        tmp = run_dir / f".{REPORT_NAME}.tmp"
+        path = RunPaths(run_dir).launch_report
+        tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, run_dir / REPORT_NAME)
+        os.replace(tmp, path)
         print(format_report(everyone), flush=True)
-        print(f"launch report: {run_dir / REPORT_NAME}", flush=True)
+        print(f"launch report: {path}", flush=True)
     return everyone
 
 

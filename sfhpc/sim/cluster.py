@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from sfhpc.bench.cost_model import GPUS
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import Component, LaunchPlan
+from sfhpc.plan.resolve import Component, LaunchPlan
+from sfhpc.sim.cost_model import GPUS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """A simulated inference engine: one continuous batch, decoded under processor sharing.
 
 Every sequence in the batch gets one token per decode step, and a step of ``b`` sequences takes
-``base + b * per_sequence`` seconds (`sfhpc.bench.cost_model.DeviceCosts`). The engine keeps a virtual
+``base + b * per_sequence`` seconds (`sfhpc.sim.cost_model.DeviceCosts`). The engine keeps a virtual
 clock `v`: the tokens each running sequence has received since the engine started. A sequence admitted at
 ``v0`` with ``n`` tokens to go ends at ``v0 + n`` on that clock whatever happens to the batch meanwhile, so
 only sequence ends are events (never single tokens): the next one is the smallest end in a heap, and its
@@ -18,8 +18,8 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from sfhpc.bench.cost_model import DeviceCosts
 from sfhpc.sim.clock import EventQueue
+from sfhpc.sim.cost_model import DeviceCosts
 from sfhpc.sim.workload import Sample
 
 

@@ -39,11 +39,11 @@ from typing import Any
 
 import numpy as np
 
-from sfhpc.bench.cost_model import CostModel
 from sfhpc.rl.messages import Episode
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.sim.clock import EventQueue
 from sfhpc.sim.cluster import SimCluster
+from sfhpc.sim.cost_model import CostModel
 from sfhpc.sim.engine import SimEngine
 from sfhpc.sim.workload import Group, Sample, Workload
 from sfhpc.tasks.base import Problem
@@ -418,7 +418,7 @@ class PipelineSim:
                 continue  # a trainer GPU's engine sleeps until it is lent
             if rank not in self.trainer_set:
                 engine.resume()
-        self.scheduler.set_state(self.scheduler.entries, RankState.IDLE)  # generating where episodes are out
+        self.scheduler.set_state(self.scheduler.entries, RankState.WAITING)  # generating where episodes are out
         if self.ready:  # the new version may leave complete groups too far behind
             keep = []
             for index, group in self.ready:

@@ -67,7 +67,8 @@ class DatasetTask(Task):
             numeric_answers, system, max_reply_tokens, source)
         self.warm_start = warm_start or ("number" if numeric_answers else "answer")
         self._rows: list[tuple[list[dict[str, str]], Any]] | None = None
-        self._epoch, self._seed, self._position = 0, None, 0  # the sampler (see `state`)
+        self._seed: int | None = None  # with the epoch and position: the sampler (see `state`)
+        self._epoch, self._position = 0, 0
         self._order: list[int] = []
 
     @classmethod

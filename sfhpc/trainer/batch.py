@@ -35,13 +35,14 @@ UNRECORDED_TEMPERATURE = 1.0
 class TrainRow:
     """One row before padding (a helper for tests and agents that hold plain lists)."""
 
-    tokens: Sequence[int]
-    generated: Sequence[bool]
-    logprobs: Sequence[float]
-    versions: Sequence[int]
+    tokens: Sequence[int] | np.ndarray
+    generated: Sequence[bool] | np.ndarray
+    logprobs: Sequence[float] | np.ndarray
+    versions: Sequence[int] | np.ndarray
     reward: float
     group: Hashable = None
-    temperatures: Sequence[float] | None = None  # per token, the temperature it was sampled at (None: all 1)
+    # per token, the temperature it was sampled at (None: all 1)
+    temperatures: Sequence[float] | np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -355,6 +355,7 @@ class MegatronTrainer:
         stats: list[torch.Tensor] = []
 
         def loss_func(mb: TrainBatch, ref: torch.Tensor | None, logits: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            assert mb.advantages is not None  # local's advantages follow its rows into each microbatch
             new = vocab_parallel_logprobs(logits, mb.tokens.to(self.device), self.layout.vocab_size,
                                           mb.temperatures)
             out = policy_loss(new, mb.behaviour_logprobs.to(self.device), mb.advantages.to(self.device),
@@ -458,6 +459,7 @@ class MegatronTrainer:
                 torch.distributed.broadcast_object_list(listing, group_src=stage,
                                                         group=ps.get_pipeline_model_parallel_group())
             params = dict(local) if stage == self.pp_rank else {}
+            assert listing[0] is not None  # the stage's own listing, or the one it broadcast
             for name, shape in listing[0]:
                 if stage == self.pp_rank:
                     part = params[name].detach()

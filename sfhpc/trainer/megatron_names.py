@@ -171,10 +171,12 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
             out[mp + mg_suffix] = _take(hf, hp + hf_suffix)
         out[mp + "self_attention.linear_proj.weight"] = _take(hf, hp + "self_attn.o_proj.weight")
         out[mp + "mlp.linear_fc2.weight"] = _take(hf, hp + "mlp.down_proj.weight")
-        out[mp + _QKV] = fuse_qkv(*(_take(hf, hp + n) for n in _HF_QKV), layout)
+        q, k, v = (_take(hf, hp + n) for n in _HF_QKV)
+        out[mp + _QKV] = fuse_qkv(q, k, v, layout)
         out[mp + _FC1] = torch.cat([_take(hf, hp + n) for n in _HF_FC1])
         if layout.qkv_bias:
-            out[mp + _QKV_BIAS] = fuse_qkv_bias(*(_take(hf, hp + n) for n in _HF_QKV_BIAS), layout)
+            q, k, v = (_take(hf, hp + n) for n in _HF_QKV_BIAS)
+            out[mp + _QKV_BIAS] = fuse_qkv_bias(q, k, v, layout)
     extra = set(hf) - set(_hf_names(layout))
     if extra:
         raise TrainerError(f"the model has tensors a {'Qwen2' if layout.qkv_bias else 'Llama'} layout does not "

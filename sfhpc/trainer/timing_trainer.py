@@ -2,7 +2,7 @@
 
 A step sleeps for the modelled time of training the batch (``training.timing_step_s`` plus
 ``training.timing_per_token_s`` per trained token, shared by the data-parallel trainer ranks: the costs
-come from `sfhpc.bench.cost_model`), then meets the other trainer ranks in an MPI all-reduce (where a real
+come from `sfhpc.sim.cost_model`), then meets the other trainer ranks in an MPI all-reduce (where a real
 trainer all-reduces its gradients) and bumps the policy version. What a step reports about its batch is
 real: the tokens, the sequences, the reward and the staleness of every generated token against the
 version being trained. Its weights are one small tensor that holds the version, so a weight broadcast is

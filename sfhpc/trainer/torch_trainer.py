@@ -141,6 +141,7 @@ class TorchTrainer:
             with torch.no_grad():
                 ref_logprobs = self.logprobs(local, self.reference)
         global_tokens = self._sum([float(local.num_generated)])[0]
+        assert local.advantages is not None  # set by with_advantages above; rows() keeps them
         out = policy_loss(new_logprobs, local.behaviour_logprobs, local.advantages, local.generated, cfg,
                           ref_logprobs=ref_logprobs, normaliser=max(global_tokens, 1.0) / world)
         self.optimizer.zero_grad(set_to_none=True)

@@ -117,7 +117,7 @@ def test_groups_that_can_no_longer_be_trained_on_are_dropped_and_their_episodes_
     withdrawn: list[tuple[int, int]] = []
     ctl.scheduler.assignable_ranks = (1, 2)
     ctl.scheduler.withdraw = lambda rank, episodes: withdrawn.append((rank, episodes))
-    monkeypatch.setattr(msg, "receive", lambda comm, rank, tag, idle=None: msg.Cancelled(rank, rank))
+    monkeypatch.setattr(msg, "receive", lambda comm, rank, tag, **_: msg.Cancelled(rank, rank))
     for group in ("g-old", "g-new"):
         ctl.manager.book_group(group)
     old = ctl.manager.start([1], group="g-old")

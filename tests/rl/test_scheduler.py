@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.resolve import resolve
 from sfhpc.rl.messages import Episode
 from sfhpc.rl.scheduler import Scheduler
 from sfhpc.tasks.base import Problem

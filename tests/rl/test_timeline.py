@@ -7,7 +7,7 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.data.rank_intervals import RankInterval, bubble_fraction, bubble_of
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.resolve import resolve
 from sfhpc.rl.messages import Episode
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.rl.timeline import Timeline
@@ -66,7 +66,7 @@ def test_the_scheduler_records_a_controlled_schedule() -> None:
     clock.now = 8.0
     s.observe({2: 3})  # the episode ended during the sync: the rank stays syncing until it is done
     assert s.entries[2].state is RankState.SYNCING
-    s.set_state((1, 2), RankState.IDLE)
+    s.set_state((1, 2), RankState.WAITING)
     assert s.entries[2].state is RankState.WAITING  # nothing in flight: at rest is waiting
     s.timeline.close()
     recorded = s.timeline.drain()

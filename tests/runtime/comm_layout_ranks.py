@@ -8,8 +8,8 @@ def main() -> None:
     from mpi4py import MPI
 
     from sfhpc.config import load_recipe
-    from sfhpc.launch.local import local_cluster_map
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.plan.local_map import local_cluster_map
+    from sfhpc.plan.resolve import resolve
     from sfhpc.runtime.comm_layout import build_comm_layout
 
     recipe = load_recipe(sys.argv[1])

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.launch.step_guard import MARKS_ENV, read_marks
 from sfhpc.runtime.fault_injection import FAULTS_ENV
+from sfhpc.runtime.step_marks import MARKS_ENV, read_marks
 from tests.conftest import run_sfhpc
 
 pytestmark = [pytest.mark.mpi]

@@ -30,11 +30,6 @@ def test_a_stop_signal_sets_the_flag_and_nothing_else(signum: int) -> None:
     assert preemption.received() == signal.Signals(signum).name  # the first signal names the request
 
 
-def test_only_the_jobs_own_signals_ask_for_a_requeue() -> None:
-    assert preemption.asks_for_requeue("SIGUSR1") and preemption.asks_for_requeue("SIGUSR2")
-    assert not preemption.asks_for_requeue("SIGTERM")  # Slurm requeues a preempted job itself
-
-
 def test_children_started_inside_the_block_do_not_die_of_stop_signals() -> None:
     import subprocess
     import sys

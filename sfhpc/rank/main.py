@@ -1,0 +1,57 @@
+"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR] [--probe] [--verbose]``: run one rank of a
+recipe (``--probe``: only the launch report, no RL; ``--verbose``: the libraries' INFO lines on the console
+too, not only in the rank's log).
+
+This is what sbatch templates and ``sfhpc run`` start on every rank (the command line names
+``sfhpc.runtime``, whose ``__main__`` only forwards here). The cluster map comes from
+``--cluster`` (``local``: this machine alone), else ``$SFHPC_CLUSTER_MAP``, else
+``recipes/cluster-dev.yaml``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from sfhpc.config import load_cluster_map, load_recipe
+from sfhpc.errors import SfhpcError
+from sfhpc.plan.local_map import LOCAL_MAP_NAME, local_cluster_map
+from sfhpc.plan.resolve import resolve
+from sfhpc.rank.program import RankProgram, report_user_error, run_rank_main
+from sfhpc.rundir import job_run_dir, new_run_dir, record_job
+from sfhpc.runtime.slurm_env import read_rank_environment
+
+DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sfhpc.runtime", description=__doc__)
+    parser.add_argument("recipe")
+    parser.add_argument("--cluster", default=os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP))
+    parser.add_argument("--run-dir", default=os.environ.get("SFHPC_RUN_DIR"))
+    parser.add_argument("--probe", action="store_true", help="only the launch report: where every rank runs")
+    parser.add_argument("--verbose", action="store_true",
+                        help="the engine's and libraries' INFO lines on the console too, not only in the rank's log")
+    args = parser.parse_args(argv)
+    env = read_rank_environment()
+    try:
+        recipe = load_recipe(args.recipe)
+        local = args.cluster == LOCAL_MAP_NAME
+        plan = resolve(recipe, local_cluster_map(recipe) if local else load_cluster_map(args.cluster))
+        if args.run_dir:
+            run_dir = Path(args.run_dir).absolute()
+        elif env.job_id is not None:
+            run_dir = job_run_dir(recipe.output_dir, recipe.name, env.job_id)
+        elif env.world_size == 1:
+            run_dir = new_run_dir(recipe.output_dir, recipe.name)
+        else:
+            raise SfhpcError("several ranks need one shared run folder: pass --run-dir or set SFHPC_RUN_DIR")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if env.world_rank == 0 and env.job_id is not None and env.restart_count == 0 and not args.run_dir:
+            record_job(recipe.output_dir, env.job_id, run_dir, recipe.source)
+    except SfhpcError as exc:
+        return report_user_error(exc, env.world_rank == 0)
+    return run_rank_main(RankProgram(recipe, plan, run_dir, probe=args.probe, verbose=args.verbose),
+                         env.world_rank == 0)
+
