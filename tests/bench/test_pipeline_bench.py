@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sfhpc.bench.cost_model import CostModel
 from sfhpc.bench.pipeline import (
     after_first_step,
     discarded_tokens,
@@ -21,8 +20,9 @@ from sfhpc.bench.pipeline import (
 )
 from sfhpc.config import load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.local import local_cluster_map
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.local_map import local_cluster_map
+from sfhpc.plan.resolve import resolve
+from sfhpc.sim.cost_model import CostModel
 from tests.conftest import ROOT, assert_one_line_error, run_sfhpc
 
 

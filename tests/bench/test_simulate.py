@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.bench.cost_model import CostModel, DeviceCosts
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.errors import SfhpcError
 from sfhpc.sim.clock import EventQueue
 from sfhpc.sim.cluster import scaled_cluster
+from sfhpc.sim.cost_model import CostModel, DeviceCosts
 from sfhpc.sim.engine import SimEngine
 from sfhpc.sim.pipeline import SimConfig, simulate
 from sfhpc.sim.workload import WORKLOADS, Group, Sample, Workload

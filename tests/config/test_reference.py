@@ -129,7 +129,7 @@ def test_renamed_keys_lead_from_a_key_that_is_gone_to_one_that_exists(page: Page
 
 def test_the_readme_recipe_loads_and_resolves_on_the_gpu_site_map(tmp_path: Path) -> None:
     """The README's bring-your-own recipe is a recipe the loader takes, placed on the example GPU site."""
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.plan.resolve import resolve
 
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```yaml\n(.*?)```", readme, re.DOTALL)

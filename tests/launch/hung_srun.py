@@ -17,9 +17,9 @@ import time
 
 RANK = """
 import sys
-from sfhpc.launch import step_guard
-step_guard.arm(int(sys.argv[1]))
-step_guard.finished(int(sys.argv[2]))
+from sfhpc.runtime import step_marks
+step_marks.arm(int(sys.argv[1]))
+step_marks.finished(int(sys.argv[2]))
 """
 
 

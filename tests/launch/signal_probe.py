@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from sfhpc.launch import step_guard
+from sfhpc.runtime import step_marks
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 WATCHED = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -38,22 +38,22 @@ def main() -> int:
 
     for signum in WATCHED:
         signal.signal(signum, on_signal)
-    step_guard.arm(env.world_rank)
+    step_marks.arm(env.world_rank)
     note("start")
     if env.restart_count > 0:
-        step_guard.finished(0)
+        step_marks.finished(0)
         return 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         time.sleep(0.05)
         if "SIGUSR1" in got:
             note("exit after SIGUSR1")
-            step_guard.finished(0)
+            step_marks.finished(0)
             return 0
         if "SIGTERM" in got:
             time.sleep(2)  # a checkpoint being written
             note("exit after SIGTERM")
-            step_guard.finished(0)
+            step_marks.finished(0)
             return 0
     note("no signal came")
     return 1

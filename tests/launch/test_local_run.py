@@ -46,8 +46,9 @@ def test_verbose_gives_the_console_back_to_mpiexec_and_the_libraries(tmp_path: P
     """Without --verbose mpiexec is quiet (a failing rank's own line says it all) and the ranks keep the
     libraries' INFO lines in their logs; with it, both are as they were (sfhpc.runtime.rank_log)."""
     from sfhpc.config import load_recipe
-    from sfhpc.launch.local import local_cluster_map, mpiexec_command
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.launch.local import mpiexec_command
+    from sfhpc.plan.local_map import local_cluster_map
+    from sfhpc.plan.resolve import resolve
 
     recipe = load_recipe(RECIPES / "report.yaml")
     plan = resolve(recipe, local_cluster_map(recipe))

@@ -10,8 +10,8 @@ import pytest
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import ResolveError
-from sfhpc.launch.local import local_cluster_map
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.local_map import local_cluster_map
+from sfhpc.plan.resolve import resolve
 from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
 
 DEV = load_cluster_map(RECIPES / "cluster-dev.yaml")

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
-from sfhpc.launch.resolve import resolve
 from sfhpc.launch.sbatch import SbatchSpec, flag, render_sbatch
 from sfhpc.launch.slurm_launch import launch_spec, template_text
+from sfhpc.plan.resolve import resolve
 from tests.conftest import ROOT
 
 GOLDEN = Path(__file__).parent / "golden"

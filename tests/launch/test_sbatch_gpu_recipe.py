@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 from sfhpc.config import load_cluster_map, load_recipe
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.resolve import resolve
 from sfhpc.trainer.megatron_backend import ParallelSizes
 from tests.conftest import RECIPES, ROOT, assert_one_line_error, run_sfhpc
 

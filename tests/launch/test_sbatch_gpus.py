@@ -10,8 +10,8 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import LaunchPlan, resolve
 from sfhpc.launch.sbatch import component_flags
+from sfhpc.plan.resolve import LaunchPlan, resolve
 from sfhpc.runtime.gpu_binding import bind_one_gpu, visible_device
 from sfhpc.runtime.slurm_env import read_rank_environment
 from tests.conftest import RECIPES

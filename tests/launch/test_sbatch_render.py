@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
-from sfhpc.launch.resolve import resolve
 from sfhpc.launch.sbatch import SbatchSpec, comment_text, double_quoted, render_sbatch
 from sfhpc.launch.slurm_launch import launch_spec, template_text
+from sfhpc.plan.resolve import resolve
 from tests.conftest import RECIPES, ROOT
 
 

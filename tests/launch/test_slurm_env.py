@@ -6,7 +6,7 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.launch.resolve import resolve
+from sfhpc.plan.resolve import resolve
 from sfhpc.runtime.identity import identify
 from sfhpc.runtime.slurm_env import current_job_id, in_multi_task_step, read_rank_environment, restart_count
 from tests.conftest import RECIPES

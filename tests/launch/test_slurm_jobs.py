@@ -19,9 +19,9 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.launch.jobs import job_status
-from sfhpc.launch.resolve import resolve
-from sfhpc.launch.rundir import new_run_dir
 from sfhpc.launch.slurm_launch import submit
+from sfhpc.plan.resolve import resolve
+from sfhpc.rundir import new_run_dir
 from tests.conftest import RECIPES, ROOT, assert_one_line_error, run_sfhpc
 
 pytestmark = pytest.mark.slurm

@@ -1,18 +1,21 @@
 """The RL recipe stopped in every phase of its loop by every trigger, on the dev cluster (real slurmctld,
-slurmdbd, slurmd, real MPI, real torch training): one job, nine allocations.
+slurmdbd, slurmd, real MPI, real torch training): one job, ten allocations.
 
 Phases: ``rollout`` (the controller waits for a batch), ``train`` (a training step) and ``broadcast``
 (the new weights on their way to the engine). Triggers: ``scancel --signal=USR2`` (the run requeues
 itself after its checkpoint), ``scontrol requeue`` (TERM; Slurm requeues the job) and a job on the
-``urgent`` partition that preempts it (TERM; the run requeues itself). Each one checkpoints at the next
-safe point and the next allocation goes on from that checkpoint.
+``urgent`` partition that preempts it (TERM; the run requeues itself), each in every phase; and
+``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@N`` does ahead of the time limit: the batch
+shell alone gets it and passes it on), in the rollout phase. Each one checkpoints at the next safe point
+and the next allocation goes on from that checkpoint. With vLLM, `test_slurm_preemption.py`.
 
 ``max_staleness: 0`` keeps one step's episodes out at a time, so every step has a rollout phase of its
-own to aim at. The rollout engine is the deterministic test engine (``engine: {name: test}``, as the
-acceptance allows for the phase matrix; the three triggers with vLLM are `test_slurm_preemption.py`).
-It writes letters, so the reward stays 0: what is checked is the bookkeeping. ``SFHPC_HOLD_PHASES``
-stretches the train and broadcast phases (`sfhpc.runtime.fault_injection`), and the test aims each
-signal with the controller's live phase (``status.json``).
+own to aim at. The rollout engine is the deterministic test engine (``engine: {name: test}``), paced so
+that a step's episodes take seconds. It writes letters, so the reward stays 0: what is checked is the
+bookkeeping. ``SFHPC_HOLD_PHASES`` stretches the train and broadcast phases
+(`sfhpc.runtime.fault_injection`), and the test aims each signal with the controller's live phase
+(``status.json``): an allocation is cut in the first step it plays, so a cut in the rollout phase trains
+nothing and one in the train or broadcast phase trains one step.
 """
 
 from __future__ import annotations
@@ -26,20 +29,25 @@ from pathlib import Path
 import pytest
 
 from sfhpc.data.store import open_store
-from sfhpc.launch.jobs import job_status
 from sfhpc.rl.checkpoints import RunCheckpoints, verify
-from sfhpc.rl.live_status import read_live_status
 from tests.conftest import run_sfhpc
-from tests.launch.run_watch import read_events, resumed_in, running_in_restart, wait_until
+from tests.launch.run_watch import in_phase, job_end_state, read_events, resumed_in, wait_until
 
 pytestmark = [pytest.mark.slurm]
 
-STEPS = 22
-PHASES = ("rollout", "train", "broadcast")
+# (trigger, phase) of each allocation but the last, in order. The first cut trains step 1 (a cut in the
+# rollout phase of a first allocation would checkpoint before any step).
+PLAN = (("usr2", "train"), ("usr2", "broadcast"), ("usr2", "rollout"), ("usr1", "rollout"),
+        ("requeue", "train"), ("requeue", "broadcast"), ("requeue", "rollout"),
+        ("preempt", "train"), ("preempt", "broadcast"), ("preempt", "rollout"))
+SIGNALS = {"usr2": "SIGUSR2", "usr1": "SIGUSR1", "requeue": "SIGTERM", "preempt": "SIGTERM"}
+# One step per train or broadcast cut (6), then the last allocation's own; a cut that misses its moment
+# (the test saw the phase late) waits for the next step's, so a few steps spare.
+STEPS = 9
 RECIPE = f"""\
 name: phases
 seed: 5
-engine: {{name: test, token_delay_s: 0.6}}
+engine: {{name: test, token_delay_s: 0.25}}
 algorithm: {{group_size: 2}}
 pipeline: {{mode: async, max_staleness: 0}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2}}
@@ -51,14 +59,10 @@ roles:
 training: {{checkpoint_every: 1}}
 launch: {{time_minutes: 20, signal_grace_s: 60, max_restarts: 12}}
 """
-HOLDS = "train=1,broadcast=1"
-
-
-def just_entered(run_dir: Path, restart: int, phase: str) -> bool:
-    """Allocation `restart` entered `phase` a moment ago (a signal takes ~0.1 s to reach the ranks)."""
-    status = read_live_status(run_dir)
-    return (status is not None and status["restart"] == restart and status["phase"] == phase
-            and time.time() - status["since"] < 0.2)
+HOLDS = "train=1.5,broadcast=1.5"
+# A signal is sent at most this long after its phase began: it reaches the ranks well inside the 1.5 s of a
+# held phase, and inside a rollout phase (a step's episodes, seconds at 0.25 s a token).
+AIM_S = 0.3
 
 
 def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> None:
@@ -70,36 +74,45 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     triggers = {
         "usr2": ["scancel", "--signal=USR2", job_id],
+        "usr1": ["scancel", "--batch", "--signal=USR1", job_id],
         "requeue": ["scontrol", "requeue", job_id],
         "preempt": ["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
                     f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
     }
-    plan = [(trigger, phase) for trigger in triggers for phase in PHASES]
     cuts: list[dict] = []
     try:
-        for restart, (trigger, phase) in enumerate(plan):
-            wait_until(f"allocation {restart} to train", lambda r=restart: running_in_restart(run_dir, r, 1))
-            wait_until(f"allocation {restart} in phase {phase}",
-                       lambda r=restart, p=phase: just_entered(run_dir, r, p), timeout=90, poll_s=0.01)
+        resumed_step = 0
+        for restart, (trigger, phase) in enumerate(PLAN):
+            if restart:
+                resumed = wait_until(f"allocation {restart} to resume", lambda r=restart: resumed_in(run_dir, r),
+                                     timeout=300)
+                resumed_step = resumed["step"]  # type: ignore[index]
+            aimed = wait_until(f"allocation {restart} in phase {phase}",
+                               lambda r=restart, p=phase, s=resumed_step: in_phase(run_dir, r, p, s, AIM_S),
+                               timeout=300 if restart == 0 else 120, poll_s=0.01)  # the first builds the model
             fired = time.time()
             subprocess.run(triggers[trigger], check=True, capture_output=True, text=True)
-            cuts.append({"trigger": trigger, "phase": phase, "fired": fired, "status": read_live_status(run_dir)})
-            wait_until(f"allocation {restart + 1} to resume", lambda r=restart: resumed_in(run_dir, r + 1))
-        wait_until("the job to complete", lambda: job_status(job_id).state == "COMPLETED", timeout=600)
+            cuts.append({"trigger": trigger, "phase": phase, "fired": fired, "aimed": aimed})
+        wait_until(f"allocation {len(PLAN)} to resume", lambda: resumed_in(run_dir, len(PLAN)), timeout=300)
+        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=300, poll_s=1)
+        assert state == "COMPLETED", state
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
         (tmp_path / "cuts.json").write_text(json.dumps(cuts, indent=1))
 
     events = read_events(run_dir)
     resumes = [e for e in events if e["event"] == "resumed"]
-    assert [e["restart"] for e in resumes] == list(range(1, len(plan) + 1)), events
+    assert [e["restart"] for e in resumes] == list(range(1, len(PLAN) + 1)), events
     # Each signal reached the ranks in the phase it was aimed at, the run stopped at its next safe point
     # (checkpoint of the step reached), and the next allocation went on from there.
     requested = {e["restart"]: e for e in events if e["event"] == "stop-requested"}
     stopped = {e["restart"]: e for e in events if e["event"] == "stopped"}
-    for restart, (trigger, phase) in enumerate(plan):
-        signal_name = "SIGUSR2" if trigger == "usr2" else "SIGTERM"
-        assert (requested[restart]["signal"], requested[restart]["phase"]) == (signal_name, phase), cuts
+    for restart, (trigger, phase) in enumerate(PLAN):
+        assert (requested[restart]["signal"], requested[restart]["phase"]) == (SIGNALS[trigger], phase), cuts
+        # A step cut while it trains or sends its weights is finished first; one cut while it waits for its
+        # episodes is not trained.
+        aimed_step = cuts[restart]["aimed"]["step"]
+        assert stopped[restart]["step"] == (aimed_step - 1 if phase == "rollout" else aimed_step), cuts
         assert stopped[restart]["step"] == resumes[restart]["step"], events
     for resume in resumes:  # every restart continued from the newest checkpoint written before it
         earlier = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < resume["time"]]

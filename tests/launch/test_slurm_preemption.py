@@ -1,41 +1,56 @@
-"""The RL recipe outlives its allocations on the dev cluster (real slurmctld/slurmdbd/slurmd, real MPI, real
-vLLM): one job is stopped four times, by each trigger a site uses, and finishes its steps.
+"""The RL recipe with vLLM outlives a crash and a preemption on the dev cluster (real slurmctld, slurmdbd,
+slurmd, real MPI, real vLLM): one job, three allocations.
 
-1. ``scancel --signal=USR2`` (reaches the ranks): checkpoint at the safe point, the run requeues itself;
-2. ``scancel -b --signal=USR1`` (what ``--signal=B:USR1@N`` does before the time limit: the batch shell
-   only, which passes it on): the same;
-3. ``scontrol requeue`` and 4. a job on the ``urgent`` partition that preempts it (PreemptMode=REQUEUE):
-   TERM reaches every process of the step, vLLM's engine processes included (which ignore it), and the
-   ranks checkpoint at the safe point within Slurm's grace; the preempted run requeues itself (Slurm 22.05
-   would not requeue a heterogeneous job that ended inside the grace time).
+1. A rank killed outright (``kill -9``: no signal handler, no checkpoint). srun's ``--kill-on-bad-exit``
+   ends the step; the batch script's step guard sees a failed step with no signal from outside and
+   requeues the job (``--requeue-on-failure``); the next allocation finds the newest sound checkpoint (a
+   periodic one), moves the metrics of the steps trained after it to ``metrics-discarded.jsonl`` and trains
+   them again. The store survives the kill (flushed per batch, SWMR): every trajectory it held right after
+   the step died is still there, with at least those tokens.
+2. A job on the ``urgent`` partition preempts it (PreemptMode=REQUEUE) while it waits for a batch: TERM
+   reaches every process of the step, vLLM's engine processes included (which ignore it), the ranks
+   checkpoint at the safe point within Slurm's grace and record the generations in flight as partial
+   rollouts, and the preempted run requeues itself (Slurm 22.05 would not requeue a heterogeneous job that
+   ended inside the grace time). The last allocation continues those trajectories from their prefix.
+
+The other triggers (``scancel --signal=USR2``, ``scancel --batch --signal=USR1``, ``scontrol requeue``)
+and the phase a signal lands in are `test_slurm_phase_matrix.py`'s, on the test engine.
 """
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import signal
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from sfhpc.data.store import open_store
-from sfhpc.launch.jobs import job_status
+from sfhpc.launch.jobs import job_restarts
 from sfhpc.rl.checkpoints import RunCheckpoints, verify
 from tests.conftest import run_sfhpc
-from tests.launch.run_watch import read_events, resumed_in, running_in_restart, wait_until
+from tests.launch.run_watch import in_phase, job_end_state, jsonl, rank_processes, read_events, resumed_in, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-STEPS = 24
+KILL_AFTER = 3  # steps done; the newest checkpoint is then step 2 (checkpoint_every: 2), so step 3 is redone
+# A trajectory the preemption left open holds tokens of the stopped policy's version or the one before, so
+# within three new versions it is trained or dropped as stale: the last allocation trains at least three
+# steps, and none is left open by the end of the run. The cut is aimed at the step after the one the second
+# allocation trains again (step 4), with one step to spare should it land a step later.
+STEPS = KILL_AFTER + 4
+AFTER_CUT = 3
+GROUPS, GROUP_SIZE = 2, 4
 RECIPE = f"""\
 name: outlive
 seed: 11
 model: {{warm_start_steps: 5}}
-algorithm: {{group_size: 4}}
+algorithm: {{group_size: {GROUP_SIZE}}}
 pipeline: {{mode: async, max_staleness: 1}}
-budgets: {{steps: {STEPS}, prompts_per_step: 4}}
-task: {{name: guess-number, options: {{max_turns: 4}}}}
+budgets: {{steps: {STEPS}, prompts_per_step: {GROUPS}}}
+task: {{name: guess-number, options: {{max_turns: 3}}}}
 roles:
   controller: {{place_with: trainer}}
   trainer:    {{tags: [train], nodes: 1}}
@@ -43,76 +58,120 @@ roles:
 training: {{checkpoint_every: 2}}
 launch: {{time_minutes: 20, signal_grace_s: 60}}
 """
+ROLLOUT_RANK = 2  # controller 0 and trainer 1 on the train node, rollout 2 (vLLM) on the rollout node
 
 
-def test_the_rl_run_survives_usr2_usr1_requeue_and_preemption(slurm_cluster: str, tmp_path: Path) -> None:
+def trajectory_sizes(run_dir: Path) -> dict[str, tuple[int, int]]:
+    """Trajectory id -> (tokens, tokens of its segments), read while or after the run writes (SWMR)."""
+    with open_store(run_dir / "trajectories.h5") as store:
+        return {t.id: (t.num_tokens, sum(len(s) for s in t.segments)) for t in store.trajectories()}
+
+
+def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_path: Path) -> None:
     recipe = tmp_path / "outlive.yaml"
     recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'runs'}\n")
     done = run_sfhpc("launch", str(recipe))
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     job_id = re.search(r"submitted job (\d+)", done.stdout).group(1)  # type: ignore[union-attr]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    triggers = [
-        ["scancel", "--signal=USR2", job_id],
-        ["scancel", "--batch", "--signal=USR1", job_id],
-        ["scontrol", "requeue", job_id],
-        ["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
-         f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 2"],
-    ]
+    metrics = run_dir / "metrics.jsonl"
+    log = run_dir / f"slurm-{job_id}.out"
     try:
-        for restart, command in enumerate(triggers):
-            wait_until(f"allocation {restart} to train", lambda r=restart: running_in_restart(run_dir, r))
-            subprocess.run(command, check=True, capture_output=True, text=True)
-            wait_until(f"allocation {restart + 1} to resume", lambda r=restart: resumed_in(run_dir, r + 1))
-        wait_until("the job to complete", lambda: job_status(job_id).state == "COMPLETED", timeout=600)
+        # Allocation 0 trains KILL_AFTER steps (it builds and warm-starts the model first); its vLLM rank dies.
+        wait_until(f"{KILL_AFTER} steps", lambda: len(jsonl(metrics)) >= KILL_AFTER, timeout=600, poll_s=0.1)
+        ranks = rank_processes(run_dir)
+        assert sorted(ranks) == [0, 1, ROLLOUT_RANK], ranks
+        os.kill(ranks[ROLLOUT_RANK], signal.SIGKILL)
+        # The step is over once no rank of this run is left (srun's --kill-on-bad-exit ended the others).
+        wait_until("the step to end", lambda: not rank_processes(run_dir), timeout=120, poll_s=0.1)
+        steps_at_kill = [r["step"] for r in jsonl(metrics)]
+        latest = RunCheckpoints(run_dir).latest()
+        held = trajectory_sizes(run_dir)  # SWMR: the writer was killed with the file open
+
+        # Allocation 1 resumes from the periodic checkpoint, trains a step, and is preempted while it waits
+        # for the next batch, generations in flight.
+        resumed = wait_until("allocation 1 to resume", lambda: resumed_in(run_dir, 1), timeout=300)
+        after = resumed["step"] + 1  # type: ignore[index]
+        wait_until(f"allocation 1 in the rollout phase of step {after + 1}",
+                   lambda: in_phase(run_dir, 1, "rollout", after, within_s=2.0), timeout=300, poll_s=0.05)
+        subprocess.run(["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
+                        f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
+                       check=True, capture_output=True, text=True)
+        wait_until("allocation 2 to resume", lambda: resumed_in(run_dir, 2), timeout=300)
+        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=600, poll_s=1)
+        assert state == "COMPLETED", log.read_text()[-6000:] if log.exists() else state
     finally:
-        subprocess.run(["scancel", job_id], capture_output=True)
+        run_sfhpc("cancel", job_id)  # nothing is left running, whatever failed (a no-op once it completed)
 
     events = read_events(run_dir)
-    stops = [(e["restart"], e["signal"]) for e in events if e["event"] == "stopped"]
-    # Every trigger was met at the safe point: a checkpoint of the step reached, and the next run went on from it.
-    assert stops == [(0, "SIGUSR2"), (1, "SIGUSR1"), (2, "SIGTERM"), (3, "SIGTERM")], events
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
     resumes = [e for e in events if e["event"] == "resumed"]
-    assert [e["restart"] for e in resumes] == [1, 2, 3, 4]
-    stopped_steps = [e["step"] for e in events if e["event"] == "stopped"]
-    assert [e["step"] for e in resumes] == stopped_steps  # went on from the stop checkpoint
-    checkpoint_steps = [e["step"] for e in events if e["event"] == "checkpoint"]
+    assert [e["restart"] for e in resumes] == [1, 2], events
     for resume in resumes:  # always from the newest checkpoint written before it
-        earlier = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < resume["time"]]
-        assert resume["step"] == max(earlier), (resume, checkpoint_steps)
-    assert events[-1]["event"] == "finished" and events[-1]["step"] == STEPS
+        assert resume["step"] == max(e["step"] for e in checkpoints if e["time"] < resume["time"]), events
 
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no step repeated, none missing
+    # The kill: the newest periodic checkpoint (one being written at the kill, a hidden .partial folder, is
+    # not one) is where the next allocation went on, the steps after it trained again, nothing of the store
+    # lost.
+    assert steps_at_kill[:KILL_AFTER] == list(range(1, KILL_AFTER + 1)), steps_at_kill
+    assert latest is not None and latest.step % 2 == 0 and 2 <= latest.step < steps_at_kill[-1], steps_at_kill
+    assert resumes[0]["step"] == latest.step
+    assert held, "the store held nothing after the kill"
+    assert not any(e["event"] == "stop-requested" for e in events if e["restart"] == 0)  # no signal, no stop
+    discarded = [r["step"] for r in jsonl(run_dir / "metrics-discarded.jsonl")]
+    assert discarded == [s for s in steps_at_kill if s > latest.step]  # trained by weights the kill lost
+    log_text = log.read_text()
+    guard_line = rf"the step failed \(exit \d+\); requeueing job {job_id} \(restart 1 of"  # the step guard's
+    assert re.search(guard_line, log_text), log_text[-6000:]
+
+    # The preemption: TERM met at the safe point, a checkpoint of the step reached, generations in flight
+    # recorded as partial rollouts, the run requeued by itself, and the next allocation went on from there.
+    stops = [e for e in events if e["event"] == "stopped"]
+    assert [(e["restart"], e["signal"]) for e in stops] == [(1, "SIGTERM")], events
+    assert resumes[1]["step"] == stops[0]["step"] >= after, events
+    assert STEPS - stops[0]["step"] >= AFTER_CUT, f"the preemption came too late (step {stops[0]['step']})"
+    assert any(e["event"] == "requeue-requested" and e["restart"] == 1 for e in events), events
+    assert f"requeueing job {job_id} after SIGTERM" in log_text
+    assert resumes[1]["resumed"] > 0, resumes[1]  # trajectories continued from their prefix
+    assert job_restarts(job_id) == 2
+
+    rows = jsonl(metrics)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # exactly once each
     assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
-    discarded = run_dir / "metrics-discarded.jsonl"
-    redone = len(discarded.read_text().splitlines()) if discarded.exists() else 0
-    assert redone == 0  # every stop came at a safe point: no step was trained twice
+    assert events[-1]["event"] == "finished" and events[-1]["step"] == STEPS and events[-1]["restart"] == 2
     folders = RunCheckpoints(run_dir).folders()
-    for folder in folders:  # every earlier checkpoint is intact
+    assert len(folders) == len(checkpoints)
+    for folder in folders:  # every checkpoint is intact
         verify(folder)
-    assert len(folders) == len(checkpoint_steps)
 
-    cut_times = [e["time"] for e in events if e["event"] == "stop-requested"]
+    after_sizes = trajectory_sizes(run_dir)
+    missing = sorted(set(held) - set(after_sizes))
+    assert not missing, f"{len(missing)} trajectories of the killed allocation are gone: {missing[:5]}"
+    shrunk = {tid: (held[tid], after_sizes[tid]) for tid in held if after_sizes[tid][1] < held[tid][1]}
+    assert not shrunk, shrunk
     with open_store(run_dir / "trajectories.h5") as store:
-        marks = store.marks()
+        consumed = [m.trajectory_id for m in store.marks()]
         trajectories = list(store.trajectories())
-    consumed = [m.trajectory_id for m in marks]
-    assert len(consumed) == len(set(consumed))  # nothing trained twice
-    # Every step consumed one whole batch; a step trained after the last checkpoint of a killed allocation
-    # (its weights lost) keeps its marks, so its trajectories are never trained again either.
-    assert len(consumed) % (4 * 4) == 0 and len(consumed) >= (STEPS + redone) * 4 * 4
-    # Trajectories that went on across a restart: a segment from before a stop request, and generated tokens
-    # from after the next allocation started resuming (an async run keeps generating between the request and
-    # its safe point, so the request's own time is not the cut).
-    restarts = [(cut, next(r["time"] - r["seconds"] for r in resumes if r["time"] > cut)) for cut in cut_times]
-    across = [t for t in trajectories if any(
-        any(s.t_end < cut for s in t.segments) and any(s.generated and s.t_start > back for s in t.segments)
-        for cut, back in restarts)]
-    assert sum(e["resumed"] for e in resumes) >= len(across)
+    assert len(consumed) == len(set(consumed)), "a trajectory was trained on twice"
+    # Every step consumed one whole batch; a step trained after the checkpoint of the killed allocation (its
+    # weights lost) keeps its marks, so its trajectories are never trained again either.
+    batch = GROUPS * GROUP_SIZE
+    assert len(consumed) % batch == 0 and len(consumed) >= (STEPS + len(discarded)) * batch, len(consumed)
+
+    # Trajectories continued across the preemption: a segment that ended before the stop request, and tokens
+    # generated after the last allocation began resuming (an async run keeps generating between the request
+    # and its safe point, so the request's own time is not the cut). Each was then trained, waits for a
+    # batch, or was dropped as too stale; none was given up.
+    cut = next(e["time"] for e in events if e["event"] == "stop-requested")
+    back = resumes[1]["time"] - resumes[1]["seconds"]
+    across = [t for t in trajectories if any(s.t_end < cut for s in t.segments)
+              and any(s.generated and s.t_start > back for s in t.segments)]
+    assert across, "no trajectory went on across the preemption"
+    assert len(across) <= resumes[1]["resumed"], (len(across), resumes[1])
+    assert all(t.status in ("consumed", "finished", "stale") for t in across), [(t.id, t.status) for t in across]
     for t in trajectories:  # nothing is left open but the look-ahead of the last allocation
-        if t.created < resumes[-1]["time"] - resumes[-1]["seconds"]:
+        if t.created < back:
             assert t.status in ("consumed", "finished", "stale", "aborted"), (t.id, t.status)
 
     status = run_sfhpc("status", job_id, "--output-dir", str(tmp_path / "runs"))
-    assert status.returncode == 0 and re.search(r"restarts?\D+4", status.stdout), status.stdout
+    assert status.returncode == 0 and re.search(r"restarts?\D+2", status.stdout), status.stdout

@@ -18,8 +18,8 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.launch.jobs import job_restarts, job_status
-from sfhpc.launch.resolve import resolve
 from sfhpc.launch.sbatch import render_sbatch, spec_for_plan
+from sfhpc.plan.resolve import resolve
 from tests.conftest import RECIPES, ROOT
 
 pytestmark = pytest.mark.slurm

@@ -8,6 +8,10 @@ store holds groups the checkpoint never knew: those handed out at step 4, finish
 the restored policy: trained as their own groups), and those of step 5, written by version 4, whose weights
 died with the crash (dropped, never trained). The restored controller's group counter would spell the keys
 of the lost allocation again; its new groups must not meet them.
+
+A crash can also cut the last line of ``metrics.jsonl`` and ``events.jsonl`` (a kill, a full disk while it was
+written): they are cut here before the resume. The analysis reads the folder as it is, warning of the cut line;
+the resume sets the cut text aside beside each log (``<name>.damaged``) and appends after it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from sfhpc.data.store import open_store
 from sfhpc.rl.checkpoints import RunCheckpoints
 from sfhpc.rl.resume import ControllerState
 from tests.conftest import ROOT, run_sfhpc
+from tests.rl.test_cut_logs import cut_last_line
 
 pytestmark = [pytest.mark.mpi]
 
@@ -104,8 +109,21 @@ def test_a_crashed_run_resumes_without_merging_groups_or_training_anything_twice
     assert any(t.group not in known and t.status == "finished" for t in before), \
         "no group handed out after the checkpoint finished in the store"
 
+    metrics_line, metrics_kept = cut_last_line(run_dir / "metrics.jsonl")  # step 5's row
+    events_line, events_kept = cut_last_line(run_dir / "events.jsonl")  # the checkpoint's event
+    report = run_sfhpc("traj", "report", str(run_dir))
+    assert report.returncode == 0, report.stderr
+    assert f"sfhpc: warning: {run_dir / 'metrics.jsonl'}: line {metrics_line} is cut" in report.stderr
+    assert (run_dir / "report.html").stat().st_size > 1000
+    assert not list(run_dir.glob("*.damaged"))  # a reader leaves the run folder as it is
+
     done = run_sfhpc("run", str(recipe), "--resume", str(run_dir), env=HOLD, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert f"{run_dir / 'metrics.jsonl'}: line {metrics_line} was cut" in out
+    assert f"{run_dir / 'events.jsonl'}: line {events_line} was cut" in out
+    assert (run_dir / "metrics.jsonl.damaged").read_bytes() == metrics_kept + b"\n"
+    assert (run_dir / "events.jsonl.damaged").read_bytes() == events_kept + b"\n"
     (resumed,) = [e for e in events(run_dir) if e["event"] == "resumed"]
     assert resumed["step"] == 3 and resumed["version"] == 3
     assert resumed["waiting_groups"] >= 1  # step 4's groups, finished by version 3: trained as they are

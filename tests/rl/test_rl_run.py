@@ -1,6 +1,9 @@
-"""Whole RL runs on one machine: real vLLM engines, real torch training, real MPI, a real HDF5 store.
+"""A whole RL run on one machine learns: real vLLM engines, real torch training, real MPI, a real HDF5 store.
 
-These are the slowest tests of the suite (each starts vLLM engines, ~30 s), so they use small budgets.
+The suite's learning rise: a seeded ``async`` run whose reward on ``next-letter`` climbs from chance to nearly
+every reply right (measured: 0.07 -> 0.98, first and last 6 of 60 steps). Other whole runs check other things:
+a colocated sync run's records `test_resume_exact.py`, multi-turn agents over HTTP `test_preemption_local.py`,
+a Hugging Face folder `test_rl_hf_models.py`.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sfhpc.data.store import open_store
 from tests.conftest import run_sfhpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
@@ -29,20 +31,6 @@ roles:
   controller: {place_with: trainer}
   trainer:    {tags: [train], nodes: 1}
   rollout:    {tags: [rollout], nodes: 1}
-"""
-
-COLOCATED = """\
-name: colocated
-model: {warm_start_steps: 5}
-training: {checkpoint_every: 2}
-pipeline: {mode: sync}
-budgets: {steps: 3, prompts_per_step: 4}
-algorithm: {group_size: 4}
-task: {name: next-letter}
-roles:
-  controller: {place_with: trainer}
-  trainer:    {tags: [train, rollout], nodes: 1}
-  rollout:    {colocate_with: trainer}
 """
 
 
@@ -67,57 +55,3 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     # Async: rollout ran ahead of training, so some trained tokens came from the previous version.
     assert max(r["max_staleness"] for r in rows) == 1
     assert (run_dir / "reward.png").stat().st_size > 1000
-
-
-def test_colocated_sync_run_records_every_token_with_its_version(tmp_path: Path) -> None:
-    run_dir, rows = run(tmp_path, COLOCATED)
-    assert [r["version"] for r in rows] == [1, 2, 3]
-    assert all(r["max_staleness"] == 0 for r in rows)  # sync: generate with v, train v, publish v+1
-    with open_store(run_dir / "trajectories.h5") as store:
-        consumed = list(store.trajectories(status="consumed"))
-        assert len(consumed) == 3 * 4 * 4
-        versions = {int(v) for t in consumed for v in t.token_versions() if v >= 0}
-        assert versions == {0, 1, 2}  # step k trained on tokens of version k-1
-        assert all(t.reward in (0.0, 1.0) for t in consumed)
-        marks = store.marks()
-        assert sorted({m.step for m in marks}) == [1, 2, 3]
-    report = json.loads((run_dir / "launch_report.json").read_text())
-    assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer", "rollout"]]
-    # Trainer checkpoints every 2 steps and at the end, each with the policy version it holds.
-    import torch
-
-    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    assert saved == ["step-000002", "step-000003"]
-    state = torch.load(run_dir / "checkpoints" / "step-000003" / "trainer.pt", weights_only=False)
-    assert state["policy_version"] == 3 and state["step"] == 3
-    manifest = json.loads((run_dir / "checkpoints" / "step-000003" / "MANIFEST.json").read_text())
-    assert manifest["step"] == manifest["version"] == 3 and set(manifest["files"]) == {"trainer.pt", "controller.pt"}
-
-
-MULTI_TURN = """\
-name: guess
-model: {warm_start_steps: 10}
-pipeline: {mode: async, max_staleness: 1}
-budgets: {steps: 2, prompts_per_step: 2}
-algorithm: {group_size: 4}
-task: {name: guess-number, options: {max_turns: 5}}
-roles:
-  controller: {place_with: trainer}
-  trainer:    {tags: [train], nodes: 1}
-  rollout:    {tags: [rollout], nodes: 1}
-"""
-
-
-def test_multi_turn_agents_talk_to_the_endpoint_over_http(tmp_path: Path) -> None:
-    run_dir, rows = run(tmp_path, MULTI_TURN)
-    assert [r["version"] for r in rows] == [1, 2]
-    with open_store(run_dir / "trajectories.h5") as store:
-        consumed = list(store.trajectories(status="consumed"))
-    assert len(consumed) == 2 * 2 * 4
-    turns = [len(t.turn_rewards) for t in consumed]  # the agent reports one reward per policy reply
-    assert max(turns) > 1  # episodes went on for several turns (hints came back as observations)
-    for trajectory, n in zip(consumed, turns):
-        observations = [s for s in trajectory.segments if s.kind == "observation"]
-        assert len(observations) == n - 1  # one environment answer between consecutive replies
-        # at least one generated segment per reply (two when a weight update interrupted the reply)
-        assert sum(1 for s in trajectory.segments if s.generated) >= n

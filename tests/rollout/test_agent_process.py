@@ -232,7 +232,7 @@ def test_long_output_keeps_draining_and_the_last_reward_line_counts() -> None:
 
 def test_the_shipped_agent_recipe_is_runnable_and_its_program_found_beside_it() -> None:
     from sfhpc.config import load_cluster_map, load_recipe
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.plan.resolve import resolve
     from sfhpc.rl.program import check_runnable
     from tests.conftest import RECIPES
 

@@ -1,8 +1,10 @@
-"""An agent program inside a whole RL run (`sfhpc run`): real vLLM, real MPI ranks, real training, the real
-store. The program imports nothing from sfhpc; one of its episodes crashes and one hangs, and the run still
-trains its whole budget. The pipeline is ``sync``: a step waits for every episode it handed out, so the hung
-one holds the first step until its timeout fails it (with ``async`` a quick run could train its budget on
-other groups and end before the timeout, and an episode cut by the end of a run is not a failure)."""
+"""An agent program inside a whole RL run (`sfhpc run`): real MPI ranks, real training, the real store; the
+deterministic test engine answers the program's calls (an agent program over vLLM is the Slurm test's,
+`test_agent_slurm.py`, which shares this recipe and these checks). The program imports nothing from sfhpc;
+one of its episodes crashes and one hangs, and the run still trains its whole budget. The pipeline is
+``sync``: a step waits for every episode it handed out, so the hung one holds the first step until its timeout
+fails it (with ``async`` a quick run could train its budget on other groups and end before the timeout, and an
+episode cut by the end of a run is not a failure)."""
 
 from __future__ import annotations
 
@@ -17,14 +19,14 @@ from sfhpc.data.store import open_store
 from tests.conftest import run_sfhpc
 from tests.rollout.test_agent_process import alive
 
-pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
+pytestmark = [pytest.mark.mpi]
 
 AGENT = Path(__file__).parent / "agents" / "guess_agent.py"
 
 RECIPE = """\
 name: agent-program
 seed: 1
-model: {{warm_start_steps: 10}}
+{model}
 pipeline: {{mode: sync}}
 budgets: {{steps: 2, prompts_per_step: 2, max_failed_fraction: 0.9}}
 algorithm: {{group_size: 4}}
@@ -32,7 +34,7 @@ task: {{name: guess-number, options: {{max_turns: 4}}}}
 agent:
   command: [{python}, {agent}, --turns, "4", --fault-dir, {faults}, --pid-file, {faults}/hang.pids]
   workers: 4
-  timeout_s: 30
+  timeout_s: {timeout_s}
 roles:
   controller: {{place_with: trainer}}
   trainer:    {{tags: [train], nodes: 1}}
@@ -40,16 +42,21 @@ roles:
 """
 
 
-def agent_recipe(tmp_path: Path) -> Path:
+# The policy the program talks to: a warm-started model on vLLM, or the test engine (a one-layer model).
+VLLM = "model: {warm_start_steps: 10}"
+TEST_ENGINE = "engine: {name: test}\nmodel: {layers: 1, hidden_size: 64, heads: 1}"
+
+
+def agent_recipe(tmp_path: Path, *, engine: str = VLLM, timeout_s: int = 30) -> Path:
     faults = tmp_path / "faults"
     faults.mkdir()
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(python=sys.executable, agent=AGENT, faults=faults)
-                      + f"output_dir: {tmp_path / 'runs'}\n")
+    recipe.write_text(RECIPE.format(python=sys.executable, agent=AGENT, faults=faults, model=engine,
+                                    timeout_s=timeout_s) + f"output_dir: {tmp_path / 'runs'}\n")
     return recipe
 
 
-def check_agent_run(run_dir: Path, faults: Path) -> None:
+def check_agent_run(run_dir: Path, faults: Path, *, timeout_s: int = 30) -> None:
     """The run trained its budget on the program's episodes, with every turn recorded, and the crash and the
     hang failed their own episodes only."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -72,7 +79,7 @@ def check_agent_run(run_dir: Path, faults: Path) -> None:
     assert max(turns) > 1  # the program drove several turns of one trajectory
     failed = [t for t in trajectories if t.status == "failed"]
     crashed = [t for t in failed if "crashed on purpose" in t.fail_reason]
-    hung = [t for t in failed if t.fail_reason == "timed out after 30 s"]
+    hung = [t for t in failed if t.fail_reason == f"timed out after {timeout_s} s"]
     assert len(crashed) == 1 and hung and len(crashed) + len(hung) == len(failed), [t.fail_reason for t in failed]
     assert crashed[0].fail_reason.startswith("AgentProgramFailed: the agent program exited with status 1; its "
                                              "stderr ends: RuntimeError: agent crashed on purpose after guessing")
@@ -81,9 +88,14 @@ def check_agent_run(run_dir: Path, faults: Path) -> None:
         assert not alive(pid)
 
 
+# The hang holds the first step this long. An episode of the test engine (a program's start included) takes a
+# second or two, so a normal one is far from it even on a loaded machine.
+TIMEOUT_S = 20
+
+
 def test_an_agent_program_plays_inside_the_rl_loop(tmp_path: Path) -> None:
-    recipe = agent_recipe(tmp_path)
+    recipe = agent_recipe(tmp_path, engine=TEST_ENGINE, timeout_s=TIMEOUT_S)
     done = run_sfhpc("run", str(recipe), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    check_agent_run(run_dir, tmp_path / "faults")
+    check_agent_run(run_dir, tmp_path / "faults", timeout_s=TIMEOUT_S)

@@ -29,8 +29,8 @@ def main() -> int:
     from mpi4py import MPI
 
     from sfhpc.config.recipe import load_recipe
-    from sfhpc.launch.local import local_cluster_map
-    from sfhpc.launch.resolve import resolve
+    from sfhpc.plan.local_map import local_cluster_map
+    from sfhpc.plan.resolve import resolve
     from sfhpc.rl import messages as msg
     from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer
     from sfhpc.runtime.comm_layout import build_comm_layout
