@@ -10,16 +10,24 @@ state and restarts come from scontrol while it knows the job, and from sacct aft
 from __future__ import annotations
 
 import dataclasses
-import re
-import shutil
-import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from sfhpc.errors import SfhpcError, SlurmError
-from sfhpc.launch.submitit_het import combine_states
 from sfhpc.rundir import RunPaths, find_run_dir
+from sfhpc.runtime.slurm_job import (  # noqa: F401  (the job-watching API is launch's too)
+    HELD_REASONS,
+    HELD_STATES,
+    LiveJob,
+    check_job_id,
+    combine_states,
+    live_job,
+    parse_scontrol_job,
+    preempted_and_running,
+    requeue_job,
+    slurm_command,
+)
 from sfhpc.table import format_table
 
 SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList", "Elapsed")
@@ -27,30 +35,6 @@ SACCT_FIELDS = ("JobID", "JobName", "Partition", "State", "ExitCode", "NodeList"
 # is not requeued; a requeued job goes back to PENDING).
 FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
                 "DEADLINE", "PREEMPTED")
-# A pending job that only a person can start again (`scontrol release`).
-HELD_REASONS = ("job_requeued_in_held_state", "JobHeldUser", "JobHeldAdmin")
-HELD_STATES = ("REQUEUE_HOLD", "SPECIAL_EXIT")
-
-
-def slurm_command(args: list[str], timeout: float = 60) -> str:
-    """Run a Slurm client command and return its stdout; one-line SlurmError when it is missing or fails."""
-    if shutil.which(args[0]) is None:
-        raise SlurmError(f"'{args[0]}' not found on PATH: install the Slurm client tools "
-                         "(or start the dev cluster with `make cluster-up`)")
-    try:
-        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        raise SlurmError(f"'{' '.join(args)}' did not answer within {timeout:.0f} s: is slurmctld up?") from None
-    if done.returncode != 0:
-        lines = [ln for ln in done.stderr.strip().splitlines() if ln.strip()] or ["(no message)"]
-        raise SlurmError(f"'{' '.join(args)}' failed: {lines[-1].strip()}")
-    return done.stdout
-
-
-def check_job_id(job_id: str) -> str:
-    if not job_id.isdigit():
-        raise SfhpcError(f"'{job_id}' is not a Slurm job id (expected a number such as 1234)")
-    return job_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,46 +81,6 @@ def format_status(status: JobStatus, run_dir: Path | None, restarts: int | None 
     if live is not None and status.state == "RUNNING":
         title += f"\n  phase {live['phase']} at step {live['step']} (allocation {live['restart']})"
     return title + "\n" + format_table(header, rows, indent="  ")
-
-
-@dataclasses.dataclass(frozen=True)
-class LiveJob:
-    """What slurmctld holds on a job now: its state (over every het component), why it waits, its restarts."""
-
-    state: str
-    reason: str
-    restarts: int
-    preempted: bool = False  # a preemption is under way (its grace time runs): slurmctld set PreemptTime
-
-    @property
-    def held(self) -> bool:
-        return self.state in HELD_STATES or (self.state == "PENDING" and self.reason in HELD_REASONS)
-
-
-def _field(line: str, key: str) -> str | None:
-    match = re.search(rf"(?:^|\s){key}=(\S*)", line)
-    return match.group(1) if match else None
-
-
-def parse_scontrol_job(text: str) -> LiveJob | None:
-    """`scontrol show job -o` output (one line per het component) -> LiveJob; None when it names no job."""
-    lines = [ln for ln in text.splitlines() if _field(ln, "JobState") is not None]
-    if not lines:
-        return None
-    states = [_field(ln, "JobState") or "" for ln in lines]
-    state = combine_states(states)
-    reason = next((_field(ln, "Reason") or "" for ln, s in zip(lines, states) if s == state), "")
-    restarts = max(int(r) if (r := _field(ln, "Restarts")) and r.isdigit() else 0 for ln in lines)
-    preempted = any(_field(ln, "PreemptTime") not in (None, "None", "Unknown") for ln in lines)
-    return LiveJob(state, reason, restarts, preempted)
-
-
-def live_job(job_id: str) -> LiveJob | None:
-    """The job as slurmctld sees it now, or None once slurmctld has forgotten it (or cannot be asked)."""
-    try:
-        return parse_scontrol_job(slurm_command(["scontrol", "show", "job", "-o", check_job_id(job_id)]))
-    except SlurmError:  # "Invalid job id specified": ended more than MinJobAge ago
-        return None
 
 
 def count_runs(sacct_duplicates: str, job_id: str) -> int:
@@ -228,18 +172,3 @@ def job_logs(job_id: str, output_dir: str, rank: int | None = None) -> str:
 
 def cancel_job(job_id: str) -> None:
     slurm_command(["scancel", check_job_id(job_id)])
-
-
-def preempted_and_running(job_id: str) -> bool:
-    """The job is being preempted and still runs. Slurm 22.05 requeues a preempted heterogeneous job only
-    if it is still running when the preemption's grace time ends: one that stopped cleanly inside the grace
-    (after its checkpoint) ends for good, so it must requeue itself. A job that `scontrol requeue` or
-    `scancel` is ending is COMPLETING instead, and is left alone."""
-    live = live_job(job_id)
-    return live is not None and live.state == "RUNNING" and live.preempted
-
-
-def requeue_job(job_id: str) -> None:
-    """Put a running job back in the queue (``scontrol requeue``): Slurm ends the current run (TERM, then
-    KILL after KillWait) and starts the job again, which resumes from its last checkpoint."""
-    slurm_command(["scontrol", "requeue", check_job_id(job_id)])

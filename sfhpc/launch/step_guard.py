@@ -151,7 +151,7 @@ def _requeue_if_decided(situation: requeue.Situation) -> None:
         print(f"sfhpc: {decision.line}", file=sys.stderr, flush=True)
     if not decision.requeue or situation.job_id is None:
         return
-    from sfhpc.launch.jobs import requeue_job  # only now: the guard starts fast without Slurm's helpers
+    from sfhpc.runtime.slurm_job import requeue_job  # only now: the guard starts fast without Slurm's helpers
 
     try:
         requeue_job(situation.job_id)

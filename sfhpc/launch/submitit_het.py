@@ -22,21 +22,7 @@ from submitit.slurm.slurm import SlurmExecutor, SlurmInfoWatcher, SlurmJob
 
 from sfhpc.errors import SlurmError
 from sfhpc.launch.sbatch import SbatchSpec, render_sbatch
-
-# When components disagree, the job shows the first of these that any component is in.
-_STATE_PRECEDENCE = (
-    "FAILED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "TIMEOUT", "CANCELLED", "PREEMPTED",
-    "REQUEUED", "RUNNING", "COMPLETING", "SUSPENDED", "RESIZING", "PENDING", "COMPLETED",
-)
-
-
-def combine_states(states: list[str]) -> str:
-    """One state for a het job from its components' states (e.g. RUNNING + COMPLETED -> RUNNING)."""
-    def rank(state: str) -> int:
-        word = state.split()[0] if state else "UNKNOWN"
-        return _STATE_PRECEDENCE.index(word) if word in _STATE_PRECEDENCE else -1
-
-    return min(states, key=rank) if states else "UNKNOWN"
+from sfhpc.runtime.slurm_job import combine_states
 
 
 class HetSlurmInfoWatcher(SlurmInfoWatcher):

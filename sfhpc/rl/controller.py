@@ -382,7 +382,7 @@ class Controller:
             print(f"stopped by {signal_name} after step {self.step_done}; checkpoint {self.last_checkpoint.path}; "
                   f"continue with: sfhpc run {self.recipe.source} --resume {self.run_dir}", flush=True)
             return
-        from sfhpc.launch.jobs import preempted_and_running, requeue_job
+        from sfhpc.runtime.slurm_job import preempted_and_running, requeue_job
 
         enabled = self.recipe.launch.requeue
         # slurmctld is asked only where the answer counts: after TERM, a preemption under way.
