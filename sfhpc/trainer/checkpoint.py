@@ -20,7 +20,9 @@ import torch
 from sfhpc.trainer.errors import CheckpointError
 
 FORMAT = "sfhpc-trainer-checkpoint"
-FORMAT_VERSION = 1
+# 2: tensors and plain data only, read with torch.load(weights_only=True), so that a run folder another user
+# can write cannot make a resume run code (1 held numpy's RNG state as a pickled array).
+FORMAT_VERSION = 2
 
 
 def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
@@ -51,10 +53,13 @@ def load(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        # weights_only=False: the file holds optimizer state and RNG states, written by this project.
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        # Tensors and plain data only: unpickling anything else would run whatever code the file names.
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same to the user
-        raise CheckpointError(f"{path}: cannot read checkpoint ({exc.__class__.__name__}: {exc})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise CheckpointError(f"{path}: cannot read checkpoint as tensors and plain data "
+                              f"({exc.__class__.__name__}: {first}); a checkpoint of format 1, written before "
+                              "checkpoints held nothing else, cannot be resumed by this version") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an sfhpc trainer checkpoint")
     if state.get("format_version") != FORMAT_VERSION:
@@ -64,14 +69,20 @@ def load(path: str | Path) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    """Every random generator a training step may draw from."""
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every random generator a training step may draw from, as tensors and plain values (numpy's key array
+    becomes a tensor: ``weights_only`` loading refuses numpy objects)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                      float(cached)]}
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    python = state["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
 
 
 def restore(path: str | Path, model_dir: str | Path, state: dict[str, Any], load_weights: Callable[[], None]) -> None:
