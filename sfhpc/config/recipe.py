@@ -205,10 +205,16 @@ class TrainingSpec:
     pipeline_parallel: int = setting(1, "megatron: pipeline stages (divides the model's layers)")
     checkpoint_every: int = setting(0, "steps between run checkpoints (0: only at the end of the run and at a stop "
                                        "request)")
+    keep_checkpoints: int | None = setting(None, "keep the newest N complete checkpoints of this run and remove older "
+                                                 "ones after each new one (null: keep all)")
     timing_step_s: float = setting(0.0, "backend timing: seconds of every step")
     timing_per_token_s: float = setting(0.0, "backend timing: seconds per trained token on one trainer rank")
 
     def validate(self, where: Where) -> None:
+        if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
+            raise where.child("keep_checkpoints").error(
+                f"must be at least 1 (the newest checkpoint is what a restart resumes from), found "
+                f"{self.keep_checkpoints}; leave it out to keep all")
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")

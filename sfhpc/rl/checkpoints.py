@@ -9,7 +9,8 @@ written last (to a temporary file, fsynced, renamed), and the folder is renamed 
 sees a whole checkpoint or none. An existing checkpoint is never overwritten: a second checkpoint of the
 same step (a run preempted again before its next step) becomes ``step-000042.1``. `latest` checks
 manifests and checksums from the newest down, names every damaged checkpoint, and returns the newest
-sound one. Nothing here ever deletes a checkpoint.
+sound one. Only `prune` deletes, and only what ``training.keep_checkpoints`` lets go: complete checkpoints
+of this run (its identity in their manifest) older than the newest N complete ones.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -134,6 +136,32 @@ class RunCheckpoints:
             return []
         found = [(order, p) for p in self.root.iterdir() if p.is_dir() and (order := _order(p)) is not None]
         return [p for _, p in sorted(found)]
+
+    def prune(self, keep: int, identity: dict[str, Any]) -> list[Path]:
+        """Remove the complete checkpoints of this run (`identity` in their manifest) beyond the newest `keep`
+        of them; returns what was removed, oldest first. The newest complete one always stays, and nothing
+        else is touched: folders without a manifest (being written, or damaged: `latest` names those) and
+        checkpoints another recipe or model wrote. Checksums are not read (a large checkpoint's sha256 takes
+        minutes): deleting needs only to know whose checkpoint it is."""
+        if keep < 1:
+            raise ValueError(f"keep must be at least 1, found {keep}")
+        mine = []
+        for path in self.folders():
+            try:
+                manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(manifest, dict) and manifest.get("format") == FORMAT and manifest.get("identity") == identity:
+                mine.append(path)
+        removed = mine[:-keep]
+        for path in removed:
+            # Renamed away first, so an interrupted removal never leaves a half-deleted step-NNNNNN folder.
+            doomed = path.with_name(f".{path.name}.removing")
+            path.rename(doomed)
+            shutil.rmtree(doomed)
+        if removed:
+            _fsync_dir(self.root)
+        return removed
 
     def latest(self, warn: Callable[[str], None] | None = None) -> CheckpointInfo | None:
         """The newest sound checkpoint; each damaged one newer than it is named through `warn`."""

@@ -346,7 +346,20 @@ class Controller:
         self.last_checkpoint = info
         self.event("checkpoint", path=str(info.path), step=info.step, version=info.version, reason=reason,
                    seconds=round(time.monotonic() - started, 3))
+        self._prune_checkpoints()
         return info
+
+    def _prune_checkpoints(self) -> None:
+        """``training.keep_checkpoints``: the newest N of this run's checkpoints stay; the rest are removed,
+        and said so on the console and in the event log."""
+        keep = self.recipe.training.keep_checkpoints
+        if keep is None:
+            return
+        removed = self.checkpoints.prune(keep, self.identity)
+        if removed:
+            names = ", ".join(p.name for p in removed)
+            print(f"checkpoints: removed {names} (training.keep_checkpoints: {keep})", flush=True)
+            self.event("checkpoints-removed", folders=[p.name for p in removed], keep=keep)
 
     def _state(self) -> ControllerState:
         # The groups in flight, also those with no trajectory yet (their episodes are played after a restart).

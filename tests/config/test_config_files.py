@@ -87,10 +87,11 @@ def test_config_objects_are_immutable() -> None:
          + "pipeline: {mode: async}\n", ["pipeline.mode", "use mode 'sync'"]),
         (GOOD_RECIPE.replace("  rollout:", "  reward: {tags: [reward], nodes: 1}\n  rollout:"),
          ["roles.reward", "is not built", "remove this role"]),
+        (GOOD_RECIPE + "training: {keep_checkpoints: 0}\n", ["training.keep_checkpoints", "at least 1"]),
     ],
     ids=["malformed", "unknown-nested-key", "unknown-top-key", "missing-field", "wrong-type", "bad-choice",
          "missing-role", "duplicate-key", "empty", "bad-reference", "zero-nodes", "no-tags", "async-colocated",
-         "reward-role"],
+         "reward-role", "keep-no-checkpoint"],
 )
 def test_bad_recipe_names_file_line_and_key(tmp_path: Path, text: str, fragments: list[str]) -> None:
     path = write(tmp_path, text)

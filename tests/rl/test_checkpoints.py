@@ -81,3 +81,24 @@ def test_a_checkpoint_of_another_recipe_or_model_is_refused_naming_the_differenc
     check_identity(info, dict(IDENTITY))
     with pytest.raises(CheckpointMismatch, match="model_config_sha256"):
         check_identity(info, {**IDENTITY, "model_config_sha256": "other"})
+
+
+def test_prune_keeps_the_newest_of_this_run_and_touches_nothing_else(tmp_path: Path) -> None:
+    checkpoints = RunCheckpoints(tmp_path)
+    for step in (2, 4, 6):
+        write(checkpoints, step)
+    other = checkpoints.begin(5)  # another recipe's checkpoint in the same folder
+    (other / "trainer.pt").write_bytes(b"theirs")
+    checkpoints.commit(other, step=5, version=5, identity={"recipe": "other"}, reason="test")
+    damaged = tmp_path / "checkpoints" / "step-000003"  # no manifest: being written, or damaged
+    damaged.mkdir()
+    write(checkpoints, 8)
+    removed = checkpoints.prune(2, IDENTITY)
+    assert [p.name for p in removed] == ["step-000002", "step-000004"]
+    left = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert left == ["step-000003", "step-000005", "step-000006", "step-000008"]  # nothing hidden left behind
+    assert checkpoints.latest().path.name == "step-000008"
+    assert checkpoints.prune(1, IDENTITY)[0].name == "step-000006"
+    assert checkpoints.prune(1, IDENTITY) == []  # the newest always stays
+    with pytest.raises(ValueError):
+        checkpoints.prune(0, IDENTITY)
