@@ -96,7 +96,7 @@ class Controller:
         self.hopeless_groups = 0  # groups dropped as stale while they still played, this run (for metrics)
         self.next_group = 0
         # The episodes of the groups in flight, for the checkpoint (the manager's book says which are).
-        self.open_groups: dict[str, tuple[msg.Episode, ...]] = {}
+        self.open_groups: dict[str, tuple[msg.EpisodeTicket, ...]] = {}
         # The event log of a folder opened again: a crash may have cut its last line, which is set aside
         # before the first event is appended (the metrics likewise, by `Progress`).
         repair_log(RunPaths(run_dir).events)
@@ -129,14 +129,14 @@ class Controller:
         groups trained on, dropped as stale or spoiled by a failed member."""
         self.drop_hopeless_groups()
         self.open_groups = {g: e for g, e in self.open_groups.items() if self.manager.in_flight(g)}
-        episodes: list[msg.Episode] = []
+        episodes: list[msg.EpisodeTicket] = []
         for _ in range(max(0, self.groups_wanted() - self.groups_out)):
             problem = self.task.sample(self.rng)
             # The store's writer session makes the key unique across allocations: a restart restores
             # `next_group` from its checkpoint, and the lost allocation's later keys may be in the store.
             group = f"s{self.store.session}-g{self.next_group}-{problem.key}"
             self.next_group += 1
-            members = tuple(msg.Episode(problem, group, self.rng.randrange(2**31))
+            members = tuple(msg.EpisodeTicket(problem, group, self.rng.randrange(2**31))
                             for _ in range(self.recipe.algorithm.group_size))
             self.manager.book_group(group)
             self.open_groups[group] = members
@@ -207,7 +207,7 @@ class Controller:
         self.event("pipeline", mode="seamless" if lendable else "async", requested="seamless",
                    lendable=list(lendable))
 
-    def hand_out(self, episodes: list[msg.Episode]) -> None:
+    def hand_out(self, episodes: list[msg.EpisodeTicket]) -> None:
         for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended).items():
             msg.send(self.layout.world, msg.Play(tuple(share)), rank)
 

@@ -21,8 +21,9 @@ R = TypeVar("R")
 
 
 @dataclasses.dataclass(frozen=True)
-class Episode:
-    """One episode for a rollout rank to play: a problem, its GRPO group and a sampling seed."""
+class EpisodeTicket:
+    """The controller's order to play one episode: a problem, its GRPO group and a sampling seed. (The
+    episode itself, the environment's side of it, is the task's `sfhpc.tasks.base.Episode`.)"""
 
     problem: Problem
     group: str
@@ -34,7 +35,7 @@ class Episode:
 class Play:
     """Controller -> rollout rank: play these episodes (they finish in the trajectory manager)."""
 
-    episodes: tuple[Episode, ...]
+    episodes: tuple[EpisodeTicket, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +113,7 @@ class Reclaim:
 class Reclaimed:
     rank: int
     interrupted: int  # generations cut short
-    episodes: tuple[Episode, ...]  # its unfinished episodes (``resume_id`` set where a trajectory started)
+    episodes: tuple[EpisodeTicket, ...]  # its unfinished episodes (``resume_id`` set where a trajectory started)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ store holds (the manager reloaded them; running ones came back interrupted):
 - a group whose oldest generated token is more than ``max_staleness`` versions behind the restored
   policy is dropped whole, as stale (GRPO needs whole groups), and counted;
 - otherwise each member trajectory that is still open is *continued* from its recorded prefix on a
-  new engine (an `Episode` with ``resume_id``), finished members wait for a batch as they are, and
+  new engine (an `EpisodeTicket` with ``resume_id``), finished members wait for a batch as they are, and
   episodes without a trajectory held (never started, aborted above, or trained on by the lost steps)
   are played again from the start, so the group is trained whole by the restored run;
 - groups the checkpoint does not know were handed out after it (the run died without a stop
@@ -33,7 +33,7 @@ from typing import Any
 
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Status
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rundir import RunPaths
 
 
@@ -45,7 +45,7 @@ class ControllerState:
     version: int  # the policy version the trainers hold
     rng: Any  # random.Random state: the problems and sampling seeds still to come
     next_group: int  # the number the next GRPO group gets
-    open_groups: dict[str, tuple[Episode, ...]]  # handed out, not yet trained on or dropped
+    open_groups: dict[str, tuple[EpisodeTicket, ...]]  # handed out, not yet trained on or dropped
     task_state: Any = None  # a task's own sampler state (`Task.state`), e.g. a data file's position
     assigned: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> episodes sent so far
 
@@ -56,14 +56,24 @@ class ControllerState:
     @classmethod
     def load(cls, path: Path) -> ControllerState:
         with open(path, "rb") as f:
-            fields = pickle.load(f)  # noqa: S301 - a file this run wrote, verified against its manifest
+            fields = _StateUnpickler(f).load()  # a file this run wrote, verified against its manifest
         return cls(**fields)
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """Reads controller states written before the hand-out record was renamed `EpisodeTicket` (it was
+    `sfhpc.rl.messages.Episode`), so that runs stopped then still resume."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("sfhpc.rl.messages", "Episode"):
+            return EpisodeTicket
+        return super().find_class(module, name)
 
 
 @dataclasses.dataclass
 class ResumePlan:
-    episodes: list[Episode]  # to hand out now: continuations (resume_id set) and episodes played again
-    groups: dict[str, tuple[Episode, ...]]  # the groups of the checkpoint still out after the restart
+    episodes: list[EpisodeTicket]  # to hand out now: continuations (resume_id set) and episodes played again
+    groups: dict[str, tuple[EpisodeTicket, ...]]  # the groups of the checkpoint still out after the restart
     waiting_groups: int  # whole groups handed out after the checkpoint, finished and fresh: kept for training
     resumed: int = 0  # trajectories continued from their prefix
     replayed: int = 0  # episodes without a trajectory held, played again

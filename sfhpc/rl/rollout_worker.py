@@ -28,7 +28,7 @@ from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.endpoint.service import SamplingRule
 from sfhpc.engine.base import RolloutEngine
 from sfhpc.engine.tokenizer import ChatTokenizer
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rollout.agent import (
     ChatBackend,
     EpisodeOutcome,
@@ -96,12 +96,12 @@ class RolloutWorker:
         self.quiesced = False  # the engine is paused for good: the rank is stopping
         # The episodes playing now (on the endpoint's loop), each with the trajectory ids it started: what a
         # reclaim hands back. The flag keeps the cut episodes from counting as failed.
-        self.held: dict[asyncio.Task[Any], tuple[Episode, list[str]]] = {}
+        self.held: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
         self.reclaiming = False
         self.refusing_turns = False
 
     # -- commands ----------------------------------------------------------------------------------
-    def play(self, episodes: tuple[Episode, ...]) -> None:
+    def play(self, episodes: tuple[EpisodeTicket, ...]) -> None:
         fault_injection.strike("play", self.rank)  # a test makes the rank fail here
         if self.refusing_turns:  # lent again after a reclaim: turns are served again (this is queued first)
             self.refusing_turns = False
@@ -109,7 +109,7 @@ class RolloutWorker:
         for episode in episodes:
             self.playing.append(asyncio.run_coroutine_threadsafe(self._play_held(episode), self.server.loop))
 
-    async def _play_held(self, episode: Episode) -> EpisodeOutcome | None:
+    async def _play_held(self, episode: EpisodeTicket) -> EpisodeOutcome | None:
         task = asyncio.current_task()
         assert task is not None
         started: list[str] = []
@@ -120,7 +120,7 @@ class RolloutWorker:
         finally:
             self.held.pop(task, None)
 
-    async def _play(self, episode: Episode, noted: Callable[[str], None]) -> EpisodeOutcome | None:
+    async def _play(self, episode: EpisodeTicket, noted: Callable[[str], None]) -> EpisodeOutcome | None:
         # An agent or task that raises, or outlives budgets.episode_timeout_s, fails its trajectory with the
         # reason (the controller replaces its group): one episode's fault never takes the rank down.
         if self.programs is not None:
@@ -137,7 +137,7 @@ class RolloutWorker:
         return await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
                                   timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
 
-    async def _play_program(self, episode: Episode, programs: AgentPrograms,
+    async def _play_program(self, episode: EpisodeTicket, programs: AgentPrograms,
                             noted: Callable[[str], None]) -> EpisodeOutcome | None:
         """An episode of the recipe's agent program; its timeout counts from the program's start, not from
         the wait for one of the rank's ``agent.workers`` slots."""
@@ -164,7 +164,7 @@ class RolloutWorker:
         rank is being taken back from rollout: an episode cut now is not a failed one."""
         return self.quiesced or self.reclaiming or preemption.received() is not None
 
-    async def _resume_point(self, episode: Episode) -> ResumePoint:
+    async def _resume_point(self, episode: EpisodeTicket) -> ResumePoint:
         """An episode of an earlier allocation: its replies so far, the one that was cut short finished
         first from its recorded prefix on this engine (a partial rollout across the restart)."""
         from sfhpc.endpoint.service import Sampling, TurnRequest
@@ -257,7 +257,7 @@ class RolloutWorker:
         await asyncio.gather(*doomed, return_exceptions=True)
         return len(doomed)
 
-    def reclaim(self) -> tuple[int, tuple[Episode, ...]]:
+    def reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
         """This trainer rank goes back to training: every generation in flight is cut at a token boundary
         and recorded as a partial rollout, every episode still playing is dropped here, and the engine runs
         again for the next lending. Returns how many generations were cut and the dropped episodes, each
@@ -271,7 +271,7 @@ class RolloutWorker:
         self.manager.counts()  # a round trip: the cut segments' one-way records have reached the manager
         return cut, moved
 
-    async def _reclaim(self) -> tuple[int, tuple[Episode, ...]]:
+    async def _reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
         cut = await self.endpoint.quiesce()
         self.endpoint.refuse_turns(True)  # turns of HTTP agents (not tasks of this rank's own) give up too
         held, self.held = self.held, {}

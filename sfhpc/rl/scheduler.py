@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 
 from sfhpc.plan.resolve import LaunchPlan
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.timeline import Timeline
 from sfhpc.table import format_table
 
@@ -128,13 +128,14 @@ class Scheduler:
         reported their end, finished or failed, as the trajectory manager's server counts them)."""
         return self._handed[rank] - ended.get(rank, 0)
 
-    def assign(self, episodes: Iterable[Episode], ended: Mapping[int, int] | None = None) -> dict[int, list[Episode]]:
+    def assign(self, episodes: Iterable[EpisodeTicket],
+               ended: Mapping[int, int] | None = None) -> dict[int, list[EpisodeTicket]]:
         """Spread episodes over the rollout ranks (and the ranks lent to rollout), each to the rank with the
         fewest episodes in flight (ties: the lower rank). A rank whose episodes run long (long replies, many
         turns) gets fewer new ones."""
         with self._lock:  # (the manager's thread reads the counts in `observe`)
             ended = self._ended if ended is None else ended
-            plan: dict[int, list[Episode]] = {}
+            plan: dict[int, list[EpisodeTicket]] = {}
             # (episodes in flight, rank) in a heap: the least loaded rank, ties to the lower one, in log time, so
             # a step's many thousand episodes over thousands of ranks go out in milliseconds.
             loads = [(self.in_flight(r, ended), r) for r in self.assignable_ranks]

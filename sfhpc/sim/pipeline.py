@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.sim.clock import EventQueue
 from sfhpc.sim.cluster import SimCluster
@@ -138,7 +138,7 @@ class PipelineSim:
         self.groups_out = 0
         self.next_group = 0
         self.next_sample = 0
-        self.samples: dict[int, Sample] = {}      # in flight, by id (the Episode's seed)
+        self.samples: dict[int, Sample] = {}      # in flight, by id (the EpisodeTicket's seed)
         self.ended: dict[int, int] = defaultdict(int)  # rank -> episodes that ended there
         self.ready: list[tuple[int, Group]] = []  # complete groups, oldest first
         # rank -> samples waiting on their environment (a dict: the order they are moved in is reproducible)
@@ -229,11 +229,11 @@ class PipelineSim:
                 self.next_sample += 1
                 group.members.append(sample)
                 samples[sample.id] = sample
-                episodes.append(Episode(problem, key, sample.id))
+                episodes.append(EpisodeTicket(problem, key, sample.id))
         self.groups_out += new
         self._hand_out(episodes)
 
-    def _hand_out(self, episodes: list[Episode]) -> None:
+    def _hand_out(self, episodes: list[EpisodeTicket]) -> None:
         for rank, share in self.scheduler.assign(episodes, ended=self.ended).items():
             self.engines[rank].admit(self.samples[e.seed] for e in share)
 
@@ -311,7 +311,7 @@ class PipelineSim:
         if moved:
             if self.measuring:
                 self.migrated += len(moved)
-            self._hand_out([Episode(Problem(str(s.id), None), "", s.id) for s in moved])
+            self._hand_out([EpisodeTicket(Problem(str(s.id), None), "", s.id) for s in moved])
 
     def _try_take_batch(self) -> None:
         per_step = self.config.prompts_per_step
@@ -376,7 +376,8 @@ class PipelineSim:
             return
         if self.measuring:
             self.migrated += len(moved)
-        plan = self.scheduler.assign([Episode(Problem(str(s.id), None), "", s.id) for s in moved], ended=self.ended)
+        tickets = [EpisodeTicket(Problem(str(s.id), None), "", s.id) for s in moved]
+        plan = self.scheduler.assign(tickets, ended=self.ended)
         for rank, share in plan.items():
             samples = [self.samples[e.seed] for e in share]
             for sample in samples:

@@ -11,13 +11,13 @@ from sfhpc.data.errors import InvalidRequest
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Status
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.tasks.base import Problem
 
 
-def episodes(group: str, n: int = 2) -> tuple[Episode, ...]:
-    return tuple(Episode(Problem(group, group), group, seed) for seed in range(n))
+def episodes(group: str, n: int = 2) -> tuple[EpisodeTicket, ...]:
+    return tuple(EpisodeTicket(Problem(group, group), group, seed) for seed in range(n))
 
 
 def test_open_trajectories_continue_missing_ones_replay_stale_groups_drop(tmp_path: Path) -> None:
@@ -105,3 +105,30 @@ def test_controller_state_round_trips(tmp_path: Path) -> None:
     restored = random.Random()
     restored.setstate(loaded.rng)
     assert restored.random() == rng.random()
+
+
+def test_a_controller_state_written_before_the_rename_still_loads(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints of runs stopped before the hand-out record was renamed `EpisodeTicket` still resume."""
+    import dataclasses
+    import pickle
+
+    from sfhpc.rl import messages
+    from sfhpc.rl.resume import ControllerState
+
+    @dataclasses.dataclass(frozen=True)
+    class Episode:  # the record as it was named then
+        problem: Problem
+        group: str
+        seed: int
+        resume_id: str | None = None
+
+    Episode.__module__, Episode.__qualname__ = "sfhpc.rl.messages", "Episode"
+    monkeypatch.setattr(messages, "Episode", Episode, raising=False)
+    old = {"step": 3, "version": 3, "rng": None, "next_group": 7,
+           "open_groups": {"s1-g6-k": (Episode(Problem("k", 1), "s1-g6-k", 5),)}}
+    (tmp_path / "controller.pt").write_bytes(pickle.dumps(old))
+    monkeypatch.delattr(messages, "Episode")
+    state = ControllerState.load(tmp_path / "controller.pt")
+    (ticket,) = state.open_groups["s1-g6-k"]
+    assert isinstance(ticket, EpisodeTicket) and (ticket.group, ticket.seed) == ("s1-g6-k", 5)

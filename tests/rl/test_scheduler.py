@@ -8,14 +8,14 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.plan.resolve import resolve
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.scheduler import Scheduler
 from sfhpc.tasks.base import Problem
 from tests.conftest import RECIPES
 
 
-def episodes(n: int) -> list[Episode]:
-    return [Episode(Problem(str(i), i), f"g{i}", i) for i in range(n)]
+def episodes(n: int) -> list[EpisodeTicket]:
+    return [EpisodeTicket(Problem(str(i), i), f"g{i}", i) for i in range(n)]
 
 
 def scheduler() -> Scheduler:

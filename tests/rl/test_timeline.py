@@ -8,7 +8,7 @@ import pytest
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.data.rank_intervals import RankInterval, bubble_fraction, bubble_of
 from sfhpc.plan.resolve import resolve
-from sfhpc.rl.messages import Episode
+from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.rl.timeline import Timeline
 from sfhpc.tasks.base import Problem
@@ -25,8 +25,8 @@ class Clock:
         return self.now
 
 
-def episodes(n: int) -> list[Episode]:
-    return [Episode(Problem(str(i), i), f"g{i}", i) for i in range(n)]
+def episodes(n: int) -> list[EpisodeTicket]:
+    return [EpisodeTicket(Problem(str(i), i), f"g{i}", i) for i in range(n)]
 
 
 def test_bubble_fraction_of_known_intervals() -> None:
