@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -194,9 +194,8 @@ class AlgorithmSpec:
 class TrainingSpec:
     """The training backend: ``torch`` (CPU default; DDP over gloo across trainer ranks) or ``megatron``
     (megatron-core, for GPUs; trainer ranks = tensor x pipeline x data parallel), or ``timing``, a timing
-    model for benchmarks (`sfhpc.trainer.timing_trainer`): it learns nothing, a step lasts
-    ``timing_step_s`` plus ``timing_per_token_s`` per trained token over the trainer ranks, and the policy
-    version moves as a real trainer's would."""
+    model for benchmarks (`sfhpc.trainer.timing_trainer`): it learns nothing, a step lasts what the
+    ``timing_model`` section says, and the policy version moves as a real trainer's would."""
 
     backend: Literal["torch", "megatron", "timing"] = setting("torch", "torch (CPU default; DDP over gloo), megatron "
                                                                        "(megatron-core, for GPUs) or timing (a timing "
@@ -207,8 +206,6 @@ class TrainingSpec:
                                        "request)")
     keep_checkpoints: int | None = setting(None, "keep the newest N complete checkpoints of this run and remove older "
                                                  "ones after each new one (null: keep all)")
-    timing_step_s: float = setting(0.0, "backend timing: seconds of every step")
-    timing_per_token_s: float = setting(0.0, "backend timing: seconds per trained token on one trainer rank")
 
     def validate(self, where: Where) -> None:
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
@@ -218,12 +215,6 @@ class TrainingSpec:
         for key in ("tensor_parallel", "pipeline_parallel"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
-        for key in ("timing_step_s", "timing_per_token_s"):
-            if not getattr(self, key) >= 0:
-                raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
-            if getattr(self, key) and self.backend != "timing":
-                raise where.child(key).error("sets the 'timing' backend's step time; leave it out for "
-                                             f"'{self.backend}'")
         if self.backend != "megatron" and (self.tensor_parallel, self.pipeline_parallel) != (1, 1):
             raise where.child("backend").error("tensor/pipeline parallelism needs backend 'megatron'")
 
@@ -247,20 +238,13 @@ class EngineSpec:
     """The rollout engine: ``vllm`` (the policy model served by vLLM), or ``test``, the deterministic test
     engine: not a language model (it writes lower-case letters, its "weights" are a hash of the policy's),
     for exercising the pipeline, preemption and scheduling without vLLM's start-up cost.
-    ``token_delay_s`` paces the test engine's generation (0 for vLLM).
-
-    The test engine as a timing model (`sfhpc.engine.scripted`): a decode step takes ``token_delay_s`` plus
-    ``per_sequence_s`` for every sequence in flight, a prompt ``prefill_per_token_s`` per token, a weight
-    load ``weight_load_s``; with ``writes_to_budget`` it never ends a reply on its own, so every reply is
-    as long as the task lets it be (a model that answers at the length asked for)."""
+    ``token_delay_s`` paces the test engine's generation (0 for vLLM); with ``writes_to_budget`` it never ends
+    a reply on its own, so every reply is as long as the task lets it be. As a benchmark's timing model its
+    other costs are the ``timing_model`` section's."""
 
     name: Literal["vllm", "test"] = setting("vllm", "vllm (the policy model served by vLLM) or test (the deterministic "
                                                     "test engine: writes letters, no language model)")
     token_delay_s: float = setting(0.0, "test engine: seconds per decode step")
-    per_sequence_s: float = setting(0.0, "test engine as a timing model: seconds a decode step adds per sequence in "
-                                         "flight")
-    prefill_per_token_s: float = setting(0.0, "test engine as a timing model: seconds per prompt token")
-    weight_load_s: float = setting(0.0, "test engine as a timing model: seconds per weight load")
     writes_to_budget: bool = setting(False, "test engine: never end a reply early, so every reply is as long as the "
                                             "task allows")
     cut_after_tokens: int = setting(0, "test engine: a reply started under weights of version 1 or later waits "
@@ -268,16 +252,38 @@ class EngineSpec:
                                        "(tests of partial rollout); 0: never")
 
     def validate(self, where: Where) -> None:
-        timing = ("token_delay_s", "per_sequence_s", "prefill_per_token_s", "weight_load_s")
-        for key in timing:
-            if not getattr(self, key) >= 0:
-                raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
+        if not self.token_delay_s >= 0:
+            raise where.child("token_delay_s").error(f"must be 0 or more seconds, found {self.token_delay_s}")
         if self.cut_after_tokens < 0:
             raise where.child("cut_after_tokens").error(f"must be 0 or more, found {self.cut_after_tokens}")
         if self.name == "vllm":
-            for key in (*timing, "writes_to_budget", "cut_after_tokens"):
+            for key in ("token_delay_s", "writes_to_budget", "cut_after_tokens"):
                 if getattr(self, key):
                     raise where.child(key).error("paces the 'test' engine only; leave it out for vLLM")
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingModelSpec:
+    """Benchmarks only (`sfhpc bench pipeline` writes it): what the test engine and the ``timing`` training
+    backend stand in for when they model a machine's speed (`sfhpc.engine.scripted`,
+    `sfhpc.trainer.timing_trainer`). A decode step lasts ``engine.token_delay_s`` plus ``per_sequence_s``
+    for every sequence in flight, a prompt ``prefill_per_token_s`` per token, a weight load
+    ``weight_load_s``; a training step ``train_step_s`` plus ``train_per_token_s`` per trained token over
+    the trainer ranks. A run that trains a model leaves this section out."""
+
+    per_sequence_s: float = setting(0.0, "seconds a test-engine decode step adds per sequence in flight")
+    prefill_per_token_s: float = setting(0.0, "seconds the test engine spends per prompt token")
+    weight_load_s: float = setting(0.0, "seconds the test engine pauses per weight load")
+    train_step_s: float = setting(0.0, "seconds of every step of the timing training backend")
+    train_per_token_s: float = setting(0.0, "seconds per trained token on one rank of the timing training backend")
+
+    ENGINE_KEYS = ("per_sequence_s", "prefill_per_token_s", "weight_load_s")
+    TRAINING_KEYS = ("train_step_s", "train_per_token_s")
+
+    def validate(self, where: Where) -> None:
+        for key in (*self.ENGINE_KEYS, *self.TRAINING_KEYS):
+            if not getattr(self, key) >= 0:
+                raise where.child(key).error(f"must be 0 or more seconds, found {getattr(self, key)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -441,6 +447,8 @@ class Recipe:
     training: TrainingSpec = setting(TrainingSpec(), "the training backend, its parallelism and checkpoints")
     pipeline: PipelineSpec = setting(PipelineSpec(), "how rollout and training share time")
     engine: EngineSpec = setting(EngineSpec(), "the rollout engine")
+    timing_model: TimingModelSpec = setting(TimingModelSpec(), "benchmarks only: the speeds the test engine and the "
+                                                               "timing training backend model")
     budgets: Budgets = setting(Budgets(), "how much work a run does, and when it gives up")
     task: TaskSpec = setting(TaskSpec(), "what the agents learn: the problems and their verifiable reward")
     agent: AgentSpec | None = setting(None, "an agent program of your own plays the episodes (absent: the task's "
@@ -461,6 +469,8 @@ class Recipe:
 
     def validate(self, where: Where) -> None:
         check_name(self.name, where.child("name"), "recipe name")
+        for key, why in _unused_timing(self):
+            raise where.child("timing_model").child(key).error(why)
         roles = where.child("roles")
         names = [r.name for r in self.roles]
         for required in ("controller", "trainer", "rollout"):
@@ -503,9 +513,25 @@ class Recipe:
 
 # Keys that were renamed, old -> new, dotted from the recipe's top level (``*``: any role's name). A recipe that
 # still uses an old key is refused with "renamed to <new>" instead of "unknown key"; entries stay for good,
-# and CHANGELOG.md names the release of each. None has been renamed yet; the first would read, e.g.,
-#   "roles.*.gpus": "roles.*.gpus_per_task",
-RENAMED_KEYS: Mapping[str, str] = {}
+# and CHANGELOG.md names the release of each.
+RENAMED_KEYS: Mapping[str, str] = {
+    # The benchmarks' timing knobs left the sections a run that trains a model uses.
+    "engine.per_sequence_s": "timing_model.per_sequence_s",
+    "engine.prefill_per_token_s": "timing_model.prefill_per_token_s",
+    "engine.weight_load_s": "timing_model.weight_load_s",
+    "training.timing_step_s": "timing_model.train_step_s",
+    "training.timing_per_token_s": "timing_model.train_per_token_s",
+}
+
+
+def _unused_timing(recipe: Recipe) -> Iterator[tuple[str, str]]:
+    """The timing-model keys set for a part of the run that does not model time: (key, why not)."""
+    for key in TimingModelSpec.ENGINE_KEYS:
+        if getattr(recipe.timing_model, key) and recipe.engine.name != "test":
+            yield key, f"models the test engine's speed; leave it out for engine '{recipe.engine.name}'"
+    for key in TimingModelSpec.TRAINING_KEYS:
+        if getattr(recipe.timing_model, key) and recipe.training.backend != "timing":
+            yield key, f"models the timing backend's step; leave it out for backend '{recipe.training.backend}'"
 
 
 def load_recipe(path: str | Path) -> Recipe:

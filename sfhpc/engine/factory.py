@@ -11,15 +11,15 @@ from sfhpc.engine.base import RolloutEngine
 
 def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
     """A running engine for rank `rank`: vLLM on the policy folder, or the deterministic test engine."""
-    spec = recipe.engine
+    spec, timing = recipe.engine, recipe.timing_model
     if spec.name == "test":
         from sfhpc.engine.scripted import ScriptedEngine
 
         # Without the end-of-turn token the engine never stops a reply itself: it writes to the length bound.
         vocab = scripted_vocab(model_dir, stops=not spec.writes_to_budget)
         return ScriptedEngine(seed=recipe.seed + rank, vocab=vocab, token_delay=spec.token_delay_s,
-                              per_sequence_delay=spec.per_sequence_s, prefill_delay=spec.prefill_per_token_s,
-                              load_delay=spec.weight_load_s, cut_after=spec.cut_after_tokens,
+                              per_sequence_delay=timing.per_sequence_s, prefill_delay=timing.prefill_per_token_s,
+                              load_delay=timing.weight_load_s, cut_after=spec.cut_after_tokens,
                               max_model_len=recipe.model.max_seq_len,
                               name=f"test-r{rank}")
     from sfhpc.engine.vllm_engine import VllmEngine

@@ -27,8 +27,8 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
     if recipe.training.backend == "timing":  # a timing model (benchmarks): sleeps the modelled step
         from sfhpc.trainer.timing_trainer import TimingTrainer
 
-        trainer: Any = TimingTrainer(layout.trainers, step_s=recipe.training.timing_step_s,
-                                     per_token_s=recipe.training.timing_per_token_s)
+        trainer: Any = TimingTrainer(layout.trainers, step_s=recipe.timing_model.train_step_s,
+                                     per_token_s=recipe.timing_model.train_per_token_s)
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)
         return trainer

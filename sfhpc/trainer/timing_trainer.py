@@ -1,7 +1,7 @@
 """The ``timing`` training backend: a timing model of a trainer, for pipeline benchmarks. It learns nothing.
 
-A step sleeps for the modelled time of training the batch (``training.timing_step_s`` plus
-``training.timing_per_token_s`` per trained token, shared by the data-parallel trainer ranks: the costs
+A step sleeps for the modelled time of training the batch (``timing_model.train_step_s`` plus
+``timing_model.train_per_token_s`` per trained token, shared by the data-parallel trainer ranks: the costs
 come from `sfhpc.sim.cost_model`), then meets the other trainer ranks in an MPI all-reduce (where a real
 trainer all-reduces its gradients) and bumps the policy version. What a step reports about its batch is
 real: the tokens, the sequences, the reward and the staleness of every generated token against the

@@ -74,8 +74,8 @@ def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) ->
     assert plan.world_size == 32
     assert (recipe.engine.name, recipe.engine.writes_to_budget, recipe.training.backend) == ("test", True, "timing")
     assert recipe.engine.token_delay_s == pytest.approx(device.decode_base_s, rel=1e-3)
-    assert recipe.engine.per_sequence_s == pytest.approx(device.decode_per_sequence_s, rel=1e-3)
-    assert recipe.training.timing_per_token_s == pytest.approx(device.train_per_token_s, rel=1e-3)
+    assert recipe.timing_model.per_sequence_s == pytest.approx(device.decode_per_sequence_s, rel=1e-3)
+    assert recipe.timing_model.train_per_token_s == pytest.approx(device.train_per_token_s, rel=1e-3)
     assert sum("trainer" in s.roles for s in plan.ranks()) == 7 and recipe.task.name == "repeat-letter"
     published = timing_costs(None)
     assert "published" in published.source and set(published.devices) == {"gpu"}
@@ -136,7 +136,9 @@ def test_bad_options_get_one_line() -> None:
 @pytest.mark.mpi
 def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> None:
     out = tmp_path / "bench" / "pipeline.json"
-    done = run_sfhpc("bench", "pipeline", "--scales", "timing", "--ranks", "8", "--steps", "4", "--out", str(out),
+    # The fewest ranks the timing scale takes (a controller, a trainer, two rollout ranks) and two steps measured
+    # after the first: each mode's run is mostly its ranks' start-up, and the modelled long tail shows at once.
+    done = run_sfhpc("bench", "pipeline", "--scales", "timing", "--ranks", "4", "--steps", "3", "--out", str(out),
                      timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -145,7 +147,7 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     assert "modelled" in report["modelled"]["timing"] and "real: the scheduler" in report["modelled"]["timing"]
     for mode in ("sync", "async"):
         r = results[mode]
-        assert r["available"] and r["ranks"] == 8 and r["steps"] == 3, r
+        assert r["available"] and r["ranks"] == 4 and r["steps"] == 2, r
         assert r["trained_tokens_per_s"] > 0 and r["tokens_discarded"] >= 0
         assert Path(r["chart"]).stat().st_size > 0 and r["timeline"]
     seamless = results["seamless"]

@@ -62,9 +62,10 @@ def test_prefill_and_weight_loads_take_their_modelled_time() -> None:
     assert 0.2 <= load < 0.5 and engine.version == 1
 
 
-def _recipe(tmp_path: Path, engine: str, training: str = "{backend: torch}") -> Path:
+def _recipe(tmp_path: Path, engine: str, training: str = "{backend: torch}", timing: str = "{}") -> Path:
     path = tmp_path / "r.yaml"
-    path.write_text(f"name: t\nengine: {engine}\ntraining: {training}\ntask: {{name: repeat-letter}}\n"
+    path.write_text(f"name: t\nengine: {engine}\ntraining: {training}\ntiming_model: {timing}\n"
+                    "task: {name: repeat-letter}\n"
                     "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train]}\n"
                     "  rollout: {tags: [rollout]}\n")
     return path
@@ -73,8 +74,8 @@ def _recipe(tmp_path: Path, engine: str, training: str = "{backend: torch}") -> 
 def test_an_engine_that_writes_to_budget_never_ends_a_reply_itself(tmp_path: Path) -> None:
     # A policy folder of the byte-level kind: the engine writes that tokenizer's letters (and end of turn).
     (tmp_path / MODEL_MARKER).write_text(json.dumps({BYTE_MARKER_KEY: "byte"}))
-    timing = load_recipe(_recipe(tmp_path, "{name: test, token_delay_s: 0.001, per_sequence_s: 0.0001, "
-                                           "writes_to_budget: true}"))
+    timing = load_recipe(_recipe(tmp_path, "{name: test, token_delay_s: 0.001, writes_to_budget: true}",
+                                 timing="{per_sequence_s: 0.0001}"))
     engine = start_engine(timing, tmp_path, rank=3)
     assert isinstance(engine, ScriptedEngine) and END not in engine.vocab
     assert (engine.token_delay, engine.per_sequence_delay) == (0.001, 0.0001)
@@ -94,16 +95,27 @@ def test_an_engine_that_writes_to_budget_never_ends_a_reply_itself(tmp_path: Pat
     assert min(asyncio.run(lengths(plain))) < 60  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("engine", "training", "key"), [
-    ("{name: vllm, per_sequence_s: 0.1}", "{backend: torch}", "per_sequence_s"),
-    ("{name: vllm, writes_to_budget: true}", "{backend: torch}", "writes_to_budget"),
-    ("{name: test, weight_load_s: -1}", "{backend: torch}", "weight_load_s"),
-    ("{name: test}", "{backend: torch, timing_per_token_s: 0.1}", "timing_per_token_s"),
-    ("{name: test}", "{backend: timing, timing_step_s: -0.5}", "timing_step_s"),
+@pytest.mark.parametrize(("engine", "training", "timing", "key"), [
+    ("{name: vllm}", "{backend: torch}", "{per_sequence_s: 0.1}", "timing_model.per_sequence_s"),
+    ("{name: vllm, writes_to_budget: true}", "{backend: torch}", "{}", "writes_to_budget"),
+    ("{name: test}", "{backend: torch}", "{weight_load_s: -1}", "timing_model.weight_load_s"),
+    ("{name: test}", "{backend: torch}", "{train_per_token_s: 0.1}", "timing_model.train_per_token_s"),
+    ("{name: test}", "{backend: timing}", "{train_step_s: -0.5}", "timing_model.train_step_s"),
 ])
 def test_timing_settings_where_they_do_not_belong_are_refused(tmp_path: Path, engine: str, training: str,
-                                                              key: str) -> None:
+                                                              timing: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key):
+        load_recipe(_recipe(tmp_path, engine, training, timing))
+
+
+@pytest.mark.parametrize(("section", "old", "new"), [
+    ("engine", "{name: test, per_sequence_s: 0.1}", "timing_model.per_sequence_s"),
+    ("training", "{backend: timing, timing_step_s: 1}", "timing_model.train_step_s"),
+])
+def test_the_old_places_of_the_timing_knobs_say_where_they_went(tmp_path: Path, section: str, old: str,
+                                                                 new: str) -> None:
+    engine, training = (old, "{backend: torch}") if section == "engine" else ("{name: test}", old)
+    with pytest.raises(ConfigError, match=f"renamed to '{new}'"):
         load_recipe(_recipe(tmp_path, engine, training))
 
 
