@@ -61,8 +61,9 @@ SlurmctldHost=$HOST
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-# Short credential lifetime: a requeued job would otherwise wait ~2 minutes before it can start again.
-AuthInfo=cred_expire=10
+# Short credential lifetime: a requeued job may start again cred_expire + 1 s after its requeue (Slurm's
+# default, 120, would keep it waiting two minutes; 5 is the least Slurm accepts).
+AuthInfo=cred_expire=5
 CredType=cred/munge
 StateSaveLocation=$D/state
 SlurmdSpoolDir=$D/spool/%n
@@ -91,7 +92,11 @@ JobCompType=jobcomp/none
 MailProg=/bin/true
 # One TmpFS per node: mpi/pmix keeps per-step folders there, and a shared /tmp collides between slurmds.
 TmpFS=$D/tmp/%n
-SlurmdTimeout=30
+# slurmctld pings the nodes every SlurmdTimeout/3 s, and a requeued job waits for the first scheduling pass
+# after its begin time: the backfill scheduler passes only when a job, node or partition changed, and a
+# node's answer to a ping is such a change. 15 (pings every 5 s) starts a requeued job within ~10 s of its
+# requeue instead of ~20 s at 30, and still leaves a loaded host's slurmd time to answer.
+SlurmdTimeout=15
 InactiveLimit=0
 KillWait=10
 MinJobAge=300

@@ -21,6 +21,9 @@ RECIPES = ROOT / "recipes"
 DEVCLUSTER = ROOT / "scripts" / "devcluster.sh"
 
 
+# First: pytest-xdist turns the groups into test ids in its own hook of this name, which would otherwise run
+# before this one and find no group: every test would go to any worker, two Slurm tests at once.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         slurm = item.get_closest_marker("slurm") is not None

@@ -32,6 +32,8 @@ import gc
 import logging
 import multiprocessing
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -41,6 +43,17 @@ from sfhpc.engine.base import FinishReason, GenerationChunk, GenerationRequest, 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
+# The engine's watchdog (see `_watch_engine`): it waits for its pipe to close, and kills the engine's core
+# unless the owner said "done" first (its own shutdown ended the engine, and the pid may be reused).
+_WATCHDOG = """
+import os, signal, sys
+if sys.stdin.buffer.read().strip() != b"done":
+    for pid in sys.argv[1:]:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+"""
 
 
 @contextlib.contextmanager
@@ -118,11 +131,13 @@ def _reload_in_worker(worker: Any, table: list[tuple[str, str, tuple[int, ...], 
 class VllmEngine(RolloutEngine):
     """A vLLM ``AsyncLLM`` serving one model directory. Create it with `VllmEngine.start`."""
 
-    def __init__(self, name: str, llm: Any, max_model_len: int, *, version: int = 0) -> None:
+    def __init__(self, name: str, llm: Any, max_model_len: int, *, version: int = 0,
+                 watchdog: subprocess.Popen[bytes] | None = None) -> None:
         super().__init__(name, version=version)
         self._llm = llm
         self._max_model_len = max_model_len
         self._open: set[str] = set()  # request ids whose stream has not ended
+        self._watchdog = watchdog
 
     @classmethod
     def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256,
@@ -144,7 +159,7 @@ class VllmEngine(RolloutEngine):
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
         with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)
-        return cls(name, llm, max_model_len, version=version)
+        return cls(name, llm, max_model_len, version=version, watchdog=_watch_engine())
 
     @property
     def max_model_len(self) -> int:
@@ -211,10 +226,12 @@ class VllmEngine(RolloutEngine):
         llm, self._llm = self._llm, None
         # Started with stop signals blocked (sfhpc.runtime.preemption.ignored_in_children), the engine core
         # would sit out vLLM's TERM for its 5 s grace: end it at once; its workers follow their parent.
-        for child in multiprocessing.active_children():
-            if child.name.startswith("EngineCore"):
-                child.kill()
+        for child in _engine_cores():
+            child.kill()
         llm.shutdown()
+        if self._watchdog is not None:
+            self._watchdog.communicate(b"done", timeout=10)  # the engine is gone: nothing left to kill
+            self._watchdog = None
         # Something of vLLM's (a paused request's future, the output task) may keep the object past this point;
         # its finaliser would then shut down again at interpreter exit, when module globals are gone, and
         # print a traceback. It has been shut down: make the second call a no-op.
@@ -225,6 +242,23 @@ class VllmEngine(RolloutEngine):
 
 def _already_shut_down(*_args: object, **_kwargs: object) -> None:
     return None
+
+
+def _engine_cores() -> list[multiprocessing.process.BaseProcess]:
+    return [child for child in multiprocessing.active_children() if child.name.startswith("EngineCore")]
+
+
+def _watch_engine() -> subprocess.Popen[bytes]:
+    """A small process that kills the engine's core should this one end without `VllmEngine.shutdown`.
+
+    A rank killed outright (SIGKILL, the OOM killer) runs no shutdown, and its engine's processes, which
+    ignore stop signals (`sfhpc.runtime.preemption.ignored_in_children`), would outlive it for good: holding
+    their memory, and the step's output, which Slurm then waits a minute for before the job can be requeued.
+    The watchdog's end of a pipe closes with this process, however it ends; the workers follow their core.
+    Started, like the engine, with stop signals blocked (it outlives a TERM as the engine does)."""
+    pids = [str(child.pid) for child in _engine_cores()]
+    return subprocess.Popen([sys.executable, "-c", _WATCHDOG, *pids], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _finish_reason(reason: str | None) -> FinishReason:

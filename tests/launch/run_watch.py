@@ -78,3 +78,38 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
         if b"submitit.core._submit" in argv and folder in argv and b"SLURM_PROCID" in environ:
             found[int(entry.name)] = (int(environ[b"SLURM_PROCID"]), parent)
     return {procid: pid for pid, (procid, parent) in found.items() if parent not in found}
+
+
+def _parents() -> dict[int, int]:
+    """pid -> parent pid of every process."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(") ", 1)[1].split()
+            except (OSError, IndexError):
+                continue  # ended meanwhile
+            parents[int(entry.name)] = int(fields[1])
+    return parents
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process started under `pid` (children, their children...), still there now."""
+    children: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        children.setdefault(parent, []).append(child)
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie has ended)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False

@@ -23,6 +23,7 @@ from sfhpc.launch.slurm_launch import submit
 from sfhpc.plan.resolve import resolve
 from sfhpc.rundir import new_run_dir
 from tests.conftest import RECIPES, ROOT, assert_one_line_error, run_sfhpc
+from tests.launch.run_watch import job_end_state, wait_until
 
 pytestmark = pytest.mark.slurm
 
@@ -82,7 +83,7 @@ def test_launch_disaggregated_recipe(slurm_cluster: str, tmp_path: Path) -> None
     assert [r["roles"] for r in report["ranks"]] == [["controller"], ["trainer"], ["rollout"], ["rollout"]]
     assert all(r["job_id"] == job_id and r["launcher"] == "slurm" for r in report["ranks"])
     # Each rank wrote its own log, and the batch log holds every rank's output, labelled.
-    assert sorted(p.name for p in (run_dir / "logs").iterdir()) == [f"rank-00{i}.log" for i in range(4)]
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == [f"rank-00{i}.log" for i in range(4)]
     # sacct: both het components completed (real accounting, not UNKNOWN).
     assert wait_for_sacct(job_id, het_completed(job_id, 2)) == het_completed(job_id, 2)
     status = run_sfhpc("status", job_id, "--output-dir", str(tmp_path / "runs"))
@@ -115,14 +116,18 @@ def test_submitit_job_state_and_results_are_real(slurm_cluster: str, tmp_path: P
 
 
 def sbatch_template(template: str, recipe_path: Path, tmp_path: Path) -> tuple[int, str, str]:
-    """`sbatch --wait slurm_templates/TEMPLATE RECIPE --probe` as a user types it: (exit code, job id, batch
-    log). The template passes its arguments on to every rank, so ``--probe`` makes it a launch report."""
+    """`sbatch slurm_templates/TEMPLATE RECIPE --probe` as a user types it, followed to its end: (exit code,
+    job id, batch log). The template passes its arguments on to every rank, so ``--probe`` makes it a launch
+    report. Followed through sacct rather than with ``sbatch --wait``, which looks every 2 to 10 s."""
     env = dict(os.environ, SFHPC_PYTHON=sys.executable)
-    out = subprocess.run(["sbatch", "--parsable", "--wait", "-o", str(tmp_path / "slurm-%j.out"),
+    out = subprocess.run(["sbatch", "--parsable", "-o", str(tmp_path / "slurm-%j.out"),
                           str(ROOT / "slurm_templates" / template), str(recipe_path), "--probe"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=True)
     job_id = out.stdout.strip().split(";")[0]
-    return out.returncode, job_id, (tmp_path / f"slurm-{job_id}.out").read_text()
+    state = wait_until(f"job {job_id} to end", lambda: job_end_state(job_id), timeout=180)
+    codes = [int(c.exit_code.split(":")[0]) for c in job_status(job_id).components]
+    code = max(codes) or (0 if state == "COMPLETED" else 1)
+    return code, job_id, (tmp_path / f"slurm-{job_id}.out").read_text()
 
 
 def test_sbatch_template_gives_the_same_result(slurm_cluster: str, tmp_path: Path) -> None:

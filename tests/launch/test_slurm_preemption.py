@@ -1,17 +1,23 @@
 """The RL recipe with vLLM outlives a crash and a preemption on the dev cluster (real slurmctld, slurmdbd,
 slurmd, real MPI, real vLLM): one job, three allocations.
 
-1. A rank killed outright (``kill -9``: no signal handler, no checkpoint). srun's ``--kill-on-bad-exit``
-   ends the step; the batch script's step guard sees a failed step with no signal from outside and
-   requeues the job (``--requeue-on-failure``); the next allocation finds the newest sound checkpoint (a
-   periodic one), moves the metrics of the steps trained after it to ``metrics-discarded.jsonl`` and trains
-   them again. The store survives the kill (flushed per batch, SWMR): every trajectory it held right after
-   the step died is still there, with at least those tokens.
-2. A job on the ``urgent`` partition preempts it (PreemptMode=REQUEUE) while it waits for a batch: TERM
-   reaches every process of the step, vLLM's engine processes included (which ignore it), the ranks
-   checkpoint at the safe point within Slurm's grace and record the generations in flight as partial
-   rollouts, and the preempted run requeues itself (Slurm 22.05 would not requeue a heterogeneous job that
-   ended inside the grace time). The last allocation continues those trajectories from their prefix.
+1. A rank killed outright (``kill -9``: no signal handler, no checkpoint): the vLLM rank, whose engine
+   processes end with it (they ignore stop signals; the engine's watchdog kills them). srun's
+   ``--kill-on-bad-exit`` ends the step; the batch script's step guard sees a failed step with no signal
+   from outside and requeues the job (``--requeue-on-failure``); the next allocation finds the newest sound
+   checkpoint (a periodic one), moves the metrics of the steps trained after it to
+   ``metrics-discarded.jsonl`` and trains them again. The store survives the kill (flushed per batch,
+   SWMR): every trajectory it held right after the step died is still there, with at least those tokens.
+2. A job on the ``urgent`` partition preempts it (PreemptMode=REQUEUE) while it generates the first batch of
+   the next allocation: TERM reaches every process of the step, vLLM's engine processes included (which
+   ignore it), the ranks checkpoint at the safe point within Slurm's grace and record the generations in
+   flight as partial rollouts, and the preempted run requeues itself (Slurm 22.05 would not requeue a
+   heterogeneous job that ended inside the grace time). The last allocation continues those trajectories
+   from their prefix and trains on them.
+
+``max_staleness: 0`` keeps one step's episodes out at a time: a step's rollout phase is the generation of
+its whole batch, so a preemption aimed at it finds generations in flight whatever the machine's speed (with
+a staleness bound, vLLM may have finished the next batch before the step that waits for it begins).
 
 The other triggers (``scancel --signal=USR2``, ``scancel --batch --signal=USR1``, ``scontrol requeue``)
 and the phase a signal lands in are `test_slurm_phase_matrix.py`'s, on the test engine.
@@ -31,24 +37,31 @@ from sfhpc.data.store import open_store
 from sfhpc.launch.jobs import job_restarts
 from sfhpc.rl.checkpoints import RunCheckpoints, verify
 from tests.conftest import run_sfhpc
-from tests.launch.run_watch import in_phase, job_end_state, jsonl, rank_processes, read_events, resumed_in, wait_until
+from tests.launch.run_watch import (
+    alive,
+    descendants,
+    in_phase,
+    job_end_state,
+    jsonl,
+    rank_processes,
+    read_events,
+    resumed_in,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 KILL_AFTER = 3  # steps done; the newest checkpoint is then step 2 (checkpoint_every: 2), so step 3 is redone
-# A trajectory the preemption left open holds tokens of the stopped policy's version or the one before, so
-# within three new versions it is trained or dropped as stale: the last allocation trains at least three
-# steps, and none is left open by the end of the run. The cut is aimed at the step after the one the second
-# allocation trains again (step 4), with one step to spare should it land a step later.
-STEPS = KILL_AFTER + 4
-AFTER_CUT = 3
+# The preemption cuts the first step of the second allocation (step 3, trained by none); the last allocation
+# trains the cut trajectories' groups at once (step 3: one step's groups are out at a time), then one step.
+STEPS = KILL_AFTER + 1
 GROUPS, GROUP_SIZE = 2, 4
 RECIPE = f"""\
 name: outlive
 seed: 11
 model: {{warm_start_steps: 5}}
 algorithm: {{group_size: {GROUP_SIZE}}}
-pipeline: {{mode: async, max_staleness: 1}}
+pipeline: {{mode: async, max_staleness: 0}}
 budgets: {{steps: {STEPS}, prompts_per_step: {GROUPS}}}
 task: {{name: guess-number, options: {{max_turns: 3}}}}
 roles:
@@ -81,19 +94,23 @@ def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_pat
         wait_until(f"{KILL_AFTER} steps", lambda: len(jsonl(metrics)) >= KILL_AFTER, timeout=600, poll_s=0.1)
         ranks = rank_processes(run_dir)
         assert sorted(ranks) == [0, 1, ROLLOUT_RANK], ranks
+        engine = descendants(ranks[ROLLOUT_RANK])  # vLLM's engine core and worker, the engine's watchdog
+        assert engine, "the rollout rank runs no engine process"
         os.kill(ranks[ROLLOUT_RANK], signal.SIGKILL)
-        # The step is over once no rank of this run is left (srun's --kill-on-bad-exit ended the others).
+        # The step is over once no rank of this run is left (srun's --kill-on-bad-exit ended the others), and
+        # no process the killed rank started is left either: vLLM's, which ignore stop signals, would
+        # otherwise hold the step's output (and their memory) for good.
         wait_until("the step to end", lambda: not rank_processes(run_dir), timeout=120, poll_s=0.1)
+        wait_until("the killed rank's engine processes to end", lambda: not any(map(alive, engine)), timeout=60)
         steps_at_kill = [r["step"] for r in jsonl(metrics)]
         latest = RunCheckpoints(run_dir).latest()
         held = trajectory_sizes(run_dir)  # SWMR: the writer was killed with the file open
 
-        # Allocation 1 resumes from the periodic checkpoint, trains a step, and is preempted while it waits
-        # for the next batch, generations in flight.
-        resumed = wait_until("allocation 1 to resume", lambda: resumed_in(run_dir, 1), timeout=300)
-        after = resumed["step"] + 1  # type: ignore[index]
-        wait_until(f"allocation 1 in the rollout phase of step {after + 1}",
-                   lambda: in_phase(run_dir, 1, "rollout", after, within_s=2.0), timeout=300, poll_s=0.05)
+        # Allocation 1 resumes from the periodic checkpoint and is preempted while it generates its first batch.
+        resumed = wait_until("allocation 1 to resume", lambda: resumed_in(run_dir, 1), timeout=300, poll_s=0.05)
+        resumed_step = resumed["step"]  # type: ignore[index]
+        wait_until(f"allocation 1 in the rollout phase of step {resumed_step + 1}",
+                   lambda: in_phase(run_dir, 1, "rollout", resumed_step, within_s=1.0), timeout=120, poll_s=0.02)
         subprocess.run(["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
                         f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
                        check=True, capture_output=True, text=True)
@@ -124,15 +141,19 @@ def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_pat
     guard_line = rf"the step failed \(exit \d+\); requeueing job {job_id} \(restart 1 of"  # the step guard's
     assert re.search(guard_line, log_text), log_text[-6000:]
 
-    # The preemption: TERM met at the safe point, a checkpoint of the step reached, generations in flight
-    # recorded as partial rollouts, the run requeued by itself, and the next allocation went on from there.
+    # The preemption: TERM met in the rollout phase, a checkpoint at the safe point, the generations in flight
+    # recorded as partial rollouts and continued by the next allocation, which went on from that checkpoint;
+    # the run requeued itself.
+    requested = [e for e in events if e["event"] == "stop-requested"]
+    assert [(e["restart"], e["signal"], e["phase"]) for e in requested] == [(1, "SIGTERM", "rollout")], events
     stops = [e for e in events if e["event"] == "stopped"]
-    assert [(e["restart"], e["signal"]) for e in stops] == [(1, "SIGTERM")], events
-    assert resumes[1]["step"] == stops[0]["step"] >= after, events
-    assert STEPS - stops[0]["step"] >= AFTER_CUT, f"the preemption came too late (step {stops[0]['step']})"
+    assert [(e["restart"], e["step"]) for e in stops] == [(1, resumed_step)], events
+    assert resumes[1]["step"] == resumed_step
+    quiesced = [e["interrupted"] for e in events if e["event"] == "quiesced" and e["restart"] == 1]
+    assert quiesced and quiesced[0] > 0, events  # generations cut in flight
+    assert resumes[1]["resumed"] > 0, resumes[1]  # trajectories continued from their prefix
     assert any(e["event"] == "requeue-requested" and e["restart"] == 1 for e in events), events
     assert f"requeueing job {job_id} after SIGTERM" in log_text
-    assert resumes[1]["resumed"] > 0, resumes[1]  # trajectories continued from their prefix
     assert job_restarts(job_id) == 2
 
     rows = jsonl(metrics)
@@ -158,14 +179,14 @@ def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_pat
     batch = GROUPS * GROUP_SIZE
     assert len(consumed) % batch == 0 and len(consumed) >= (STEPS + len(discarded)) * batch, len(consumed)
 
-    # Trajectories continued across the preemption: a segment that ended before the stop request, and tokens
-    # generated after the last allocation began resuming (an async run keeps generating between the request
-    # and its safe point, so the request's own time is not the cut). Each was then trained, waits for a
-    # batch, or was dropped as too stale; none was given up.
-    cut = next(e["time"] for e in events if e["event"] == "stop-requested")
+    # Trajectories continued across the preemption: tokens generated by the preempted allocation (it generates
+    # between the stop request and its safe point, so the request's own time is not the cut) and tokens
+    # generated by the last one. Each was then trained, waits for a batch, or was dropped as too stale; none
+    # was given up.
+    ended = stops[0]["time"]
     back = resumes[1]["time"] - resumes[1]["seconds"]
-    across = [t for t in trajectories if any(s.t_end < cut for s in t.segments)
-              and any(s.generated and s.t_start > back for s in t.segments)]
+    across = [t for t in trajectories if any(s.generated and s.t_end < ended for s in t.segments)
+              and any(s.generated and s.t_end > back for s in t.segments)]
     assert across, "no trajectory went on across the preemption"
     assert len(across) <= resumes[1]["resumed"], (len(across), resumes[1])
     assert all(t.status in ("consumed", "finished", "stale") for t in across), [(t.id, t.status) for t in across]

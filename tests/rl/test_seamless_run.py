@@ -46,18 +46,18 @@ class RecordingRepeat(RepeatLetterTask):
         inner.step = step
         return inner
 """
-RECIPE = f"""\
+RECIPE = """\
 name: lend
 seed: 3
-engine: {{name: test, token_delay_s: 0.01}}
-algorithm: {{group_size: 2}}
-pipeline: {{mode: seamless, max_staleness: 3}}
-budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: 128}}
-task: {{name: "recording.py:RecordingRepeat", options: {{min_count: 8, max_count: 120}}}}
+engine: {name: test, token_delay_s: 0.01}
+algorithm: {group_size: 2}
+pipeline: {mode: seamless, max_staleness: 3}
+budgets: {steps: STEPS, prompts_per_step: 2, max_new_tokens: 128}
+task: {name: "recording.py:RecordingRepeat", options: {min_count: 8, max_count: 120}}
 roles:
-  controller: {{place_with: trainer}}
-  trainer:    {{tags: [train], nodes: 1}}
-  rollout:    {{tags: [rollout], nodes: 1}}
+  controller: {place_with: trainer}
+  trainer:    {tags: [train], nodes: 1}
+  rollout:    {tags: [rollout], nodes: 1}
 """
 # This machine as two pools: the trainer's node without the rollout tag, so no rank may be lent.
 NO_LENDING_MAP = """\
@@ -80,10 +80,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                             task=RepeatLetterTask(min_count=8, max_count=120))
 
 
-def run(tmp_path: Path, model_dir: Path, *extra: str) -> tuple[Path, list[dict], list[dict], str]:
+def run(tmp_path: Path, model_dir: Path, *extra: str, steps: int = STEPS) -> tuple[Path, list[dict], list[dict], str]:
     (tmp_path / "recording.py").write_text(RECORDING_TASK)
     recipe = tmp_path / "lend.yaml"
-    recipe.write_text(RECIPE + f"model: {{path: {model_dir}}}\noutput_dir: {tmp_path / 'runs'}\n")
+    recipe.write_text(RECIPE.replace("STEPS", str(steps))
+                      + f"model: {{path: {model_dir}}}\noutput_dir: {tmp_path / 'runs'}\n")
     done = run_sfhpc("run", str(recipe), *extra, env={"SFHPC_TEST_REPLIES": str(tmp_path / "replies.jsonl")},
                      timeout=400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -131,11 +132,12 @@ def test_a_lent_trainer_is_reclaimed_every_step_and_its_generations_finish_elsew
 
 def test_seamless_without_lendable_ranks_runs_as_async_and_says_so(tmp_path: Path, model_dir: Path) -> None:
     (tmp_path / "map.yaml").write_text(NO_LENDING_MAP)
-    run_dir, events, rows, out = run(tmp_path, model_dir, "--cluster", str(tmp_path / "map.yaml"))
+    # Two steps: a lending would have shown in the first one (the other test reclaims in every step).
+    run_dir, events, rows, out = run(tmp_path, model_dir, "--cluster", str(tmp_path / "map.yaml"), steps=2)
     assert "no trainer rank's node carries the 'rollout' tag" in out and "so this run is async" in out
     assert [e for e in events if e["event"] == "pipeline"][0]["mode"] == "async"
     assert not [e for e in events if e["event"] == "reclaimed"]
-    assert len(rows) == STEPS and not any("reclaim_s" in r for r in rows)
+    assert len(rows) == 2 and not any("reclaim_s" in r for r in rows)
     with open_store(run_dir / "trajectories.h5") as store:
         engines = {s.engine for t in store.trajectories() for s in t.segments if s.generated}
     assert engines == {"test-r2"}  # only the rollout rank generated

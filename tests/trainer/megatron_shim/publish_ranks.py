@@ -66,7 +66,9 @@ def main() -> int:
             worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir))
             for _ in range(2):  # the step, then the weight update, as the controller sent them
                 command = msg.receive(world, layout.controller_rank)
-                worker.train(command) if isinstance(command, msg.Train) else worker.publish(command)
+                reply = worker.train(command) if isinstance(command, msg.Train) else worker.publish(command)
+                if reply is not None:  # the first trainer answers, as the rank's command loop sends it
+                    msg.send(world, reply, layout.controller_rank, msg.REPLY_TAG)
             weights = _values(worker.trainer.named_weights(dtype=dtype))  # collective on every trainer rank
             (folder / f"trainer{layout.trainers.Get_rank()}.json").write_text(json.dumps(
                 {"version": worker.trainer.policy_version, "weights": weights}))
