@@ -11,6 +11,7 @@ training data.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from sfhpc.endpoint.errors import BadRequest
@@ -83,24 +84,25 @@ class Fields:
         return value
 
     def refuse_unless(self, **allowed: tuple[Any, ...]) -> None:
-        for key, values in allowed.items():
-            if key in self.body:
-                _refuse_non_finite(key, self.body[key])
-                if self.body[key] not in values:
-                    raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported by this endpoint "
-                                     f"(it serves one sampled completion per request); leave it out",
-                                     param=key)
+        self._refuse_other_than(allowed, lambda key: "is not supported by this endpoint (it serves one sampled "
+                                                     "completion per request); leave it out")
 
     def refuse_distribution_changes(self, **allowed: tuple[Any, ...]) -> None:
         """Sampling extensions that reshape the distribution (vLLM's names): the engine is not asked for
         them, so a request that sets one is refused rather than sampled otherwise than it asked."""
+        self._refuse_other_than(allowed, lambda key: "is not supported: the endpoint samples from the model's "
+                                                     f"whole distribution at the given temperature; leave '{key}' "
+                                                     "out", code="unsupported_sampling")
+
+    def _refuse_other_than(self, allowed: dict[str, tuple[Any, ...]], why: Callable[[str], str],
+                           code: str | None = None) -> None:
+        """A 400 for the first key of `allowed` present with a value outside its allowed values."""
         for key, values in allowed.items():
             if key in self.body:
                 _refuse_non_finite(key, self.body[key])
                 if self.body[key] not in values:
-                    raise BadRequest(f"'{key}' = {self.body[key]!r} is not supported: the endpoint samples from "
-                                     f"the model's whole distribution at the given temperature; leave '{key}' out",
-                                     param=key, code="unsupported_sampling")
+                    extra = {"code": code} if code else {}
+                    raise BadRequest(f"'{key}' = {self.body[key]!r} {why(key)}", param=key, **extra)
 
 
 def _refuse_non_finite(key: str, value: Any) -> None:
