@@ -268,6 +268,16 @@ class Trajectory:
     def num_generated(self) -> int:
         return sum(used for i, used in self.branch() if self.segments[i].generated)
 
+    @property
+    def history_mismatches(self) -> int:
+        """How many turns' prompts did not extend what was recorded: the history an agent sent back rendered
+        to other tokens than the policy had read and written (a reply re-tokenized, tool-call arguments
+        written back in other JSON, reasoning a template drops, an agent that edited earlier turns). Each
+        such turn forks a branch where they differ and both are kept; the generated tokens it replaced stay
+        on the old branch, so they are never trained on under another spelling."""
+        return sum(1 for i, seg in enumerate(self.segments[1:], start=1)
+                   if seg.parent != i - 1 or seg.fork_at != len(self.segments[i - 1]))
+
     def oldest_version(self) -> int | None:
         """The oldest policy version among the branch's generated tokens (None: nothing generated)."""
         versions = self.token_versions()

@@ -6,8 +6,10 @@ validation, trajectory bookkeeping, responses and errors whichever way it connec
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -17,20 +19,35 @@ from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
+log = logging.getLogger(__name__)
+
 
 class Call:
     """One accepted request: its trajectory is known, the turn is open, the answer not yet produced."""
 
     def __init__(self, request: ApiRequest, turn: Turn, builder: ResponseBuilder,
-                 on_result: Callable[[TurnResult], None] | None = None) -> None:
+                 on_result: Callable[[TurnResult], None] | None = None,
+                 counts: collections.Counter[str] | None = None) -> None:
         self.request = request
         self._turn = turn
         self._builder = builder
         self._on_result = on_result
+        self._counts = counts
 
     def _done(self, result: TurnResult) -> None:
         if self._on_result is not None:
             self._on_result(result)
+
+    def _read(self) -> None:
+        """Count what the reply held for the tools offered (once the response is built)."""
+        parsed = self._builder.parsed
+        if parsed is None or self._counts is None:
+            return
+        self._counts["tool_calls"] += len(parsed.calls)
+        if parsed.failed:
+            self._counts["tool_call_parse_failures"] += 1
+            log.warning("trajectory %s: a reply began a tool call that does not parse; returned as content",
+                        self.trajectory_id)
 
     @property
     def trajectory_id(self) -> str:
@@ -46,7 +63,9 @@ class Call:
             pass
         assert self._turn.result is not None
         self._done(self._turn.result)
-        return self._builder.full(self._turn.result)
+        body = self._builder.full(self._turn.result)
+        self._read()
+        return body
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         """The streamed chunks, without the SSE framing and the closing ``[DONE]``."""
@@ -56,7 +75,9 @@ class Call:
         result = self._turn.result
         assert result is not None
         self._done(result)
-        yield self._builder.last_chunk(result)
+        for chunk in self._builder.last_chunks(result):
+            yield chunk
+        self._read()
         if self.request.include_usage:
             yield self._builder.usage_chunk(result)
 
@@ -68,10 +89,14 @@ class OpenAIApi:
     `start_site`); the in-process client calls the API directly and needs none. `episodes` are the open
     per-episode URLs (see `sfhpc.endpoint.episodes`). With a `sampling_rule` (an RL run's), a turn that asks
     for no temperature gets the run's default, and sampling the trainer cannot match is refused.
+    `tool_parser` names the format of the model's tool calls (by default the one its chat template writes).
+    `counts` holds what the replies held: ``tool_calls`` read, ``tool_call_parse_failures`` (replies that
+    began a call that does not parse, returned as content); ``GET /health`` shows them.
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
-                 token: str | None = None, sampling_rule: SamplingRule | None = None) -> None:
+                 token: str | None = None, sampling_rule: SamplingRule | None = None,
+                 tool_parser: str | None = None) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.token = token
@@ -81,6 +106,8 @@ class OpenAIApi:
         self.created = int(time.time())
         self.episodes = Episodes()
         self.sampling_rule = sampling_rule
+        self.tool_parser = tool_parser
+        self.counts: collections.Counter[str] = collections.Counter()
 
     def models(self) -> dict[str, Any]:
         return models_body(self.model_name, self.created)
@@ -88,25 +115,29 @@ class OpenAIApi:
     def health(self) -> dict[str, Any]:
         engine = self.endpoint.engine
         return {"status": "ok", "model": self.model_name, "engine": engine.name, "version": engine.version,
-                "paused": engine.paused}
+                "paused": engine.paused, "tool_calls": self.counts["tool_calls"],
+                "tool_call_parse_failures": self.counts["tool_call_parse_failures"]}
 
     @contextlib.asynccontextmanager
     async def call(self, route: Route, body: Any, identity: Identity | None = None) -> AsyncIterator[Call]:
         """Validate `body` and open its turn; raises `EndpointError` before anything is generated."""
         identity = identity or Identity()
         episode = None if identity.episode is None else self.episodes.get(identity.episode)
-        request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity)
+        request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity,
+                        tool_parser=self.tool_parser)
         if self.sampling_rule is not None:
             turn_request = dataclasses.replace(request.turn, sampling=self.sampling_rule.apply(request.turn.sampling))
             request = dataclasses.replace(request, turn=turn_request)
         if episode is None:
             async with self.endpoint.turn(request.turn) as turn:
-                yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id))
+                yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
+                           counts=self.counts)
             return
         async with contextlib.AsyncExitStack() as stack:
             turn = await self._episode_turn(episode, request.turn, stack)
             yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
-                       on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)))
+                       on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)),
+                       counts=self.counts)
 
     async def _episode_turn(self, episode: OpenEpisode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
         """Open the turn of a call on an episode's URL: the episode's first call starts its trajectory (under

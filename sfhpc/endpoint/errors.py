@@ -48,10 +48,6 @@ class NotFound(EndpointError):
     default_code = "not_found"
 
 
-class ModelNotFound(NotFound):
-    default_code = "model_not_found"
-
-
 class TrajectoryNotFound(NotFound):
     default_code = "trajectory_not_found"
 

@@ -2,11 +2,14 @@
 
 Supported: ``/v1/chat/completions`` and ``/v1/completions`` with ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stream`` + ``stream_options.include_usage``,
-``logprobs`` (the sampled token's logprob; no alternatives), ``user``. Parameters that would change what
-the model does and that the endpoint cannot honour (``n > 1``, ``stop`` strings, ``tools``, penalties,
-``logit_bias``, top-k alternatives, ``echo``, and vLLM's sampling extensions ``top_k``, ``min_p``,
-``repetition_penalty``) are refused with a 400 instead of being ignored silently. A ``temperature`` or
-``top_p`` left out stays None here: the endpoint fills in its default (`Sampling.resolved`).
+``logprobs`` (the sampled token's logprob; no alternatives), ``user``; chat also takes function ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (`sfhpc.endpoint.tools`), and answers with ``tool_calls`` read
+from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`). Any ``model`` name is accepted: a
+run serves one policy, whatever name an agent's author wrote. Parameters that would change what the model
+does and that the endpoint cannot honour (``n > 1``, ``stop`` strings, penalties, ``logit_bias``, top-k
+alternatives, ``echo``, and vLLM's sampling extensions ``top_k``, ``min_p``, ``repetition_penalty``) are
+refused with a 400 instead of being ignored silently. A ``temperature`` or ``top_p`` left out stays None
+here: the endpoint fills in its default (`Sampling.resolved`).
 
 Extensions: ``stop_token_ids`` in the request (vLLM's name); in the response ``prompt_token_ids`` and
 ``trajectory_id`` at the top level and ``token_ids`` / ``token_versions`` (the weight version of each
@@ -21,9 +24,11 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from sfhpc.endpoint.errors import BadRequest, ModelNotFound
+from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.fields import Fields
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
+from sfhpc.endpoint.tool_parsers import Parsed
+from sfhpc.endpoint.tools import ToolRequest, history_message, read_tools
 from sfhpc.engine.tokenizer import ChatFormatError, ChatTokenizer
 
 Route = Literal["chat", "completions"]
@@ -41,6 +46,7 @@ class ApiRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tools: ToolRequest | None = None  # chat requests that offer function tools
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,22 +59,26 @@ class Identity:
     episode: str | None = None  # the episode of a per-episode URL (``/episodes/<id>/v1``): it owns the trajectory
 
 
-def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer, identity: Identity) -> ApiRequest:
-    """Validate `body` (already decoded JSON) for `route`; raises `BadRequest` / `ModelNotFound`."""
+def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer, identity: Identity,
+          tool_parser: str | None = None) -> ApiRequest:
+    """Validate `body` (already decoded JSON) for `route`; raises `BadRequest`. The answer names `model_name`,
+    whatever model the request named. `tool_parser` names the format of tool calls (a key of
+    `sfhpc.endpoint.tool_parsers.PARSERS`; by default the one the chat template writes)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     fields = Fields(body)
-    model = fields.string("model", required=True)
-    if model != model_name:
-        raise ModelNotFound(f"model {model!r} is not served here; this endpoint serves {model_name!r}",
-                            param="model")
+    fields.string("model", required=True)
     fields.refuse_unless(n=(None, 1), best_of=(None, 1), echo=(None, False), suffix=(None, ""),
                          presence_penalty=(None, 0, 0.0), frequency_penalty=(None, 0, 0.0), logit_bias=(None, {}),
-                         tools=(None, []), tool_choice=(None, "none"), functions=(None, []),
+                         functions=(None, []), function_call=(None, "none"),
                          response_format=(None, {"type": "text"}), stop=(None, [], ""))
+    if route != "chat":
+        fields.refuse_unless(tools=(None, []), tool_choice=(None, "none"))
     fields.refuse_distribution_changes(top_k=(None, -1, 0), min_p=(None, 0, 0.0), repetition_penalty=(None, 1, 1.0))
+    tools = None
     if route == "chat":
-        prompt = _chat_prompt(fields, tokenizer)
+        tools = read_tools(body, template=tokenizer.chat_template, parser_name=tool_parser)
+        prompt = _chat_prompt(fields, tokenizer, tools)
         max_tokens = fields.integer("max_completion_tokens", low=1)
         if max_tokens is None:
             max_tokens = fields.integer("max_tokens", low=1)
@@ -109,11 +119,11 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
     turn = TurnRequest(prompt_token_ids=tuple(prompt), sampling=sampling, trajectory_id=trajectory_id or user or None,
                        task=identity.task, group=identity.group,
                        prompt_param="messages" if route == "chat" else "prompt")
-    return ApiRequest(route=route, model=model, turn=turn, stream=stream, include_usage=include_usage,
-                      logprobs=want_logprobs)
+    return ApiRequest(route=route, model=model_name, turn=turn, stream=stream, include_usage=include_usage,
+                      logprobs=want_logprobs, tools=tools)
 
 
-def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
+def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | None) -> list[int]:
     messages = fields.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -131,9 +141,11 @@ def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
             content = "".join(texts)
         elif content is None:
             content = ""
-        flat.append({"role": message.get("role"), "content": content})
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        flat.append(history_message(i, message, content))
     try:
-        return tokenizer.apply_chat_template(flat)
+        return tokenizer.apply_chat_template(flat, tools=None if tools is None else tools.tools)
     except ChatFormatError as exc:
         raise BadRequest(str(exc), param="messages") from exc
 
@@ -158,7 +170,11 @@ def _text_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
 class ResponseBuilder:
     """Builds the response body, or the streamed chunks, of one request.
 
-    Text is decoded incrementally, so a character split across chunks is sent once, whole.
+    Text is decoded incrementally, so a character split across chunks is sent once, whole. A chat request
+    that offers tools reads the reply's tool calls (`sfhpc.endpoint.tool_parsers`): the reply is decoded with
+    its special tokens (a model may write its call marker as one) but not its end-of-turn token; streamed,
+    text that may begin a call is held back until the reply is whole, then parsed once, and the calls follow
+    as ``tool_calls`` deltas, each whole (OpenAI's clients join deltas by ``index``, so one is enough).
     """
 
     def __init__(self, request: ApiRequest, tokenizer: ChatTokenizer, trajectory_id: str) -> None:
@@ -169,8 +185,14 @@ class ResponseBuilder:
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.object = "chat.completion" if chat else "text_completion"
         self.created = int(time.time())
-        self._decoder = tokenizer.stream_decoder()
+        tools = request.tools
+        self.parser = tools.parser if tools is not None else None
+        self.parsed: Parsed | None = None  # the reply read for tool calls, once it is whole
+        self._hidden = frozenset(request.turn.sampling.stop_token_ids) if self.parser else frozenset()
+        self._decoder = tokenizer.stream_decoder(skip_special=self.parser is None)
         self._text_length = 0
+        self._reply = ""  # the reply so far (tool mode), and how much of it went out as content
+        self._sent = 0
 
     # -- pieces --------------------------------------------------------------------------------
     def _text(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
@@ -178,7 +200,7 @@ class ResponseBuilder:
         offsets, parts = [], []
         for token in token_ids:
             offsets.append(self._text_length)
-            part = self._decoder.feed((token,))
+            part = "" if token in self._hidden else self._decoder.feed((token,))
             parts.append(part)
             self._text_length += len(part)
         return "".join(parts), offsets
@@ -206,17 +228,33 @@ class ResponseBuilder:
         prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _read_calls(self, reply: str) -> tuple[list[dict[str, Any]], str | None]:
+        """The whole reply read for tool calls: the calls in OpenAI's shape and the content."""
+        assert self.parser is not None
+        self.parsed = parsed = self.parser.parse(reply)
+        tools = self.request.tools
+        calls = parsed.calls if tools is None or tools.parallel else parsed.calls[:1]
+        return ([{"id": self.parser.call_id(), "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls], parsed.content)
+
+    def _finish(self, result: TurnResult) -> str:
+        called = self.parsed is not None and self.parsed.calls
+        return "tool_calls" if called and result.finish_reason == "stop" else result.finish_reason
+
     # -- a whole response ----------------------------------------------------------------------
     def full(self, result: TurnResult) -> dict[str, Any]:
         text, offsets = self._text(result.token_ids)
         text += self._flush()
         choice: dict[str, Any] = {"index": 0}
-        if self.request.route == "chat":
+        if self.request.route != "chat":
+            choice["text"] = text
+        elif self.parser is None:
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            calls, content = self._read_calls(text)
+            choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choice.update(logprobs=self._logprobs(result.token_ids, result.logprobs, offsets),
-                      finish_reason=result.finish_reason, token_ids=list(result.token_ids),
+                      finish_reason=self._finish(result), token_ids=list(result.token_ids),
                       token_versions=list(result.versions))
         return {**self._head(), "choices": [choice], "usage": self.usage(result),
                 "prompt_token_ids": list(result.prompt_token_ids), "trajectory_id": self.trajectory_id}
@@ -235,22 +273,45 @@ class ResponseBuilder:
 
     def delta_chunk(self, delta: TokenDelta) -> dict[str, Any]:
         text, offsets = self._text(delta.token_ids)
-        return self._chunk(text, self._logprobs(delta.token_ids, delta.logprobs, offsets), None,
+        return self._chunk(self._content(text), self._logprobs(delta.token_ids, delta.logprobs, offsets), None,
                            list(delta.token_ids), list(delta.versions))
 
-    def last_chunk(self, result: TurnResult) -> dict[str, Any]:
-        return self._chunk(self._flush(), None, result.finish_reason, [], [])
+    def last_chunks(self, result: TurnResult) -> list[dict[str, Any]]:
+        """The chunks after the last token: the rest of the text, the tool calls, the finish reason."""
+        tail = self._flush()
+        if self.parser is None:
+            return [self._chunk(tail, None, result.finish_reason, [], [])]
+        self._reply += tail
+        calls, _ = self._read_calls(self._reply)
+        # Held text goes out as content when it was no call; a call's surrounding text was sent already.
+        rest = "" if calls else self._reply[self._sent:]
+        chunks = [self._chunk(rest, None, None, [], [])] if rest else []
+        chunks += [self._chunk("", None, None, [], [], tool_calls=[{"index": i, **call}])
+                   for i, call in enumerate(calls)]
+        return chunks + [self._chunk("", None, self._finish(result), [], [])]
 
     def usage_chunk(self, result: TurnResult) -> dict[str, Any]:
         return {**self._head(), "object": self._chunk_object(), "choices": [], "usage": self.usage(result)}
 
+    def _content(self, text: str) -> str:
+        """Of newly decoded text, what can be sent as content now (all of it, unless tools are offered)."""
+        if self.parser is None:
+            return text
+        self._reply += text
+        held = self.parser.held_from(self._reply)
+        start, self._sent = self._sent, max(self._sent, held)
+        return self._reply[start:self._sent]
+
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.request.route == "chat" else "text_completion"
 
-    def _chunk(self, text: str, logprobs: Any, finish: str | None, token_ids: list[int],
-               versions: list[int]) -> dict[str, Any]:
+    def _chunk(self, text: str, logprobs: Any, finish: str | None, token_ids: list[int], versions: list[int],
+               tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         if self.request.route == "chat":
-            choice: dict[str, Any] = {"index": 0, "delta": {"content": text} if text else {}}
+            delta: dict[str, Any] = {"content": text} if text else {}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=logprobs, finish_reason=finish, token_ids=token_ids, token_versions=versions)

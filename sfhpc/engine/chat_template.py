@@ -60,8 +60,10 @@ def compile_template(source: str) -> jinja2.Template:
 
 
 def render(source: str, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool,
-           special_tokens: Mapping[str, str]) -> str:
-    """The prompt text of `messages`. A template's own refusal (``raise_exception``) and a template that
+           special_tokens: Mapping[str, str], tools: Sequence[Mapping[str, object]] | None = None) -> str:
+    """The prompt text of `messages` (and of `tools`, OpenAI's function tools, which ``transformers`` passes
+    to a template as they are given). A template's own refusal (``raise_exception``) and a template that
     does not compile both raise ``jinja2.TemplateError``."""
-    return compile_template(source).render(messages=list(messages), tools=None, documents=None,
+    return compile_template(source).render(messages=list(messages), tools=list(tools) if tools else None,
+                                           documents=None,
                                            add_generation_prompt=add_generation_prompt, **special_tokens)

@@ -221,15 +221,20 @@ class HFTokenizer:
         return "ByteLevel" in self._tok.to_str()
 
     # -- chat ----------------------------------------------------------------------------------------
-    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
-                            add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str:
+        return self._template
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
         """The model's own chat template, tokenized: exactly what ``transformers``' ``apply_chat_template``
-        gives (the rendered text encoded without adding special tokens: the template writes them)."""
+        gives (the rendered text encoded without adding special tokens: the template writes them), `tools`
+        (OpenAI's function tools) included."""
         from jinja2 import TemplateError
 
         try:
             text = chat_template.render(self._template, messages, add_generation_prompt=add_generation_prompt,
-                                        special_tokens=self._named)
+                                        special_tokens=self._named, tools=tools)
         except TemplateError as exc:  # the template's own refusal (e.g. roles that must alternate)
             raise ChatFormatError(f"the model's chat template refused the messages: {exc}") from exc
         return [int(t) for t in self._tok.encode(text, add_special_tokens=False).ids]

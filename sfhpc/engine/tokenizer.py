@@ -94,8 +94,13 @@ class ChatTokenizer(Protocol):
 
     def token_bytes(self, token_id: int) -> list[int]: ...
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
-                            add_generation_prompt: bool = True) -> list[int]: ...
+    @property
+    def chat_template(self) -> str:
+        """The source of the model's chat template ("" when it is built in): tool-call formats are read from it."""
+        ...
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> list[int]: ...
 
 
 BYTE_MARKER_KEY = "tokenizer"  # in sfhpc_model.json: "byte" names this module's tokenizer
@@ -183,12 +188,19 @@ class ByteTokenizer:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary [0, {self.vocab_size})")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *,
-                            add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def chat_template(self) -> str:
+        return ""  # the format is built in, and it has no tools
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, object]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, object]] | None = None) -> list[int]:
         """Token ids of a conversation in the format of the module docstring.
 
-        Each message needs a ``role`` (system, user, assistant, tool) and a string ``content``.
+        Each message needs a ``role`` (system, user, assistant, tool) and a string ``content``. The format
+        renders no tools: `tools` must be empty.
         """
+        if tools:
+            raise ChatFormatError("the byte-level chat format renders no tools")
         ids = [BOS]
         for index, message in enumerate(messages):
             role = message.get("role")

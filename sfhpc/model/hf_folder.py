@@ -14,6 +14,15 @@ Two chat formats, as the architectures' instruct models use them:
   <|eot_id|>``), a BOS, EOS = ``<|end_of_text|>`` (a turn ends with ``<|eot_id|>``), grouped-query
   attention, untied embeddings.
 
+Two formats render function tools, for testing tool calls in the formats of the models that make them:
+
+* ``qwen2_tools``: ChatML with Qwen2.5's tool format: the tools' JSON schemas in the system message inside
+  ``<tools></tools>``, a call as ``<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`` (arguments
+  given as a JSON text are written as they are, an object with ``tojson``), results as a user turn of
+  ``<tool_response>`` blocks;
+* ``llama_tools``: Llama 3.1's JSON tool calling: ``Environment: ipython`` and the tools in the system
+  message, a call as the whole reply ``{"name": ..., "parameters": ...}``, results in an ``ipython`` turn.
+
 A third format, ``brief``, is the shortest a chat can be: one special token per role, ``<|end|>`` after each
 message (``<|bos|><|user|>...<|end|><|assistant|>``). sfhpc's own default model uses it (`sfhpc.model.tiny`):
 the fewer constant tokens between a question and its answer, the sooner a tiny model's reply depends on the
@@ -50,6 +59,72 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif -%}"
 )
 
+QWEN2_TOOLS_TEMPLATE = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\n\n' -}}{%- endif -%}"
+    "{{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' -}}"
+    "{%- elif messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' or (message.role == 'assistant' and not message.tool_calls) -%}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant' -}}{%- if message.content -%}{{- '\n' + message.content -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set function = call.function if call.function is defined else call -%}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + function.name + '\", \"arguments\": ' -}}"
+    "{%- if function.arguments is string -%}{{- function.arguments -}}"
+    "{%- else -%}{{- function.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+LLAMA_TOOLS_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if messages[0].role == 'system' -%}{%- set system = messages[0].content -%}{%- set rest = messages[1:] -%}"
+    "{%- else -%}{%- set system = '' -%}{%- set rest = messages -%}{%- endif -%}"
+    "{{- '<|start_header_id|>system<|end_header_id|>\n\n' -}}"
+    "{%- if tools -%}{{- 'Environment: ipython\n' -}}{%- endif -%}"
+    "{{- system -}}"
+    "{%- if tools -%}"
+    "{{- '\n\nYou have access to the following functions. To call a function, respond with JSON for a "
+    "function call of the form {\"name\": function name, \"parameters\": dictionary of argument name and "
+    "its value}. Do not use variables.\n\n' -}}"
+    "{%- for tool in tools -%}{{- (tool | tojson) + '\n\n' -}}{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|eot_id|>' -}}"
+    "{%- for message in rest -%}"
+    "{%- if message.role == 'assistant' and message.tool_calls -%}"
+    "{%- if message.tool_calls | length != 1 -%}{{- raise_exception('one function call per reply') -}}{%- endif -%}"
+    "{%- set function = message.tool_calls[0].function -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{\"name\": \"' + function.name + "
+    "'\", \"parameters\": ' -}}"
+    "{%- if function.arguments is string -%}{{- function.arguments -}}"
+    "{%- else -%}{{- function.arguments | tojson -}}{%- endif -%}"
+    "{{- '}<|eot_id|>' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' -}}"
+    "{%- else -%}"
+    "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content + '<|eot_id|>' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}"
+)
+
 BRIEF_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages -%}"
@@ -69,6 +144,7 @@ class ChatFormat:
     pad: str
     bos: str | None = None
     stop: tuple[str, ...] = ()  # generation_config's eos_token_id: every token that ends a reply
+    added: tuple[str, ...] = ()  # one token each but not special (kept in decoded text): Qwen2.5's tool tags
 
 
 FORMATS: dict[str, ChatFormat] = {
@@ -77,6 +153,12 @@ FORMATS: dict[str, ChatFormat] = {
     "llama": ChatFormat(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
                          "<|eot_id|>"), LLAMA3_TEMPLATE, eos="<|end_of_text|>", pad="<|end_of_text|>",
                         bos="<|begin_of_text|>", stop=("<|end_of_text|>", "<|eot_id|>")),
+    "qwen2_tools": ChatFormat(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), QWEN2_TOOLS_TEMPLATE,
+                              eos="<|im_end|>", pad="<|endoftext|>", stop=("<|im_end|>", "<|endoftext|>"),
+                              added=("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")),
+    "llama_tools": ChatFormat(("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                               "<|eot_id|>", "<|python_tag|>"), LLAMA_TOOLS_TEMPLATE, eos="<|end_of_text|>",
+                              pad="<|end_of_text|>", bos="<|begin_of_text|>", stop=("<|end_of_text|>", "<|eot_id|>")),
     "brief": ChatFormat(("<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>",
                          "<|tool|>"), BRIEF_TEMPLATE, eos="<|eos|>", pad="<|pad|>", bos="<|bos|>",
                         stop=("<|end|>", "<|eos|>")),
@@ -117,15 +199,27 @@ def corpus(seed: int, lines: int = 4000, texts: Iterable[str] = ()) -> Iterator[
     yield from texts
 
 
-def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
-    """The text the chat template writes around messages (role names, separators), between its special
-    tokens, `repeats` times: so a role header is one or two tokens, not a spelling of bytes."""
-    import jinja2
+_SAMPLE_TOOL = {"type": "function", "function": {"name": "f", "description": "", "parameters": {}}}
 
-    messages = [{"role": role, "content": ""} for role in ("system", "user", "assistant", "tool")]
-    rendered = jinja2.Template(chat.template).render(messages=messages, add_generation_prompt=True,
-                                                     bos_token=chat.bos or "")
-    pieces = [p for p in re.split("|".join(re.escape(t) for t in chat.special_tokens), rendered) if p]
+
+def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
+    """The text the chat template writes around messages (role names, separators, a tool call and the
+    instructions that come with tools), between its special tokens, `repeats` times: so a role header is one
+    or two tokens, not a spelling of bytes."""
+    from sfhpc.engine.chat_template import render
+
+    messages: list[dict[str, Any]] = [{"role": role, "content": ""} for role in ("system", "user", "assistant")]
+    tools = None
+    if "tools" in chat.template:
+        call = {"type": "function", "function": {"name": "f", "arguments": {}}}
+        messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
+                     {"role": "tool", "content": "", "tool_call_id": "c"}]
+        tools = [_SAMPLE_TOOL]
+    else:
+        messages.append({"role": "tool", "content": ""})
+    rendered = render(chat.template, messages, add_generation_prompt=True, special_tokens={"bos_token": chat.bos or ""},
+                      tools=tools)
+    pieces = [p for p in re.split("|".join(re.escape(t) for t in (*chat.special_tokens, *chat.added)), rendered) if p]
     for _ in range(repeats):
         yield from pieces
 
@@ -133,7 +227,7 @@ def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
 def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, texts: Iterable[str] = ()) -> Any:
     """A byte-level BPE trained on `corpus` (with `texts`) and the template's own text, wrapped as a
     ``PreTrainedTokenizerFast`` with `chat`'s special tokens and template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
@@ -144,6 +238,7 @@ def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, t
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.special_tokens),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     bpe.train_from_iterator(itertools.chain(corpus(seed, texts=texts), template_texts(chat)), trainer=trainer)
+    bpe.add_tokens([AddedToken(t, special=False, normalized=False) for t in chat.added])
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=chat.eos, pad_token=chat.pad,
                                    bos_token=chat.bos, chat_template=chat.template, model_max_length=4096)
 

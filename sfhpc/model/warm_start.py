@@ -9,13 +9,16 @@ chance level, and RL has to do the rest.
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from sfhpc.engine.tokenizer import ChatTokenizer, load_tokenizer
 from sfhpc.tasks.base import Task
 
 
-def encode_with_targets(conversation: list[dict[str, str]], tokenizer: ChatTokenizer) -> tuple[list[int], list[bool]]:
+def encode_with_targets(conversation: Sequence[Mapping[str, Any]], tokenizer: ChatTokenizer, *,
+                        tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[list[int], list[bool]]:
     """Token ids of a conversation and, per token, whether it is part of an assistant reply (a target).
 
     A reply is what the model writes after the chat template's generation prompt, up to and including the
@@ -29,7 +32,7 @@ def encode_with_targets(conversation: list[dict[str, str]], tokenizer: ChatToken
     for index, message in enumerate(conversation):
         if message.get("role") != "assistant":
             continue
-        start = len(tokenizer.apply_chat_template(conversation[:index], add_generation_prompt=True))
+        start = len(tokenizer.apply_chat_template(conversation[:index], add_generation_prompt=True, tools=tools))
         end = start
         while end < len(ids) and ids[end] not in stops:
             end += 1
@@ -51,7 +54,8 @@ def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     loss_value = float("nan")
     for _ in range(steps):
-        encoded = [encode_with_targets(c, tokenizer) for c in task.warm_start_examples(rng, batch_size)]
+        encoded = [encode_with_targets(c, tokenizer, tools=task.tools)
+                   for c in task.warm_start_examples(rng, batch_size)]
         if not encoded:
             return loss_value
         width = max(len(ids) for ids, _ in encoded)

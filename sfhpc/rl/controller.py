@@ -310,7 +310,8 @@ class Controller:
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
-            "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out, **self._lending_metrics(),
+            "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out,
+            "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
         })
 
     def _lending_metrics(self) -> dict[str, float | int]:

@@ -70,7 +70,11 @@ class Task(abc.ABC):
     def episode(self, problem: Problem) -> Episode:
         """A fresh episode of `problem`."""
 
-    def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
+    # The function tools (OpenAI's shape) the task's agent offers the policy: its warm-start examples are
+    # rendered with them, as the agent's calls will be. None: the task uses no tools.
+    tools: list[dict[str, Any]] | None = None
+
+    def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, Any]]]:
         """Conversations for a short supervised warm start that teaches the reply *format* only (the
         answers are not the solutions, so reward still has to be learned by RL). Empty: no warm start."""
         return []

@@ -78,7 +78,8 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server: Endpo
     cases = [
         (b"{not json", {}, 400, "invalid_request", None),
         (b"[1, 2]", {}, 400, "invalid_request", None),
-        (json.dumps(chat_body(model="gpt-9")).encode(), {}, 404, "model_not_found", "model"),
+        (json.dumps(chat_body(tools=[{"type": "function", "function": {"name": "f"}}])).encode(), {}, 400,
+         "tools_not_supported", "tools"),  # the byte-level chat format renders no tools
         (json.dumps(chat_body()).encode(), {"X-Trajectory-Id": "nobody"}, 404, "trajectory_not_found",
          "trajectory_id"),
         (json.dumps(chat_body(user="nobody")).encode(), {}, 404, "trajectory_not_found", "trajectory_id"),

@@ -1,0 +1,235 @@
+"""Function tools on the endpoint, with a real Hugging Face tokenizer and chat template (a tiny folder built
+here in Qwen2.5's and Llama 3.1's tool formats) and an engine that writes scripted replies token by token:
+the OpenAI client offers tools, reads ``tool_calls`` (whole and streamed), sends results back, and the
+trajectory holds exactly what the template renders for the conversation."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
+from sfhpc.endpoint.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for_template
+from sfhpc.engine.base import GenerationRequest
+from sfhpc.engine.hf_tokenizer import HFTokenizer
+from sfhpc.engine.scripted import ScriptedEngine
+from sfhpc.model.hf_folder import build_hf_model
+from tests.endpoint.conftest import RecordingManager
+
+MODEL = "served-policy"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_time", "description": "the time of day in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "paris"}}\n</tool_call>'
+
+
+class ReplyingEngine(ScriptedEngine):
+    """Writes the given replies, one per generation, token by token (with a fixed logprob)."""
+
+    def __init__(self, replies: Sequence[Sequence[int]]) -> None:
+        super().__init__(vocab=(0, 1), max_model_len=2048)
+        self.replies = [list(r) for r in replies]
+        self._script: dict[str, list[int]] = {}
+
+    def _sample(self, context: Sequence[int], request: GenerationRequest) -> tuple[int, float]:
+        if request.request_id not in self._script:
+            self._script[request.request_id] = self.replies.pop(0)
+        reply = self._script[request.request_id]
+        at = len(context) - len(request.prompt_token_ids)
+        return reply[at], -0.25
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf_model(tmp_path_factory.mktemp("qwen-tools"), "qwen2", chat_format="qwen2_tools", layers=1)
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_hf_model(tmp_path_factory.mktemp("llama-tools"), "llama", chat_format="llama_tools", layers=1)
+
+
+class Served:
+    """A live endpoint over a replying engine, with the tokenizer of a model folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.tok = HFTokenizer.from_folder(folder)
+        self.sink = RecordingManager()
+        self.engine = ReplyingEngine([])
+        self.api = OpenAIApi(AgentEndpoint(self.engine, self.sink), model_name=MODEL, tokenizer=self.tok)
+        self.server = EndpointServer(self.api).start()
+        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=30)
+
+    def will_reply(self, *texts: str) -> None:
+        """The next replies, each ending with the template's end-of-turn token."""
+        self.engine.replies += [self.tok.encode(t) + [self.tok.chat_stop_ids[0]] for t in texts]
+
+    def context(self, trajectory_id: str) -> list[int]:
+        return [int(t) for t in self.sink.trajectory(trajectory_id).context()]
+
+
+@pytest.fixture
+def qwen(qwen_folder: Path) -> Iterator[Served]:
+    served = Served(qwen_folder)
+    yield served
+    served.server.stop()
+
+
+def test_a_tool_call_is_parsed_answered_and_the_trajectory_is_what_the_template_renders(qwen: Served) -> None:
+    qwen.will_reply(CALL, "it is noon in paris")
+    messages: list[Any] = [{"role": "user", "content": "what time is it in paris?"}]
+    # The agent's own model name is accepted: the run serves one policy.
+    first = qwen.client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=TOOLS)
+    choice = first.choices[0]
+    assert first.model == MODEL and choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", {"city": "paris"})
+    tid = first.model_extra["trajectory_id"]
+
+    messages += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "noon"}]
+    second = qwen.client.chat.completions.create(model="gpt-4o-mini", messages=messages, tools=TOOLS,
+                                                 extra_headers={"X-Trajectory-Id": tid})
+    assert second.choices[0].message.content == "it is noon in paris"
+    assert second.choices[0].finish_reason == "stop" and not second.choices[0].message.tool_calls
+
+    # Token-exact: the trajectory is the template's rendering of the whole conversation, up to the last
+    # reply's end-of-turn token (ChatML writes a newline after it, which no one generated).
+    rendered = qwen.tok.apply_chat_template(messages + [{"role": "assistant", "content": "it is noon in paris"}],
+                                            add_generation_prompt=False, tools=TOOLS)
+    context = qwen.context(tid)
+    assert context == rendered[:len(context)] and qwen.tok.decode(rendered[len(context):]) == "\n"
+    trajectory = qwen.sink.trajectory(tid)
+    assert trajectory.history_mismatches == 0 and len(trajectory.replies()) == 2
+    assert qwen.api.health()["tool_calls"] == 1 and qwen.api.health()["tool_call_parse_failures"] == 0
+
+
+def test_arguments_in_other_json_are_returned_canonical_and_the_mismatch_is_counted(qwen: Served) -> None:
+    raw = '<tool_call>\n{"name":"get_time","arguments":{"city":"paris"}}\n</tool_call>'
+    qwen.will_reply(raw, "noon")
+    messages: list[Any] = [{"role": "user", "content": "what time is it in paris?"}]
+    first = qwen.client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+    call = first.choices[0].message.tool_calls[0]
+    assert call.function.arguments == '{"city": "paris"}'
+    tid = first.model_extra["trajectory_id"]
+    generated = list(first.choices[0].model_extra["token_ids"])
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": "noon"}]
+    qwen.client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                        extra_headers={"X-Trajectory-Id": tid})
+    trajectory = qwen.sink.trajectory(tid)
+    assert trajectory.history_mismatches == 1
+    # The reply the policy wrote is kept whole as written; the current branch keeps of it only the tokens
+    # before the first that differs, and holds the re-rendered rest as an observation, never trained on as
+    # if the policy wrote it.
+    assert any(list(s.tokens) == generated for s in trajectory.segments if s.generated)
+    (kept, _), (last, _) = trajectory.replies()
+    assert 0 < len(kept) < len(generated) and list(kept) == generated[:len(kept)]
+    assert list(last) == qwen.tok.encode("noon") + [qwen.tok.chat_stop_ids[0]]
+
+
+def test_streamed_tool_calls_hold_back_the_call_and_send_the_text_before_it(qwen: Served) -> None:
+    qwen.will_reply("let me look " + CALL + "\n" + CALL.replace("paris", "rome"))
+    stream = qwen.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "paris, rome?"}],
+                                                 tools=TOOLS, stream=True)
+    content, calls, finish = [], {}, None
+    for chunk in stream:
+        delta = chunk.choices[0].delta
+        if delta.content:
+            content.append(delta.content)
+        for piece in delta.tool_calls or []:
+            calls.setdefault(piece.index, {"name": "", "arguments": ""})
+            calls[piece.index]["name"] += piece.function.name or ""
+            calls[piece.index]["arguments"] += piece.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert "".join(content) == "let me look " and not any("<" in c for c in content)
+    assert [(c["name"], json.loads(c["arguments"])["city"]) for c in calls.values()] == [
+        ("get_time", "paris"), ("get_time", "rome")]
+    assert finish == "tool_calls"
+
+
+def test_replies_without_a_parsable_call_are_content_and_counted(qwen: Served) -> None:
+    broken = '<tool_call>\n{"name": "get_time", "arguments": {"city": '
+    qwen.will_reply(broken, CALL, CALL + "\n" + CALL)
+    ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "time?"}], "tools": TOOLS}
+    reply = qwen.client.chat.completions.create(**ask)
+    assert reply.choices[0].message.content == broken and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "stop"
+    assert qwen.api.health()["tool_call_parse_failures"] == 1
+    # tool_choice none: the tools are rendered, nothing is read from the reply.
+    reply = qwen.client.chat.completions.create(**ask, tool_choice="none")
+    assert reply.choices[0].message.content == CALL and reply.choices[0].finish_reason == "stop"
+    # parallel_tool_calls false: one call per reply.
+    reply = qwen.client.chat.completions.create(**ask, parallel_tool_calls=False)
+    assert len(reply.choices[0].message.tool_calls) == 1
+
+
+def test_bad_tool_input_is_one_400_naming_the_field_and_nothing_is_recorded(qwen: Served) -> None:
+    user = [{"role": "user", "content": "time?"}]
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}
+    cases = [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "a string"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+        ({"tools": [{"type": "retrieval"}]}, "tools"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+        ({"tools": TOOLS, "messages": user + [{"role": "tool", "content": "noon"}]}, "messages"),
+        ({"tools": TOOLS, "messages": user + [{"role": "assistant", "tool_calls": [call]}]}, "messages"),
+    ]
+    for extra, param in cases:
+        response = httpx.post(f"{qwen.server.url}/chat/completions", json={"model": MODEL, "messages": user, **extra})
+        error = response.json()["error"]
+        assert (response.status_code, error["param"]) == (400, param), (extra, error)
+        assert error["message"] and error["type"] == "invalid_request_error"
+    assert not qwen.sink.calls
+
+
+def test_llama_json_tool_calls(llama_folder: Path) -> None:
+    served = Served(llama_folder)
+    try:
+        served.will_reply('{"name": "get_time", "parameters": {"city": "paris"}}', "noon")
+        messages: list[Any] = [{"role": "user", "content": "what time is it in paris?"}]
+        first = served.client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS)
+        [call] = first.choices[0].message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_time", '{"city": "paris"}')
+        assert first.choices[0].finish_reason == "tool_calls"
+        tid = first.model_extra["trajectory_id"]
+        messages += [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "noon"}]
+        served.client.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                              extra_headers={"X-Trajectory-Id": tid})
+        rendered = served.tok.apply_chat_template(messages + [{"role": "assistant", "content": "noon"}],
+                                                  add_generation_prompt=False, tools=TOOLS)
+        assert served.context(tid) == rendered  # Llama 3 writes nothing after <|eot_id|>
+        assert served.sink.trajectory(tid).history_mismatches == 0
+    finally:
+        served.server.stop()
+
+
+def test_parsers_read_their_formats_and_are_chosen_from_the_template(qwen_folder: Path, llama_folder: Path) -> None:
+    assert parser_for_template(HFTokenizer.from_folder(qwen_folder).chat_template) == "hermes"
+    assert parser_for_template(HFTokenizer.from_folder(llama_folder).chat_template) == "llama3_json"
+    assert parser_for_template("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
+    assert parser_for_template("{% for m in messages %}{{ m.content }}{% endfor %}") is None
+    v3 = MistralParser().parse('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
+    v11 = MistralParser().parse('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}')
+    assert [(c.name, c.arguments) for c in v3.calls] == [(c.name, c.arguments) for c in v11.calls] == [
+        ("a", '{"x": 1}'), ("b", "{}")]
+    assert MistralParser().parse("[TOOL_CALLS][{\"name\": ").failed
+    two = Llama3JsonParser().parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+                                   '{"name": "b", "arguments": {}}')
+    assert [c.name for c in two.calls] == ["a", "b"] and two.content is None
+    assert Llama3JsonParser().parse("the answer is 4").calls == ()
+    assert not Llama3JsonParser().parse("the answer is 4").failed
+    assert HermesParser().parse(CALL + " trailing words").failed  # text after a call: not a finished call
+    assert HermesParser().held_from("let me look <tool_") == len("let me look ")
+    assert Llama3JsonParser().held_from('  {"na') == 0 and Llama3JsonParser().held_from("plain") == 5
