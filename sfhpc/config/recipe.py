@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -105,6 +106,9 @@ class ModelSpec:
     warm_start_steps: int = setting(0, "supervised steps on the task's reply format before RL (built model only; 0: "
                                        "none)")
     warm_start_learning_rate: float = setting(1e-3, "the learning rate of the warm start")
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = setting(
+        None, "the format the model writes tool calls in (hermes: Qwen2.5/Qwen3's <tool_call>; llama3_json: Llama "
+              "3.1's JSON; mistral: [TOOL_CALLS]); null: read from its chat template")
 
     def validate(self, where: Where) -> None:
         if self.hidden_size != self.heads * 64:
@@ -342,6 +346,9 @@ class TaskSpec:
     base_dir: str | None = dataclasses.field(default=None, compare=False, metadata={"yaml": False})
 
 
+SFHPC_PYTHON = ("python", "python3")  # in an agent command: the interpreter sfhpc runs under
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentSpec:
     """An agent program of the user's own, started once per episode on the rollout ranks (see
@@ -350,10 +357,13 @@ class AgentSpec:
     failed. The program reaches the endpoint at ``OPENAI_BASE_URL``; ``host`` is the address the endpoint
     binds (``0.0.0.0`` for programs on other nodes) and ``advertise_host`` the name that URL gives (default:
     the bound address, or the node's host name for ``0.0.0.0``). A relative program path is read from the
-    recipe's folder, a bare name from ``PATH``; the program runs in the recipe's folder."""
+    recipe's folder, a bare name from ``PATH``; a bare ``python`` or ``python3`` is the interpreter sfhpc runs
+    under (the one with the ``openai`` package sfhpc installs), so a recipe runs the same from any shell;
+    name a path for another. The program runs in the recipe's folder."""
 
     command: tuple[str, ...] = setting((), "the argv of the agent program started once per episode (a relative program "
-                                           "path: from the recipe's folder; a bare name: from PATH)")
+                                           "path: from the recipe's folder; a bare name: from PATH; a bare python or "
+                                           "python3: sfhpc's own interpreter)")
     workers: int = setting(4, "agent programs running at once per rollout rank")
     timeout_s: float | None = setting(None, "a program still running after this many seconds is killed and its episode "
                                             "failed (null: budgets.episode_timeout_s)")
@@ -365,6 +375,8 @@ class AgentSpec:
     def program(self, recipe_source: str) -> Path | str:
         """The executable `command` starts: a path, or the problem with it (a string)."""
         name = self.command[0]
+        if name in SFHPC_PYTHON:
+            return Path(sys.executable)
         if "/" not in name:
             found = shutil.which(name)
             return Path(found) if found else f"program '{name}' is not on PATH"

@@ -24,9 +24,10 @@ def encode_with_targets(conversation: Sequence[Mapping[str, Any]], tokenizer: Ch
     A reply is what the model writes after the chat template's generation prompt, up to and including the
     first stop token: the tokens between the rendering of the messages before it (with the generation
     prompt) and its first stop id. Whatever the template puts after the stop token (ChatML's newline) is
-    the template's, not the model's, so it is no target.
+    the template's, not the model's, so it is no target. `tools` (OpenAI's function tools) are rendered as
+    the template renders them.
     """
-    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=False)
+    ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tools=tools)
     targets = [False] * len(ids)
     stops = set(tokenizer.chat_stop_ids)
     for index, message in enumerate(conversation):
@@ -56,7 +57,7 @@ def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int
     for _ in range(steps):
         encoded = [encode_with_targets(c, tokenizer, tools=task.tools)
                    for c in task.warm_start_examples(rng, batch_size)]
-        if not encoded:
+        if not encoded or not any(any(targets) for _, targets in encoded):
             return loss_value
         width = max(len(ids) for ids, _ in encoded)
         ids = torch.full((len(encoded), width), tokenizer.pad_id)

@@ -5,6 +5,10 @@ the recipe's ``agent.command`` in a process group of its own, with
 
 - ``OPENAI_BASE_URL`` = ``http://HOST:PORT/episodes/<id>/v1`` and ``OPENAI_API_KEY`` = the run's token, which
   every OpenAI client reads by itself: every call it makes is a turn of the episode's trajectory;
+  ``OPENAI_MODEL`` = the served model's name (any name is accepted, so a program may keep its own);
+- the switches that keep agent frameworks from reaching outside the run: the OpenAI Agents SDK's trace
+  export (``OPENAI_AGENTS_DISABLE_TRACING``) and LangSmith's tracing (``LANGCHAIN_TRACING_V2``,
+  ``LANGSMITH_TRACING``) are off;
 - the episode's input, one JSON object, on stdin and in ``SFHPC_EPISODE``: ``episode_id``, ``task``,
   ``model`` (the name to send), ``messages`` (the task's opening messages), ``problem`` (``key`` and
   ``data``: the task instance) and ``max_tokens`` (the reply budget).
@@ -47,6 +51,10 @@ EPISODE_VAR = "SFHPC_EPISODE"
 ENV_INPUT_LIMIT = 96 * 1024  # Linux refuses one environment string over 128 KiB: larger inputs go on stdin only
 STDERR_LINES = 20            # kept for the failure reason and the rank's log
 LINE_LIMIT = 1 << 20         # longer stdout lines are not read as a reward
+
+
+# Frameworks that would send traces to a vendor's servers: an agent in a run talks to the run alone.
+OFFLINE = {"OPENAI_AGENTS_DISABLE_TRACING": "1", "LANGCHAIN_TRACING_V2": "false", "LANGSMITH_TRACING": "false"}
 
 
 class AgentProgramFailed(Exception):
@@ -191,7 +199,8 @@ class AgentPrograms:
         return self._slots
 
     def environment(self, url: str, episode_json: str) -> dict[str, str]:
-        env = {**os.environ, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none"}
+        env = {**os.environ, **OFFLINE, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none",
+               "OPENAI_MODEL": self.model}
         if len(episode_json) <= ENV_INPUT_LIMIT:
             env[EPISODE_VAR] = episode_json
         else:

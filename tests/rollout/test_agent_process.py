@@ -181,21 +181,25 @@ def test_an_agent_command_that_does_not_exist_is_one_line_before_any_job(tmp_pat
 
 
 def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, manager: TrajectoryManager,
-                                                      tmp_path: Path) -> None:
+                                                      tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dump = tmp_path / "input.json"
     script = tmp_path / "dump.py"
     script.write_text(f"import sys, os\nopen({str(dump)!r}, 'w').write(sys.stdin.read())\n"
-                      f"open({str(dump)!r} + '.env', 'w').write(os.environ['OPENAI_BASE_URL'] + ' ' + "
-                      f"os.environ['OPENAI_API_KEY'])\n")
-    runner = AgentPrograms(AgentSpec(command=(sys.executable, str(script))), recipe_source=str(script),
+                      f"open({str(dump)!r} + '.env', 'w').write(' '.join(os.environ[k] for k in ('OPENAI_BASE_URL', "
+                      f"'OPENAI_API_KEY', 'OPENAI_MODEL', 'OPENAI_AGENTS_DISABLE_TRACING', 'LANGSMITH_TRACING')))\n")
+    # A bare python3 is sfhpc's own interpreter, whatever PATH holds (a shell without the venv activated).
+    monkeypatch.setenv("PATH", str(tmp_path))
+    runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
                            episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model=MODEL)
+    assert runner.command[0] == sys.executable
     play(server, manager, runner, 3)
     data = json.loads(dump.read_text())
     assert data["task"] == "guess-number" and data["model"] == MODEL and data["max_tokens"] == 1
     assert data["messages"] == [{"role": "user", "content": "guess 0-9"}]
     assert data["problem"] == {"key": "3", "data": 3}
-    url, key = Path(str(dump) + ".env").read_text().split()
+    url, key, model, no_agents_traces, no_langsmith = Path(str(dump) + ".env").read_text().split()
     assert url == f"http://127.0.0.1:{server.port}/episodes/{data['episode_id']}/v1" and key == server.token
+    assert (model, no_agents_traces, no_langsmith) == (MODEL, "1", "false")
 
 
 def test_a_program_reaches_an_endpoint_bound_to_all_addresses_by_host_name(manager: TrajectoryManager) -> None:
