@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import openai
@@ -59,7 +58,8 @@ class TimeTask(Task):
         return [conversation(rng.choice(sorted(CITIES))) for _ in range(count)]
 
 
-@pytest.fixture(scope="module", params=[("qwen2", "qwen2_tools"), ("llama", "llama_tools")], ids=["qwen2.5", "llama3.1"])
+@pytest.fixture(scope="module", params=[("qwen2", "qwen2_tools"), ("llama", "llama_tools")],
+                ids=["qwen2.5", "llama3.1"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[tuple[HFTokenizer, EndpointServer, TrajectoryManager]]:
     architecture, chat_format = request.param
