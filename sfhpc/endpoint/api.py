@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from sfhpc.endpoint import responses
 from sfhpc.endpoint.episodes import Episodes, OpenEpisode, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
@@ -138,6 +139,12 @@ class OpenAIApi:
             yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
                        on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)),
                        counts=self.counts)
+
+    async def respond(self, body: Any, identity: Identity | None = None) -> tuple[str, dict[str, Any]]:
+        """``POST /v1/responses``: the request as a chat turn (`sfhpc.endpoint.responses`); returns the
+        trajectory id and the Responses body."""
+        async with self.call("chat", responses.to_chat(body), identity) as call:
+            return call.trajectory_id, responses.from_chat(await call.response(), body)
 
     async def _episode_turn(self, episode: OpenEpisode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
         """Open the turn of a call on an episode's URL: the episode's first call starts its trajectory (under

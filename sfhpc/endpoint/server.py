@@ -1,12 +1,13 @@
 """The HTTP server of the agent endpoint (aiohttp): OpenAI routes, bearer-token guard, SSE streaming.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``.
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (non-streamed,
+`sfhpc.endpoint.responses`), ``GET /v1/models``, ``GET /health``.
 The trajectory id travels in the ``X-Trajectory-Id`` header (or the body's ``user`` field) and comes
 back in the same header and in the body's ``trajectory_id``; ``X-Task`` / ``X-Group`` label a new
 trajectory.
 
 Per-episode routes, for agent programs that know nothing of trajectories (`sfhpc.endpoint.episodes`): the
-same three OpenAI routes under ``/episodes/<id>/v1/``, every call of which is a turn of that episode's
+same OpenAI routes under ``/episodes/<id>/v1/``, every call of which is a turn of that episode's
 trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}``.
 
 Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
@@ -107,12 +108,14 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
             log.exception("agent endpoint: %s %s failed", request.method, request.path)
             return _error_response(ServerError(f"internal error: {type(exc).__name__}: {exc}"))
 
+    def identity(request: web.Request) -> Identity:
+        return Identity(trajectory_id=request.headers.get(TRAJECTORY_HEADER) or None,
+                        task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER),
+                        episode=request.match_info.get("episode"))
+
     async def completion(request: web.Request, route: Route) -> web.StreamResponse:
         body = await _json_body(request)
-        identity = Identity(trajectory_id=request.headers.get(TRAJECTORY_HEADER) or None,
-                            task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER),
-                            episode=request.match_info.get("episode"))
-        async with api.call(route, body, identity) as call:
+        async with api.call(route, body, identity(request)) as call:
             headers = {TRAJECTORY_HEADER: call.trajectory_id}
             if not call.stream:
                 return web.json_response(await call.response(), headers=headers)
@@ -137,6 +140,10 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     async def completions(request: web.Request) -> web.StreamResponse:
         return await completion(request, "completions")
 
+    async def respond(request: web.Request) -> web.StreamResponse:
+        trajectory_id, body = await api.respond(await _json_body(request), identity(request))
+        return web.json_response(body, headers={TRAJECTORY_HEADER: trajectory_id})
+
     async def models(request: web.Request) -> web.StreamResponse:
         if "episode" in request.match_info:
             api.episodes.get(request.match_info["episode"])  # an ended episode's URL serves nothing
@@ -151,10 +158,12 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     app = web.Application(middlewares=[guard])
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/responses", respond)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post(f"{EPISODE_PREFIX}/v1/chat/completions", chat)
     app.router.add_post(f"{EPISODE_PREFIX}/v1/completions", completions)
+    app.router.add_post(f"{EPISODE_PREFIX}/v1/responses", respond)
     app.router.add_get(f"{EPISODE_PREFIX}/v1/models", models)
     app.router.add_post(f"{EPISODE_PREFIX}/reward", reward)
     return app

@@ -46,6 +46,23 @@ def replay(engine: ScriptedEngine, prompt: Sequence[int], max_new: int, *, tempe
         return pool.submit(asyncio.run, run()).result()
 
 
+class ReplyingEngine(ScriptedEngine):
+    """Writes the given replies, one per generation, token by token (with a fixed logprob): a test engine
+    for what a model does with a known reply (a tool call in its format, a final answer)."""
+
+    def __init__(self, replies: Sequence[Sequence[int]]) -> None:
+        super().__init__(vocab=(0, 1), max_model_len=2048)
+        self.replies = [list(r) for r in replies]
+        self._script: dict[str, list[int]] = {}
+
+    def _sample(self, context: Sequence[int], request: GenerationRequest) -> tuple[int, float]:
+        if request.request_id not in self._script:
+            self._script[request.request_id] = self.replies.pop(0)
+        reply = self._script[request.request_id]
+        at = len(context) - len(request.prompt_token_ids)
+        return reply[at], -0.25
+
+
 class RecordingManager(TrajectoryManager):
     """The real (in-memory) trajectory manager that also notes, per trajectory, the order of the calls the
     endpoint made, so tests can assert on the protocol as well as on the records."""

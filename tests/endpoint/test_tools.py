@@ -6,7 +6,7 @@ trajectory holds exactly what the template renders for the conversation."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,33 +16,15 @@ import pytest
 
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.endpoint.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for_template
-from sfhpc.engine.base import GenerationRequest
 from sfhpc.engine.hf_tokenizer import HFTokenizer
-from sfhpc.engine.scripted import ScriptedEngine
 from sfhpc.model.hf_folder import build_hf_model
-from tests.endpoint.conftest import RecordingManager
+from tests.endpoint.conftest import RecordingManager, ReplyingEngine
 
 MODEL = "served-policy"
 TOOLS = [{"type": "function", "function": {
     "name": "get_time", "description": "the time of day in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "paris"}}\n</tool_call>'
-
-
-class ReplyingEngine(ScriptedEngine):
-    """Writes the given replies, one per generation, token by token (with a fixed logprob)."""
-
-    def __init__(self, replies: Sequence[Sequence[int]]) -> None:
-        super().__init__(vocab=(0, 1), max_model_len=2048)
-        self.replies = [list(r) for r in replies]
-        self._script: dict[str, list[int]] = {}
-
-    def _sample(self, context: Sequence[int], request: GenerationRequest) -> tuple[int, float]:
-        if request.request_id not in self._script:
-            self._script[request.request_id] = self.replies.pop(0)
-        reply = self._script[request.request_id]
-        at = len(context) - len(request.prompt_token_ids)
-        return reply[at], -0.25
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +215,30 @@ def test_parsers_read_their_formats_and_are_chosen_from_the_template(qwen_folder
     assert HermesParser().parse(CALL + " trailing words").failed  # text after a call: not a finished call
     assert HermesParser().held_from("let me look <tool_") == len("let me look ")
     assert Llama3JsonParser().held_from('  {"na') == 0 and Llama3JsonParser().held_from("plain") == 5
+
+
+def test_the_responses_api_is_a_chat_turn_with_items(qwen: Served) -> None:
+    qwen.will_reply(CALL, "it is noon")
+    tool = {"type": "function", "name": "get_time", "description": "the time of day in a city",
+            "parameters": TOOLS[0]["function"]["parameters"]}
+    first = qwen.client.responses.create(model="any", instructions="be brief", input="time in paris?", tools=[tool])
+    [call] = first.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {"city": "paris"})
+    tid = first.model_extra["trajectory_id"]
+    items: list[Any] = [{"role": "user", "content": "time in paris?"}, call.model_dump(exclude_none=True),
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "noon"}]
+    second = qwen.client.responses.create(model="any", instructions="be brief", input=items, tools=[tool],
+                                          extra_headers={"X-Trajectory-Id": tid})
+    assert second.output_text == "it is noon" and second.status == "completed"
+    assert second.usage.output_tokens == len(qwen.tok.encode("it is noon")) + 1  # and the end-of-turn token
+    rendered = qwen.tok.apply_chat_template(
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "time in paris?"},
+         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+             "name": "get_time", "arguments": {"city": "paris"}}}]},
+         {"role": "tool", "content": "noon"}], tools=TOOLS)
+    assert qwen.context(tid)[:len(rendered)] == rendered and qwen.sink.trajectory(tid).history_mismatches == 0
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"stream": True}, "stream"),
+                         ({"tools": [{"type": "web_search"}]}, "tools"), ({"input": []}, "input"),
+                         ({"frequency_penalty": 1}, "frequency_penalty")]:
+        response = httpx.post(f"{qwen.server.url}/responses", json={"model": "any", "input": "hi", **extra})
+        assert (response.status_code, response.json()["error"]["param"]) == (400, param), extra

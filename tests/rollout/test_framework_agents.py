@@ -1,0 +1,95 @@
+"""The shipped tool-using example agents, written with real agent frameworks installed from PyPI (plain
+`openai`, the OpenAI Agents SDK on chat completions and on its default Responses model, LangChain's
+`bind_tools`), run unmodified as agent programs against a live endpoint: the model's tool call (written by
+a test engine that replies in Qwen2.5's tool format, with the tokenizer and chat template of a tiny model
+folder) reaches the framework as a call, the framework runs the tool and sends the result back, and the
+final answer is judged by the task. Every call of the episode is in its trajectory."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config.recipe import AgentSpec
+from sfhpc.data.manager import TrajectoryManager
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
+from sfhpc.engine.hf_tokenizer import HFTokenizer
+from sfhpc.model.hf_folder import build_hf_model
+from sfhpc.rollout.agent_process import AgentPrograms
+from sfhpc.rollout.supervise import play_or_fail
+from sfhpc.tasks.base import Episode, Problem, StepResult, Task
+from tests.conftest import RECIPES
+from tests.endpoint.conftest import ReplyingEngine
+
+CALL = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "(2 + 3) * 4"}}\n</tool_call>'
+
+
+class SumEpisode(Episode):
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    def opening(self) -> list[dict[str, str]]:
+        return [{"role": "user", "content": "what is (2 + 3) * 4? use the calculator"}]
+
+    def step(self, reply: str) -> StepResult:
+        return StepResult(done=True, reward=float(reply.strip() == str(self.answer)))
+
+
+class SumTask(Task):
+    name = "sum"
+
+    def sample(self, rng: random.Random) -> Problem:
+        return Problem("20", 20)
+
+    def episode(self, problem: Problem) -> Episode:
+        return SumEpisode(problem.data)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
+    folder: Path = build_hf_model(tmp_path_factory.mktemp("qwen-tools"), "qwen2", chat_format="qwen2_tools", layers=1)
+    return HFTokenizer.from_folder(folder)
+
+
+@pytest.fixture
+def served(tokenizer: HFTokenizer) -> Iterator[tuple[EndpointServer, TrajectoryManager, ReplyingEngine]]:
+    engine = ReplyingEngine([tokenizer.encode(text) + [tokenizer.chat_stop_ids[0]] for text in (CALL, "20")])
+    manager = TrajectoryManager()
+    api = OpenAIApi(AgentEndpoint(engine, manager), model_name="policy", tokenizer=tokenizer, token=new_run_token())
+    with EndpointServer(api) as server:
+        yield server, manager, engine
+
+
+@pytest.mark.parametrize("command", [("calculator_openai.py",), ("calculator_agents_sdk.py", "chat"),
+                                     ("calculator_agents_sdk.py", "responses"), ("calculator_langchain.py",)],
+                         ids=["openai", "agents-sdk-chat", "agents-sdk-responses", "langchain"])
+def test_a_framework_agent_calls_the_tool_and_answers(
+        command: tuple[str, ...], tokenizer: HFTokenizer,
+        served: tuple[EndpointServer, TrajectoryManager, ReplyingEngine]) -> None:
+    server, manager, engine = served
+    script, *args = command
+    # As the recipes write it: a bare python3 (sfhpc's interpreter, which has the frameworks) and a path
+    # relative to the recipe's folder.
+    spec = AgentSpec(command=("python3", f"agents/{script}", *args), workers=1)
+    runner = AgentPrograms(spec, recipe_source=str(RECIPES / "guess-number-agent.yaml"),
+                           episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model="policy")
+    task = SumTask()
+
+    async def episode() -> object:
+        return await play_or_fail(lambda tell: runner.play(task, task.sample(random.Random(0)), group="g",
+                                                           max_tokens=64, on_trajectory=tell),
+                                  manager, task=task.name, group="g", timeout_s=60)
+    outcome = server.call(episode(), timeout=120)
+    assert outcome is not None, "the episode failed (see the log above)"
+    assert outcome.reward == 1.0 and not engine.replies  # both scripted replies were asked for
+    trajectory = manager.trajectory(outcome.trajectory_id)
+    text = tokenizer.decode(trajectory.context(), skip_special=False)
+    # One trajectory holds both calls: the tool call, the framework's tool result, the answer.
+    assert [tokenizer.decode(r, skip_special=False) for r, _ in trajectory.replies()] == [
+        CALL + "<|im_end|>", "20<|im_end|>"]
+    assert "<tool_response>\n20\n</tool_response>" in text and '"name": "calculate"' in text
+    assert trajectory.history_mismatches == 0
+    assert server.api.health()["tool_calls"] == 1
