@@ -1,10 +1,14 @@
 """An agent program for the guess-number recipe: plain `openai`, nothing of sfhpc.
 
-sfhpc starts it once per episode with OPENAI_BASE_URL (this episode's URL on the rollout rank's endpoint)
-and OPENAI_API_KEY (the run's token) set, and the episode's input, one JSON object, on stdin. Every call it
-makes is recorded in the episode's trajectory. The program plays the environment itself: it knows the
-secret digit (the problem's data), answers each guess with "higher" or "lower" and asks again. It prints
-its reward on its last line; without that line, the task's verifier would judge its final reply.
+It reads episodes, one JSON object per line on stdin, and plays each against the episode's own URL
+(`base_url`, with the run's token as `api_key`): every call it makes is recorded in the episode's
+trajectory. The program plays the environment itself: it knows the secret digit (the problem's data),
+answers each guess with "higher" or "lower" and asks again. It ends each episode with the line
+{"episode_id": ..., "reward": ...}.
+
+Written as a loop over stdin, it serves both ways sfhpc runs agent programs: one program per episode (one
+line, then the end of stdin), or, with `agent.serve: true` in the recipe, one long-lived program per worker
+slot that plays episodes one after another, so that Python and `openai` start once, not once per episode.
 """
 
 import json
@@ -12,18 +16,19 @@ import sys
 
 import openai
 
-episode = json.load(sys.stdin)
-secret = int(episode["problem"]["data"])
-client = openai.OpenAI()  # base URL and key from the environment
-messages = list(episode["messages"])
-for turn in range(1, 9):
-    reply = client.chat.completions.create(model=episode["model"], messages=messages,
-                                           max_tokens=episode["max_tokens"])
-    guess = (reply.choices[0].message.content or "").strip()
-    if guess == str(secret):
-        print(json.dumps({"reward": 1.0 - 0.1 * (turn - 1)}))
-        break
-    hint = "?" if not (guess.isascii() and guess.isdigit()) else "higher" if int(guess) < secret else "lower"
-    messages += [{"role": "assistant", "content": guess}, {"role": "user", "content": hint}]
-else:
-    print(json.dumps({"reward": 0.0}))
+for line in sys.stdin:
+    episode = json.loads(line)
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    secret = int(episode["problem"]["data"])
+    messages = list(episode["messages"])
+    reward = 0.0
+    for turn in range(1, 9):
+        reply = client.chat.completions.create(model=episode["model"], messages=messages,
+                                               max_tokens=episode["max_tokens"])
+        guess = (reply.choices[0].message.content or "").strip()
+        if guess == str(secret):
+            reward = 1.0 - 0.1 * (turn - 1)
+            break
+        hint = "?" if not (guess.isascii() and guess.isdigit()) else "higher" if int(guess) < secret else "lower"
+        messages += [{"role": "assistant", "content": guess}, {"role": "user", "content": hint}]
+    print(json.dumps({"episode_id": episode["episode_id"], "reward": reward}), flush=True)

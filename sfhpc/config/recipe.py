@@ -365,6 +365,9 @@ class AgentSpec:
                                            "path: from the recipe's folder; a bare name: from PATH; a bare python or "
                                            "python3: sfhpc's own interpreter)")
     workers: int = setting(4, "agent programs running at once per rollout rank")
+    serve: bool = setting(False, "each of the workers is one long-lived program that plays episodes one after "
+                                 "another (one episode's JSON per line on stdin) instead of one program per "
+                                 "episode: no start-up cost per episode")
     timeout_s: float | None = setting(None, "a program still running after this many seconds is killed and its episode "
                                             "failed (null: budgets.episode_timeout_s)")
     host: str = setting("127.0.0.1", "the address the endpoint binds (0.0.0.0: reachable by programs on other nodes)")

@@ -306,6 +306,8 @@ class RolloutWorker:
         self.server.loop.call_soon_threadsafe(self.endpoint.close)  # waiting turns give up: the site can close
         for future in self.playing:
             future.cancel()
+        if self.programs is not None:
+            self.server.loop.call_soon_threadsafe(self.programs.close)  # serving agent programs, between episodes
         self.server.close_site()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:

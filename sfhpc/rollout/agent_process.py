@@ -13,6 +13,13 @@ the recipe's ``agent.command`` in a process group of its own, with
   ``model`` (the name to send), ``messages`` (the task's opening messages), ``problem`` (``key`` and
   ``data``: the task instance) and ``max_tokens`` (the reply budget).
 
+The input also names ``base_url`` and ``api_key``, so that one program can play several episodes: with
+``agent.serve`` each of the rank's ``agent.workers`` slots keeps one program running, which reads one
+episode's JSON per line on stdin and ends each episode with a stdout line ``{"episode_id": <its id>,
+"reward": x}`` (or ``"done": true`` to leave the reward to the steps below), then reads the next. Its
+``OPENAI_BASE_URL`` then names no episode (calls to it get a 404): each episode's calls go to its own
+``base_url``. A program written as a loop over stdin lines that prints that line serves both ways.
+
 The program drives the conversation: for a multi-turn task it sends a follow-up message after a reply and
 asks again, as an agent with its own tools or environment would. Its reward is, in this order: the last
 line of its stdout that is a JSON object with a numeric ``"reward"``, else the last reward it posted to
@@ -20,8 +27,9 @@ line of its stdout that is a JSON object with a numeric ``"reward"``, else the l
 judged as the answer to the task's problem: `Episode.step` of a fresh episode; not done counts 0).
 
 An exit status other than 0, a death by signal, or a program that made no call at all fails the episode
-with the reason (and the last line of stderr); at the timeout the whole process group is killed. Either
-way the run goes on (`sfhpc.rollout.supervise`).
+with the reason (and the last line of stderr); at the timeout the whole process group is killed (a serving
+program too: the slot starts a new one for its next episode). Either way the run goes on
+(`sfhpc.rollout.supervise`).
 """
 
 from __future__ import annotations
@@ -61,15 +69,15 @@ class AgentProgramFailed(Exception):
     """The agent program ended its episode without an answer (the message is the reason recorded)."""
 
 
-def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int) -> dict[str, Any]:
+def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int,
+                  base_url: str = "", api_key: str = "") -> dict[str, Any]:
     """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``)."""
     return {"episode_id": episode_id, "task": task.name, "model": model,
             "messages": task.episode(problem).opening(), "problem": {"key": problem.key, "data": problem.data},
-            "max_tokens": max_tokens}
+            "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key}
 
 
-def reward_line(line: str) -> float | None:
-    """The reward of a stdout line like ``{"reward": 1.0}``; None for any other line."""
+def _json_line(line: str) -> dict[str, Any] | None:
     line = line.strip()
     if not line.startswith("{"):
         return None
@@ -77,7 +85,16 @@ def reward_line(line: str) -> float | None:
         value = json.loads(line)
     except ValueError:
         return None
-    reward = value.get("reward") if isinstance(value, dict) else None
+    return value if isinstance(value, dict) else None
+
+
+def reward_line(line: str) -> float | None:
+    """The reward of a stdout line like ``{"reward": 1.0}``; None for any other line."""
+    return _reward_of(_json_line(line))
+
+
+def _reward_of(value: dict[str, Any] | None) -> float | None:
+    reward = None if value is None else value.get("reward")
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return None
     return float(reward)
@@ -169,6 +186,66 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
         yield line.decode(errors="replace")
 
 
+class ServingProgram:
+    """One long-lived agent program (``agent.serve``): episodes go in as lines on its stdin, and each ends
+    with its ``{"episode_id": ..., ...}`` line on stdout (see the module). One episode at a time."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+        self._ends: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._readers = [asyncio.ensure_future(self._read_stdout()), asyncio.ensure_future(self._read_stderr())]
+
+    @classmethod
+    async def start(cls, command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None) -> ServingProgram:
+        process = await asyncio.create_subprocess_exec(
+            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT)
+        return cls(process)
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+    async def play(self, episode_id: str, payload: str) -> dict[str, Any]:
+        """Send one episode and wait for its end line; raises `AgentProgramFailed` if the program ends first."""
+        ended = self._ends[episode_id] = asyncio.get_running_loop().create_future()
+        exited = asyncio.ensure_future(self.process.wait())
+        try:
+            assert self.process.stdin is not None
+            self.process.stdin.write(payload.encode() + b"\n")
+            with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died: `exited` says how
+                await self.process.stdin.drain()
+            await asyncio.wait({ended, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+            self._ends.pop(episode_id, None)
+        if ended.done():
+            return ended.result()
+        run = ProgramRun()
+        run.returncode, run.stderr = self.process.returncode, self.stderr
+        raise AgentProgramFailed((run.failure() or "the agent program exited") + " before its episode's end line")
+
+    def kill(self) -> None:
+        """Kill the program's whole process group (a timeout, a cancelled episode, the rank closing)."""
+        _kill_group(self.process.pid)
+        for reader in self._readers:
+            reader.cancel()
+
+    async def _read_stdout(self) -> None:
+        assert self.process.stdout is not None
+        async for line in _lines(self.process.stdout):
+            value = _json_line(line)
+            ended = self._ends.get(str(value.get("episode_id"))) if value is not None else None
+            if value is not None and ended is not None and not ended.done():
+                ended.set_result(value)
+
+    async def _read_stderr(self) -> None:
+        assert self.process.stderr is not None
+        async for line in _lines(self.process.stderr):
+            self.stderr.append(line.rstrip("\n"))
+
+
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
@@ -191,6 +268,7 @@ class AgentPrograms:
         self.command = (str(program), *spec.command[1:])
         self.cwd = str(Path(recipe_source).resolve().parent)
         self._slots: asyncio.Semaphore | None = None
+        self._serving: list[ServingProgram] = []  # agent.serve: the programs between episodes
 
     @property
     def slots(self) -> asyncio.Semaphore:
@@ -201,7 +279,7 @@ class AgentPrograms:
     def environment(self, url: str, episode_json: str) -> dict[str, str]:
         env = {**os.environ, **OFFLINE, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none",
                "OPENAI_MODEL": self.model}
-        if len(episode_json) <= ENV_INPUT_LIMIT:
+        if episode_json and len(episode_json) <= ENV_INPUT_LIMIT:
             env[EPISODE_VAR] = episode_json
         else:
             env.pop(EPISODE_VAR, None)
@@ -215,22 +293,50 @@ class AgentPrograms:
                    on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
         """One episode: run the program against its episode URL, then take its reward (see the module)."""
         episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory)
+        url = self.url_of(episode.id)
         try:
-            payload = json.dumps(episode_input(episode.id, task, problem, model=self.model, max_tokens=max_tokens),
-                                 default=str)
-            run = await run_program(self.command, env=self.environment(self.url_of(episode.id), payload),
-                                    stdin=payload + "\n", cwd=self.cwd)
+            payload = json.dumps(episode_input(episode.id, task, problem, model=self.model, max_tokens=max_tokens,
+                                               base_url=url, api_key=self.token or "none"), default=str)
+            if self.spec.serve:
+                printed = await self._serve(episode.id, payload)
+            else:
+                run = await run_program(self.command, env=self.environment(url, payload), stdin=payload + "\n",
+                                        cwd=self.cwd)
+                failure = run.failure()
+                if failure is not None:
+                    log.warning("agent program of group %s: %s\n%s", group, failure, "\n".join(run.stderr))
+                    raise AgentProgramFailed(failure)
+                printed = run.reward
         finally:
             self.episodes.close(episode.id)
-        failure = run.failure()
-        if failure is not None:
-            log.warning("agent program of group %s: %s\n%s", group, failure, "\n".join(run.stderr))
-            raise AgentProgramFailed(failure)
         if episode.trajectory_id is None or episode.last_reply is None:
-            raise AgentProgramFailed("the agent program exited without a reply from the endpoint: it must call "
-                                     "the OpenAI API at $OPENAI_BASE_URL")
-        reward = run.reward if run.reward is not None else episode.reward
+            raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint: it "
+                                     "must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")
+        reward = printed if printed is not None else episode.reward
         if reward is None:
             result = task.episode(problem).step(episode.last_reply)
             reward = result.reward if result.done else 0.0
         return EpisodeOutcome(episode.trajectory_id, reward, episode.calls, ())
+
+    async def _serve(self, episode_id: str, payload: str) -> float | None:
+        """An episode on a serving program (a running one between episodes, else a new one); a program whose
+        episode did not end cleanly (cancelled, timed out, failed) is killed, never given another."""
+        while self._serving and not self._serving[-1].alive:
+            self._serving.pop().kill()
+        if self._serving:
+            program = self._serving.pop()
+        else:  # its own URL names no episode: calls must go to each episode's base_url
+            program = await ServingProgram.start(self.command, env=self.environment(self.url_of("none"), ""),
+                                                 cwd=self.cwd)
+        try:
+            end = await program.play(episode_id, payload)
+        except BaseException:
+            program.kill()
+            raise
+        self._serving.append(program)
+        return _reward_of(end)
+
+    def close(self) -> None:
+        """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""
+        while self._serving:
+            self._serving.pop().kill()

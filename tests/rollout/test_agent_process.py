@@ -149,8 +149,9 @@ def test_a_program_that_never_calls_fails_and_workers_bound_concurrency(server: 
 
     assert server.call(four(), timeout=60) == [None] * 4
     assert manager.counts()["failed"] == 4
-    assert manager.fail_reasons() == ["AgentProgramFailed: the agent program exited without a reply from the "
-                                      "endpoint: it must call the OpenAI API at $OPENAI_BASE_URL"]
+    assert manager.fail_reasons() == ["AgentProgramFailed: the agent program ended its episode without a reply from "
+                                      "the endpoint: it must call the OpenAI API at the episode's base_url "
+                                      "($OPENAI_BASE_URL)"]
     spans = [tuple(map(float, line.split())) for line in log.read_text().splitlines()]
     assert len(spans) == 4
     running = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
@@ -279,3 +280,80 @@ def test_a_cut_program_episode_is_aborted_and_its_replay_completes_the_group(man
     batch = manager.take_batch(1, 1, group_size=2)
     assert batch is not None and sorted(t.id for t in batch.trajectories) == sorted([kept, again])
     assert manager.status(cut) == "aborted" and manager.counts()["failed"] == 0
+
+
+SERVING_AGENT = """
+import json, os, sys, time
+import openai
+for line in sys.stdin:
+    episode = json.loads(line)
+    with open(sys.argv[1], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
+    client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=episode["messages"], max_tokens=1)
+    secret = episode["problem"]["data"]
+    if secret == 3:
+        os._exit(3)  # dies before its episode's end line
+    if secret == 5:
+        time.sleep(600)  # never ends its episode
+    print("a line of its own", flush=True)
+    print(json.dumps({"episode_id": episode["episode_id"], "reward": secret / 10}), flush=True)
+"""
+
+
+def test_serving_programs_play_episodes_one_after_another_and_a_broken_one_is_replaced(
+        server: EndpointServer, manager: TrajectoryManager, tmp_path: Path) -> None:
+    script, log = tmp_path / "serving.py", tmp_path / "pids"
+    script.write_text(SERVING_AGENT)
+    runner = AgentPrograms(AgentSpec(command=("python3", str(script), str(log)), workers=2, serve=True),
+                           recipe_source=str(script), episodes=server.api.episodes, url_of=server.episode_url,
+                           token=server.token, model=MODEL)
+
+    def pids() -> list[int]:
+        return [int(p) for p in log.read_text().split()]
+
+    async def several(secrets: list[int]) -> list[Any]:
+        return list(await asyncio.gather(*(supervised(s) for s in secrets)))
+
+    async def supervised(secret: int) -> Any:
+        async with runner.slots:
+            return await play_or_fail(
+                lambda tell: runner.play(TASK, Problem(str(secret), secret), group=f"g{secret}", max_tokens=1,
+                                         on_trajectory=tell),
+                manager, task=TASK.name, group=f"g{secret}", timeout_s=10)
+
+    outcomes = server.call(several([1, 2, 4, 6, 7, 8]), timeout=120)
+    # Six episodes, rewards from their end lines, played by the two programs of the two slots.
+    assert [o.reward for o in outcomes] == [0.1, 0.2, 0.4, 0.6, 0.7, 0.8]
+    assert len(pids()) == 6 and len(set(pids())) == 2
+    assert manager.counts()["finished"] == 6
+    # A program that dies mid-episode fails that episode only; one that hangs is killed at the timeout;
+    # the next episodes get new programs.
+    assert server.call(several([3]), timeout=60) == [None]
+    assert server.call(several([5]), timeout=60) == [None]
+    [after] = server.call(several([9]), timeout=60)
+    assert after is not None and after.reward == 0.9
+    reasons = manager.fail_reasons()
+    assert any("exited with status 3 before its episode's end line" in r for r in reasons), reasons
+    assert any("timed out after 10 s" in r for r in reasons), reasons
+    # The one that died, then the other slot's, which hung and was killed, then a new one.
+    died, hung, new = pids()[-3:]
+    assert len({died, hung, new}) == 3 and len(set(pids())) == 3 and not _alive(hung)
+    server.call(_close(runner), timeout=10)
+    time.sleep(0.5)
+    assert not any(_alive(pid) for pid in set(pids()))
+
+
+async def _close(runner: AgentPrograms) -> None:
+    runner.close()
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a killed child not yet reaped is a zombie: not alive
+        return stat.read().split()[2] != "Z"
