@@ -2,7 +2,9 @@
 
 Supported: ``/v1/chat/completions`` and ``/v1/completions`` with ``max_tokens`` (chat also
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stream`` + ``stream_options.include_usage``,
-``logprobs`` (the sampled token's logprob; no alternatives), ``user``; chat also takes function ``tools``,
+``logprobs`` (the sampled token's logprob; no alternatives), ``user``, ``stop`` (up to 4 strings, OpenAI's
+semantics: the text ends before the first one met; the tokens generated up to it are recorded as they
+were sampled); chat also takes function ``tools``,
 ``tool_choice`` and ``parallel_tool_calls`` (`sfhpc.endpoint.tools`), and answers with ``tool_calls`` read
 from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`). Any ``model`` name is accepted: a
 run serves one policy, whatever name an agent's author wrote. Parameters that would change what the model
@@ -21,13 +23,13 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.fields import Fields
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
-from sfhpc.endpoint.tool_parsers import Parsed
+from sfhpc.endpoint.tool_parsers import Parsed, partial_suffix
 from sfhpc.endpoint.tools import ToolRequest, history_message, read_tools
 from sfhpc.engine.tokenizer import ChatFormatError, ChatTokenizer
 
@@ -47,6 +49,7 @@ class ApiRequest:
     include_usage: bool = False
     logprobs: bool = False
     tools: ToolRequest | None = None  # chat requests that offer function tools
+    stop: tuple[str, ...] = ()  # the reply's text ends before the first of these it holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +74,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
     fields.refuse_unless(n=(None, 1), best_of=(None, 1), echo=(None, False), suffix=(None, ""),
                          presence_penalty=(None, 0, 0.0), frequency_penalty=(None, 0, 0.0), logit_bias=(None, {}),
                          functions=(None, []), function_call=(None, "none"),
-                         response_format=(None, {"type": "text"}), stop=(None, [], ""))
+                         response_format=(None, {"type": "text"}))
     if route != "chat":
         fields.refuse_unless(tools=(None, []), tool_choice=(None, "none"))
     fields.refuse_distribution_changes(top_k=(None, -1, 0), min_p=(None, 0, 0.0), repetition_penalty=(None, 1, 1.0))
@@ -99,6 +102,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
         want_logprobs = top is not None
         default_stop = (tokenizer.eos_id,)
     stop_ids = fields.token_list("stop_token_ids", vocab_size=tokenizer.vocab_size)
+    stop = _stop_strings(body.get("stop"))
     sampling = Sampling(
         max_tokens=max_tokens,
         temperature=fields.number("temperature", default=None, low=0.0, high=2.0),
@@ -118,9 +122,29 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                          f"different trajectories; send one of them", param="user")
     turn = TurnRequest(prompt_token_ids=tuple(prompt), sampling=sampling, trajectory_id=trajectory_id or user or None,
                        task=identity.task, group=identity.group,
-                       prompt_param="messages" if route == "chat" else "prompt")
+                       prompt_param="messages" if route == "chat" else "prompt",
+                       stop_when=_stop_when(stop, tokenizer) if stop else None)
     return ApiRequest(route=route, model=model_name, turn=turn, stream=stream, include_usage=include_usage,
-                      logprobs=want_logprobs, tools=tools)
+                      logprobs=want_logprobs, tools=tools, stop=stop)
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    """OpenAI's ``stop``: a string or a list of up to 4 (empty ones mean nothing)."""
+    if value is None:
+        return ()
+    values = [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or len(values) > 4 or not all(isinstance(v, str) for v in values):
+        raise BadRequest("'stop' must be a string or a list of at most 4 strings", param="stop")
+    return tuple(dict.fromkeys(v for v in values if v))
+
+
+def _stop_when(stop: tuple[str, ...], tokenizer: ChatTokenizer) -> Callable[[Sequence[int]], bool]:
+    """Whether a reply's text (decoded whole: a stop string may span tokens, and a reply is short) holds
+    one of the stop strings."""
+    def met(token_ids: Sequence[int]) -> bool:
+        text = tokenizer.decode(token_ids)
+        return any(s in text for s in stop)
+    return met
 
 
 def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | None) -> list[int]:
@@ -191,7 +215,7 @@ class ResponseBuilder:
         self._hidden = frozenset(request.turn.sampling.stop_token_ids) if self.parser else frozenset()
         self._decoder = tokenizer.stream_decoder(skip_special=self.parser is None)
         self._text_length = 0
-        self._reply = ""  # the reply so far (tool mode), and how much of it went out as content
+        self._reply = ""  # the reply so far, and how much of it went out as content
         self._sent = 0
 
     # -- pieces --------------------------------------------------------------------------------
@@ -228,6 +252,11 @@ class ResponseBuilder:
         prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _cut(self, text: str) -> str:
+        """The reply's text without its stop string and what follows it (OpenAI's ``stop``)."""
+        ends = [at for at in (text.find(s) for s in self.request.stop) if at >= 0]
+        return text[:min(ends)] if ends else text
+
     def _read_calls(self, reply: str) -> tuple[list[dict[str, Any]], str | None]:
         """The whole reply read for tool calls: the calls in OpenAI's shape and the content."""
         assert self.parser is not None
@@ -244,7 +273,7 @@ class ResponseBuilder:
     # -- a whole response ----------------------------------------------------------------------
     def full(self, result: TurnResult) -> dict[str, Any]:
         text, offsets = self._text(result.token_ids)
-        text += self._flush()
+        text = self._cut(text + self._flush())
         choice: dict[str, Any] = {"index": 0}
         if self.request.route != "chat":
             choice["text"] = text
@@ -278,13 +307,12 @@ class ResponseBuilder:
 
     def last_chunks(self, result: TurnResult) -> list[dict[str, Any]]:
         """The chunks after the last token: the rest of the text, the tool calls, the finish reason."""
-        tail = self._flush()
+        reply = self._cut(self._reply + self._flush())
         if self.parser is None:
-            return [self._chunk(tail, None, result.finish_reason, [], [])]
-        self._reply += tail
-        calls, _ = self._read_calls(self._reply)
+            return [self._chunk(reply[self._sent:], None, result.finish_reason, [], [])]
+        calls, _ = self._read_calls(reply)
         # Held text goes out as content when it was no call; a call's surrounding text was sent already.
-        rest = "" if calls else self._reply[self._sent:]
+        rest = "" if calls else reply[self._sent:]
         chunks = [self._chunk(rest, None, None, [], [])] if rest else []
         chunks += [self._chunk("", None, None, [], [], tool_calls=[{"index": i, **call}])
                    for i, call in enumerate(calls)]
@@ -294,13 +322,17 @@ class ResponseBuilder:
         return {**self._head(), "object": self._chunk_object(), "choices": [], "usage": self.usage(result)}
 
     def _content(self, text: str) -> str:
-        """Of newly decoded text, what can be sent as content now (all of it, unless tools are offered)."""
-        if self.parser is None:
-            return text
-        self._reply += text
-        held = self.parser.held_from(self._reply)
-        start, self._sent = self._sent, max(self._sent, held)
-        return self._reply[start:self._sent]
+        """Of newly decoded text, what can be sent as content now: not what may still become a stop string
+        or a tool call (held until the reply is whole), nor a stop string and what follows it."""
+        self._reply = reply = self._reply + text
+        sendable = len(reply)
+        for stop in self.request.stop:
+            at = reply.find(stop)
+            sendable = min(sendable, at if at >= 0 else len(reply) - partial_suffix(reply, stop))
+        if self.parser is not None:
+            sendable = min(sendable, self.parser.held_from(reply))
+        start, self._sent = self._sent, max(self._sent, sendable)
+        return reply[start:self._sent]
 
     def _chunk_object(self) -> str:
         return "chat.completion.chunk" if self.request.route == "chat" else "text_completion"

@@ -108,6 +108,9 @@ class TurnRequest:
     group: str | None = None
     metadata: dict[str, Any] | None = None
     prompt_param: str = "prompt"
+    # Whether the reply so far (its token ids) has met a stop condition of the agent's (OpenAI's ``stop``
+    # strings): the generation ends there with "stop", its tokens kept as generated.
+    stop_when: Callable[[Sequence[int]], bool] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -413,6 +416,9 @@ class Turn:
                         finish = chunk.finish_reason
                     if chunk.token_ids:
                         yield TokenDelta(chunk.token_ids, chunk.logprobs, chunk.versions)
+                    if finish is None and req.stop_when is not None and req.stop_when(tokens + seg_tokens):
+                        finish = "stop"  # closing the stream (below) ends the request on the engine
+                        break
             except (GeneratorExit, asyncio.CancelledError, Exception):
                 # The agent went away mid-turn, or the engine died under it (a stop signal reached its
                 # process): keep what was generated, as an interrupted segment, for a continuation.

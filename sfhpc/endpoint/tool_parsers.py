@@ -74,7 +74,7 @@ def _call(obj: Any, argument_keys: tuple[str, ...]) -> ToolCall | None:
     return ToolCall(obj["name"], canonical_arguments(arguments))
 
 
-def _partial_marker(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that begins `marker` (text that may yet become the marker)."""
     for size in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-size:]):
@@ -109,7 +109,7 @@ class MarkerParser(ToolCallParser):
 
     def held_from(self, text: str) -> int:
         at = text.find(self.marker)
-        return at if at >= 0 else len(text) - _partial_marker(text, self.marker)
+        return at if at >= 0 else len(text) - partial_suffix(text, self.marker)
 
     def parse(self, text: str) -> Parsed:
         at = text.find(self.marker)
