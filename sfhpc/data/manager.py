@@ -41,7 +41,7 @@ from sfhpc.data import layout
 from sfhpc.data.errors import InvalidRequest, TrajectoryExists, TrajectoryFinished, UnknownTrajectory
 from sfhpc.data.rank_intervals import RankInterval
 from sfhpc.data.store import TrajectoryStore
-from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory, branch_of
+from sfhpc.data.trajectory import Segment, SegmentKind, Status, Trajectory, branch_of, episode_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,8 +488,9 @@ class TrajectoryManager:
     def _ready_groups(self, policy_version: int, group_size: int | None) -> Iterator[list[_Live]]:
         """Complete groups, oldest first; a group with a too-stale trajectory is marked stale and skipped.
 
-        A group is complete when none of its members is still running or interrupted and it has at least
-        `group_size` finished members (any number when None). GRPO normalises advantages within a group,
+        A group is complete when none of its members is still running or interrupted and its finished
+        members come from at least `group_size` episodes (any number when None): an episode of several
+        agents leaves one trajectory per agent (`episode_of`). GRPO normalises advantages within a group,
         so a group is used or dropped whole: training on its fresh members alone would bias the baseline.
         A group a failed member spoiled is never complete; once every one of its `group_size` episodes has
         ended, members still open are orphans (no agent holds them any more) and are aborted.
@@ -506,7 +507,8 @@ class TrajectoryManager:
             if any(live.status.is_open for live in lives):
                 continue
             finished = [live for live in lives if live.status is Status.FINISHED]
-            if not finished or (group_size is not None and len(finished) < group_size):
+            episodes = {episode_of(live.id, live.metadata_json) for live in finished}
+            if not finished or (group_size is not None and len(episodes) < group_size):
                 continue
             if not self._fresh(finished, policy_version):
                 for live in finished:

@@ -177,6 +177,26 @@ def check_tree(segments: Sequence[Segment]) -> None:
             raise ValueError(f"segment {i} forks at {seg.fork_at} of a parent with {len(segments[seg.parent])} tokens")
 
 
+AGENT_KEY, EPISODE_KEY = "agent", "episode"  # metadata of the trajectories of a several-agent episode
+
+
+def agent_of(metadata_json: str) -> str | None:
+    """The ``agent`` of a trajectory's metadata (see `Trajectory.agent`); cheap for the common case of none."""
+    if AGENT_KEY not in metadata_json:
+        return None
+    agent = json.loads(metadata_json).get(AGENT_KEY)
+    return agent if isinstance(agent, str) and agent else None
+
+
+def episode_of(trajectory_id: str, metadata_json: str) -> str:
+    """The episode a trajectory belongs to: the ``episode`` of its metadata (several agents share one), else
+    the trajectory itself (an episode of one agent is one trajectory)."""
+    if EPISODE_KEY not in metadata_json:
+        return trajectory_id
+    episode = json.loads(metadata_json).get(EPISODE_KEY)
+    return episode if isinstance(episode, str) and episode else trajectory_id
+
+
 def branch_of(segments: Sequence[Segment], head: int | None = None) -> list[tuple[int, int]]:
     """The path root -> `head` (default: the last segment) as (segment index, tokens used) pairs."""
     if not segments:
@@ -238,6 +258,18 @@ class Trajectory:
     def group_key(self) -> str:
         """The key GRPO groups by: the group id, or the trajectory's own id when it has none."""
         return self.group if self.group is not None else self.id
+
+    @property
+    def agent(self) -> str | None:
+        """The agent whose conversation this is, in an episode of several agents (None: the only one)."""
+        return agent_of(self.metadata_json)
+
+    @property
+    def advantage_group(self) -> str:
+        """The trajectories a GRPO advantage compares this one with: its group's, and in an episode of several
+        agents only those of the same agent (a checker's reward says nothing of a solver's)."""
+        agent = self.agent
+        return self.group_key if agent is None else f"{self.group_key}/{agent}"
 
     def branch(self) -> list[tuple[int, int]]:
         """The current branch as (segment index, tokens used) pairs, root first."""

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sfhpc.endpoint import responses
-from sfhpc.endpoint.episodes import Episodes, OpenEpisode, parse_reward
+from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat, parse_reward
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
@@ -134,10 +134,11 @@ class OpenAIApi:
                 yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
                            counts=self.counts)
             return
+        seat = episode.seat(identity.agent)
         async with contextlib.AsyncExitStack() as stack:
-            turn = await self._episode_turn(episode, request.turn, stack)
+            turn = await self._episode_turn(episode, seat, request.turn, stack)
             yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
-                       on_result=lambda result: episode.replied(self.tokenizer.decode(result.token_ids)),
+                       on_result=lambda result: seat.replied(self.tokenizer.decode(result.token_ids)),
                        counts=self.counts)
 
     async def respond(self, body: Any, identity: Identity | None = None) -> tuple[str, dict[str, Any]]:
@@ -146,27 +147,29 @@ class OpenAIApi:
         async with self.call("chat", responses.to_chat(body), identity) as call:
             return call.trajectory_id, responses.from_chat(await call.response(), body)
 
-    async def _episode_turn(self, episode: OpenEpisode, request: TurnRequest, stack: contextlib.AsyncExitStack) -> Turn:
-        """Open the turn of a call on an episode's URL: the episode's first call starts its trajectory (under
-        the client's own id, if it named one), every later one continues it."""
+    async def _episode_turn(self, episode: OpenEpisode, seat: Seat, request: TurnRequest,
+                            stack: contextlib.AsyncExitStack) -> Turn:
+        """Open the turn of a call on an episode's (or one of its agents') URL: the agent's first call starts
+        its trajectory (under the client's own id, if it named one), every later one continues it."""
         chosen = request.trajectory_id
-        if episode.trajectory_id is None:
+        if seat.trajectory_id is None:
             # Calls that arrive together must not start two trajectories: the first one starts it, the others
             # wait here and then continue it.
-            async with episode.starting:
-                if episode.trajectory_id is None:
+            async with seat.starting:
+                if seat.trajectory_id is None:
                     first = dataclasses.replace(request, trajectory_id=None, start_id=chosen, task=episode.task,
-                                                group=episode.group, metadata=episode.metadata)
+                                                group=episode.group, metadata=episode.trajectory_metadata(seat.agent))
                     turn = await stack.enter_async_context(self.endpoint.turn(first))
-                    episode.started(turn.trajectory_id)
+                    episode.started(seat, turn.trajectory_id)
                     return turn
-        episode.check_id(chosen)
-        assert episode.trajectory_id is not None
+        episode.check_id(seat, chosen)
+        assert seat.trajectory_id is not None
         return await stack.enter_async_context(
-            self.endpoint.turn(dataclasses.replace(request, trajectory_id=episode.trajectory_id)))
+            self.endpoint.turn(dataclasses.replace(request, trajectory_id=seat.trajectory_id)))
 
-    def post_reward(self, episode_id: str, body: Any) -> dict[str, Any]:
-        """``POST /episodes/<id>/reward``: the program's own reward for its episode (the latest one counts)."""
-        episode = self.episodes.get(episode_id)
-        episode.reward = parse_reward(body)
-        return {"episode": episode.id, "reward": episode.reward}
+    def post_reward(self, episode_id: str, body: Any, agent: str = "") -> dict[str, Any]:
+        """``POST /episodes/<id>[/agents/<name>]/reward``: the program's own reward for its episode, or for one
+        of its agents (the latest one counts)."""
+        seat = self.episodes.get(episode_id).seat(agent)
+        seat.reward = parse_reward(body)
+        return {"episode": episode_id, **({"agent": agent} if agent else {}), "reward": seat.reward}

@@ -13,6 +13,12 @@ trajectory:
 - the program may report a reward (``POST /episodes/<id>/reward``); the episode keeps the text of the last
   reply, which the task's verifier judges when the program reports none.
 
+Several agents. An episode may be played by several agents (a solver and a checker, the players of one
+game): ``/episodes/<id>/agents/<name>/v1`` is agent ``<name>``'s URL, and each agent's calls are a
+trajectory of its own, in the episode's group, its metadata naming the agent and the episode (``agent``,
+``episode``), with a reward of its own (``POST /episodes/<id>/agents/<name>/reward``). The episode's own URL
+is the agent without a name.
+
 When the program has ended, the rank closes the episode: later calls on its URL get a 404.
 """
 
@@ -20,43 +26,67 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
 
+from sfhpc.data.trajectory import AGENT_KEY, EPISODE_KEY
 from sfhpc.endpoint.errors import BadRequest, NotFound
 from sfhpc.endpoint.fields import Fields
 
+AGENT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
 
 @dataclasses.dataclass(eq=False)
-class OpenEpisode:
-    """The state of one open episode (only touched on the endpoint's event loop)."""
+class Seat:
+    """One agent of an episode: its trajectory and what its calls left (only touched on the endpoint's loop)."""
 
-    id: str
-    task: str = ""
-    group: str | None = None
-    metadata: dict[str, Any] | None = None
-    #: hears the trajectory id as soon as the first call has started it (a failure later must fail it)
-    on_trajectory: Callable[[str], None] | None = None
+    agent: str
     trajectory_id: str | None = None
     calls: int = 0                 # completed calls (turns that produced a reply)
     last_reply: str | None = None  # text of the latest reply: what the task's verifier judges
     reward: float | None = None    # a reward the program posted
     starting: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
-    def started(self, trajectory_id: str) -> None:
-        self.trajectory_id = trajectory_id
-        if self.on_trajectory is not None:
-            self.on_trajectory(trajectory_id)
-
     def replied(self, text: str) -> None:
         self.calls += 1
         self.last_reply = text
 
-    def check_id(self, chosen: str | None) -> None:
-        """A later call may repeat the episode's trajectory id, never name another one."""
-        if chosen and self.trajectory_id is not None and chosen != self.trajectory_id:
-            raise BadRequest(f"episode {self.id!r} records trajectory {self.trajectory_id!r}, but the call names "
+
+@dataclasses.dataclass(eq=False)
+class OpenEpisode:
+    """The state of one open episode (only touched on the endpoint's event loop): a `Seat` per agent that
+    called, ``""`` for the episode's own URL."""
+
+    id: str
+    task: str = ""
+    group: str | None = None
+    metadata: dict[str, Any] | None = None
+    #: hears each trajectory id as soon as a first call has started it (a failure later must fail it)
+    on_trajectory: Callable[[str], None] | None = None
+    seats: dict[str, Seat] = dataclasses.field(default_factory=dict)
+
+    def seat(self, agent: str = "") -> Seat:
+        if agent and not AGENT_NAME.match(agent):
+            raise BadRequest(f"agent name {agent!r}: use 1-64 letters, digits, '_', '-' or '.'", param="agent")
+        return self.seats.setdefault(agent, Seat(agent))
+
+    def trajectory_metadata(self, agent: str) -> dict[str, Any] | None:
+        """The metadata of an agent's trajectory: the episode's, and for a named agent its name and the episode."""
+        if not agent:
+            return self.metadata
+        return {**(self.metadata or {}), AGENT_KEY: agent, EPISODE_KEY: self.id}
+
+    def started(self, seat: Seat, trajectory_id: str) -> None:
+        seat.trajectory_id = trajectory_id
+        if self.on_trajectory is not None:
+            self.on_trajectory(trajectory_id)
+
+    def check_id(self, seat: Seat, chosen: str | None) -> None:
+        """A later call may repeat its agent's trajectory id, never name another one."""
+        if chosen and seat.trajectory_id is not None and chosen != seat.trajectory_id:
+            raise BadRequest(f"episode {self.id!r} records trajectory {seat.trajectory_id!r}, but the call names "
                              f"{chosen!r}; every call on an episode's URL belongs to its one trajectory (send "
                              f"the same session id, or none)", param="user")
 

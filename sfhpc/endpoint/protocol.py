@@ -60,6 +60,7 @@ class Identity:
     task: str = ""
     group: str | None = None
     episode: str | None = None  # the episode of a per-episode URL (``/episodes/<id>/v1``): it owns the trajectory
+    agent: str = ""  # the agent of a per-agent URL (``/episodes/<id>/agents/<name>/v1``)
 
 
 def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer, identity: Identity,

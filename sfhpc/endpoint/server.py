@@ -8,7 +8,8 @@ trajectory.
 
 Per-episode routes, for agent programs that know nothing of trajectories (`sfhpc.endpoint.episodes`): the
 same OpenAI routes under ``/episodes/<id>/v1/``, every call of which is a turn of that episode's
-trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}``.
+trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}``; the same under
+``/episodes/<id>/agents/<name>/`` for each agent of an episode of several, a trajectory each.
 
 Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
 bearer token. Agents on other nodes reach it when it binds an address they can route to (``0.0.0.0``: all
@@ -48,6 +49,7 @@ from sfhpc.endpoint.protocol import Identity, Route
 
 DEFAULT_HOST = "127.0.0.1"
 EPISODE_PREFIX = "/episodes/{episode}"
+AGENT_PREFIX = "/episodes/{episode}/agents/{agent}"  # one agent of an episode of several
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 TASK_HEADER = "X-Task"
 GROUP_HEADER = "X-Group"
@@ -111,7 +113,7 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     def identity(request: web.Request) -> Identity:
         return Identity(trajectory_id=request.headers.get(TRAJECTORY_HEADER) or None,
                         task=request.headers.get(TASK_HEADER, ""), group=request.headers.get(GROUP_HEADER),
-                        episode=request.match_info.get("episode"))
+                        episode=request.match_info.get("episode"), agent=request.match_info.get("agent", ""))
 
     async def completion(request: web.Request, route: Route) -> web.StreamResponse:
         body = await _json_body(request)
@@ -150,7 +152,8 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
         return web.json_response(api.models())
 
     async def reward(request: web.Request) -> web.StreamResponse:
-        return web.json_response(api.post_reward(request.match_info["episode"], await _json_body(request)))
+        return web.json_response(api.post_reward(request.match_info["episode"], await _json_body(request),
+                                                 agent=request.match_info.get("agent", "")))
 
     async def health(request: web.Request) -> web.StreamResponse:
         return web.json_response(api.health())
@@ -161,11 +164,12 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     app.router.add_post("/v1/responses", respond)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.router.add_post(f"{EPISODE_PREFIX}/v1/chat/completions", chat)
-    app.router.add_post(f"{EPISODE_PREFIX}/v1/completions", completions)
-    app.router.add_post(f"{EPISODE_PREFIX}/v1/responses", respond)
-    app.router.add_get(f"{EPISODE_PREFIX}/v1/models", models)
-    app.router.add_post(f"{EPISODE_PREFIX}/reward", reward)
+    for prefix in (EPISODE_PREFIX, AGENT_PREFIX):
+        app.router.add_post(f"{prefix}/v1/chat/completions", chat)
+        app.router.add_post(f"{prefix}/v1/completions", completions)
+        app.router.add_post(f"{prefix}/v1/responses", respond)
+        app.router.add_get(f"{prefix}/v1/models", models)
+        app.router.add_post(f"{prefix}/reward", reward)
     return app
 
 

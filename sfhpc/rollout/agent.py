@@ -86,6 +86,8 @@ class EpisodeOutcome:
     reward: float
     turns: int
     turn_rewards: tuple[float, ...]
+    # An episode of several agents: the other agents' trajectories, each with its reward.
+    others: tuple[tuple[str, float], ...] = ()
 
 
 def reply_budget(task: Task, max_tokens: int | None) -> int:

@@ -20,6 +20,12 @@ episode's JSON per line on stdin and ends each episode with a stdout line ``{"ep
 ``OPENAI_BASE_URL`` then names no episode (calls to it get a 404): each episode's calls go to its own
 ``base_url``. A program written as a loop over stdin lines that prints that line serves both ways.
 
+Several agents may play one episode (a solver and a checker, the players of a game): agent NAME's base URL
+is ``{agents_base_url}/NAME/v1`` (``agents_base_url`` is in the input), each agent's calls are a trajectory of
+its own in the episode's group, and the end line may reward each: ``{"episode_id": ..., "rewards":
+{"solver": 1.0, "checker": 0.0}}`` (a plain ``"reward"`` goes to every agent). GRPO compares each agent's
+trajectories with the same agent's in the group's other episodes (`Trajectory.advantage_group`).
+
 The program drives the conversation: for a multi-turn task it sends a follow-up message after a reply and
 asks again, as an agent with its own tools or environment would. Its reward is, in this order: the last
 line of its stdout that is a JSON object with a numeric ``"reward"``, else the last reward it posted to
@@ -74,7 +80,8 @@ def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, 
     """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``)."""
     return {"episode_id": episode_id, "task": task.name, "model": model,
             "messages": task.episode(problem).opening(), "problem": {"key": problem.key, "data": problem.data},
-            "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key}
+            "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key,
+            "agents_base_url": base_url.removesuffix("/v1") + "/agents" if base_url else ""}
 
 
 def _json_line(line: str) -> dict[str, Any] | None:
@@ -93,20 +100,34 @@ def reward_line(line: str) -> float | None:
     return _reward_of(_json_line(line))
 
 
-def _reward_of(value: dict[str, Any] | None) -> float | None:
-    reward = None if value is None else value.get("reward")
+def _reward_of(value: Any) -> float | None:
+    """The ``reward`` of a decoded line (None when it holds no finite number there)."""
+    reward = value.get("reward") if isinstance(value, dict) else None
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         return None
     return float(reward)
 
 
+def _agent_rewards(value: Any) -> dict[str, float]:
+    """The per-agent ``rewards`` of a decoded line (``{"rewards": {"solver": 1, "checker": 0}}``)."""
+    rewards = value.get("rewards") if isinstance(value, dict) else None
+    if not isinstance(rewards, dict):
+        return {}
+    return {str(agent): r for agent, r in ((a, _reward_of({"reward": v})) for a, v in rewards.items())
+            if r is not None}
+
+
 class ProgramRun:
-    """What one run of the program left: its exit status, the reward it printed, its last stderr lines."""
+    """What one run of the program left: its exit status, its last reward line, its last stderr lines."""
 
     def __init__(self) -> None:
         self.returncode: int | None = None
-        self.reward: float | None = None
+        self.end: dict[str, Any] | None = None  # the last stdout line that is a JSON object with rewards
         self.stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
+
+    @property
+    def reward(self) -> float | None:
+        return _reward_of(self.end)
 
     def failure(self) -> str | None:
         """Why the exit is a failure (None for status 0)."""
@@ -142,9 +163,9 @@ async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin
     async def read_stdout() -> None:
         assert process.stdout is not None
         async for line in _lines(process.stdout):
-            reward = reward_line(line)
-            if reward is not None:
-                run.reward = reward
+            value = _json_line(line)
+            if value is not None and (_reward_of(value) is not None or _agent_rewards(value)):
+                run.end = value
 
     async def read_stderr() -> None:
         assert process.stderr is not None
@@ -294,11 +315,12 @@ class AgentPrograms:
         """One episode: run the program against its episode URL, then take its reward (see the module)."""
         episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory)
         url = self.url_of(episode.id)
+        end: dict[str, Any] | None
         try:
             payload = json.dumps(episode_input(episode.id, task, problem, model=self.model, max_tokens=max_tokens,
                                                base_url=url, api_key=self.token or "none"), default=str)
             if self.spec.serve:
-                printed = await self._serve(episode.id, payload)
+                end = await self._serve(episode.id, payload)
             else:
                 run = await run_program(self.command, env=self.environment(url, payload), stdin=payload + "\n",
                                         cwd=self.cwd)
@@ -306,19 +328,31 @@ class AgentPrograms:
                 if failure is not None:
                     log.warning("agent program of group %s: %s\n%s", group, failure, "\n".join(run.stderr))
                     raise AgentProgramFailed(failure)
-                printed = run.reward
+                end = run.end
         finally:
             self.episodes.close(episode.id)
-        if episode.trajectory_id is None or episode.last_reply is None:
+        seats = [seat for seat in episode.seats.values() if seat.trajectory_id is not None and seat.last_reply]
+        if not seats:
             raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint: it "
                                      "must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")
-        reward = printed if printed is not None else episode.reward
-        if reward is None:
-            result = task.episode(problem).step(episode.last_reply)
-            reward = result.reward if result.done else 0.0
-        return EpisodeOutcome(episode.trajectory_id, reward, episode.calls, ())
+        per_agent, shared = _agent_rewards(end), _reward_of(end)
+        posted = episode.seats[""].reward if "" in episode.seats else None
+        rewards = []
+        for seat in seats:
+            # Printed (for this agent, then for all), then posted (for this agent, then for all), then the
+            # task's verifier on this agent's last reply.
+            reward = next((r for r in (per_agent.get(seat.agent), shared, seat.reward, posted) if r is not None),
+                          None)
+            if reward is None:
+                assert seat.last_reply is not None
+                result = task.episode(problem).step(seat.last_reply)
+                reward = result.reward if result.done else 0.0
+            assert seat.trajectory_id is not None
+            rewards.append((seat.trajectory_id, reward))
+        (first, reward), others = rewards[0], tuple(rewards[1:])
+        return EpisodeOutcome(first, reward, sum(seat.calls for seat in seats), (), others)
 
-    async def _serve(self, episode_id: str, payload: str) -> float | None:
+    async def _serve(self, episode_id: str, payload: str) -> dict[str, Any]:
         """An episode on a serving program (a running one between episodes, else a new one); a program whose
         episode did not end cleanly (cancelled, timed out, failed) is killed, never given another."""
         while self._serving and not self._serving[-1].alive:
@@ -334,7 +368,7 @@ class AgentPrograms:
             program.kill()
             raise
         self._serving.append(program)
-        return _reward_of(end)
+        return end
 
     def close(self) -> None:
         """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""

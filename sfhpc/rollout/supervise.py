@@ -69,7 +69,10 @@ async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[Episode
             log.warning("episode of group %s failed: %s", group, reason, exc_info=exc)
     else:
         recorder.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
+        for other, reward in outcome.others:  # the other agents of an episode of several
+            recorder.finish(other, reward)
         return outcome
-    trajectory_id = known[0] if known else recorder.start([], task=task, group=group)
-    recorder.fail(trajectory_id, reason)
+    # Every trajectory the episode started fails with it (one per agent of an episode of several).
+    for trajectory_id in known or [recorder.start([], task=task, group=group)]:
+        recorder.fail(trajectory_id, reason)
     return None

@@ -129,14 +129,16 @@ class TrainBatch:
 
     @classmethod
     def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
-        """A batch of finished trajectories: each row is the current branch, grouped by ``group_key``."""
+        """A batch of finished trajectories: each row is the current branch, grouped by ``advantage_group``
+        (the GRPO group, and in an episode of several agents the agent)."""
         rows = []
         for traj in trajectories:
             if traj.reward is None:
                 raise BatchError(f"trajectory {traj.id} has no reward: only finished, rewarded trajectories train")
             rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
                                   logprobs=traj.token_logprobs(), versions=traj.token_versions(),
-                                  reward=traj.reward, group=traj.group_key, temperatures=token_temperatures(traj)))
+                                  reward=traj.reward, group=traj.advantage_group,
+                                  temperatures=token_temperatures(traj)))
         return cls.from_rows(rows, pad_id=pad_id)
 
     def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:

@@ -30,13 +30,13 @@ def test_calls_on_an_episode_url_grow_its_one_trajectory(server: EndpointServer,
                  {"role": "user", "content": "higher"}]
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, seed=2)
     # No header, no user field: the URL alone put both calls on one trajectory.
-    assert second.trajectory_id == first.trajectory_id == heard[0] == episode.trajectory_id
+    assert second.trajectory_id == first.trajectory_id == heard[0] == episode.seat().trajectory_id
     record = sink.trajectory(first.trajectory_id)
     assert (record.task, record.group) == ("guess-number", "g-7")
     assert [s.kind for s in record.segments] == ["prompt", "generated", "observation", "generated"]
     assert sink.context(first.trajectory_id) == second.prompt_token_ids + second.choices[0].token_ids
     assert len(sink.ids()) == 1
-    assert episode.calls == 2 and episode.last_reply == second.choices[0].message.content
+    assert episode.seat().calls == 2 and episode.seat().last_reply == second.choices[0].message.content
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
@@ -45,7 +45,7 @@ def test_a_session_id_of_the_clients_own_is_adopted(server: EndpointServer, sink
     client = episode_client(server, episode.id)
     first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=3, user="session-42")
-    assert first.trajectory_id == episode.trajectory_id == "session-42"
+    assert first.trajectory_id == episode.seat().trajectory_id == "session-42"
     assert sink.trajectory("session-42").group == "g"
     # Later calls may repeat the id or leave it out; another id is refused with one line.
     again = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
@@ -66,7 +66,7 @@ def test_an_id_the_run_already_holds_is_a_conflict(server: EndpointServer, sink:
         episode_client(server, episode.id).chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, user=taken)
     assert "already in use" in clash.value.body["message"]
-    assert episode.trajectory_id is None and sink.ids() == [taken]
+    assert episode.seat().trajectory_id is None and sink.ids() == [taken]
 
 
 def test_calls_that_arrive_together_start_one_trajectory(server: EndpointServer, sink: RecordingManager) -> None:
@@ -80,17 +80,17 @@ def test_calls_that_arrive_together_start_one_trajectory(server: EndpointServer,
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(call, range(4)))
-    assert sink.ids() == [episode.trajectory_id]
-    assert sink.calls[episode.trajectory_id].count("start") == 1
-    assert sink.calls[episode.trajectory_id].count("observe") == 3  # different prompts: three forks
-    assert episode.calls == 4 and episode.last_reply in texts
+    assert sink.ids() == [episode.seat().trajectory_id]
+    assert sink.calls[episode.seat().trajectory_id].count("start") == 1
+    assert sink.calls[episode.seat().trajectory_id].count("observe") == 3  # different prompts: three forks
+    assert episode.seat().calls == 4 and episode.seat().last_reply in texts
 
 
 def test_reward_route_and_a_closed_episode(server: EndpointServer) -> None:
     episode = server.api.episodes.open(task="t", group="g")
     base = server.episode_url(episode.id).removesuffix("/v1")
     assert httpx.post(f"{base}/reward", json={"reward": 0.5}).json() == {"episode": episode.id, "reward": 0.5}
-    assert episode.reward == 0.5
+    assert episode.seat().reward == 0.5
     bad = httpx.post(f"{base}/reward", json={"reward": "high"})
     assert bad.status_code == 400 and "finite number" in bad.json()["error"]["message"]
     assert httpx.post(f"{base}/reward", content=b"{").status_code == 400
@@ -125,8 +125,8 @@ def test_the_in_process_client_speaks_for_an_episode_too(server: EndpointServer,
         model=MODEL, messages=[{"role": "user", "content": "a"}, {"role": "assistant",
                                                                   "content": first["choices"][0]["message"]["content"]},
                                {"role": "user", "content": "b"}], max_tokens=3)
-    assert first["trajectory_id"] == second.trajectory_id == episode.trajectory_id
-    assert [s.kind for s in sink.trajectory(episode.trajectory_id).segments] == ["prompt", "generated",
+    assert first["trajectory_id"] == second.trajectory_id == episode.seat().trajectory_id
+    assert [s.kind for s in sink.trajectory(episode.seat().trajectory_id).segments] == ["prompt", "generated",
                                                                                  "observation", "generated"]
     server.api.episodes.close(episode.id)
     with pytest.raises(NotFound):

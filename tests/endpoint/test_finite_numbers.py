@@ -79,14 +79,14 @@ def test_an_episode_refuses_a_non_finite_reward(server: EndpointServer, sink: Re
     # A turn with a NaN temperature on the episode's URL starts no trajectory.
     answer = post(f"{base}/chat/completions", chat(temperature=math.nan))
     assert (answer.status_code, answer.json()["error"]["param"]) == (400, "temperature")
-    assert episode.trajectory_id is None and sink.ids() == []
+    assert episode.seat().trajectory_id is None and sink.ids() == []
     for value in NON_FINITE:
         answer = post(f"{base.removesuffix('/v1')}/reward", {"reward": value})
         assert (answer.status_code, answer.json()["error"]["param"]) == (400, "reward"), value
         assert "finite" in answer.json()["error"]["message"]
-    assert episode.reward is None
+    assert episode.seat().reward is None
     assert post(f"{base.removesuffix('/v1')}/reward", {"reward": 0.25}).json()["reward"] == 0.25
-    assert episode.reward == 0.25
+    assert episode.seat().reward == 0.25
 
 
 def test_the_in_process_client_refuses_them_too(server: EndpointServer, sink: RecordingManager) -> None:

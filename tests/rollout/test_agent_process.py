@@ -357,3 +357,58 @@ def _alive(pid: int) -> bool:
         return False
     with open(f"/proc/{pid}/stat") as stat:  # a killed child not yet reaped is a zombie: not alive
         return stat.read().split()[2] != "Z"
+
+
+TWO_AGENTS = """
+import json, sys
+import openai
+episode = json.loads(sys.stdin.readline())
+def agent(name):
+    return openai.OpenAI(base_url=f"{episode['agents_base_url']}/{name}/v1", api_key=episode["api_key"], max_retries=0)
+guess = agent("solver").chat.completions.create(model="m", messages=episode["messages"], max_tokens=1)
+said = guess.choices[0].message.content
+agent("checker").chat.completions.create(model="m", messages=[{"role": "user", "content": f"is {said} right?"}],
+                                         max_tokens=1)
+rewards = json.loads(sys.argv[1])
+print(json.dumps({"episode_id": episode["episode_id"], "rewards": rewards}))
+"""
+
+
+def test_a_two_agent_episode_stores_two_trajectories_in_its_group_each_with_its_reward(
+        server: EndpointServer, manager: TrajectoryManager, tmp_path: Path) -> None:
+    from sfhpc.trainer.batch import TrainBatch
+    from sfhpc.trainer.losses import group_advantages
+
+    script = tmp_path / "two.py"
+    script.write_text(TWO_AGENTS)
+
+    def episode(rewards: dict[str, float]) -> Any:
+        runner = AgentPrograms(AgentSpec(command=("python3", str(script), json.dumps(rewards))),
+                               recipe_source=str(script), episodes=server.api.episodes, url_of=server.episode_url,
+                               token=server.token, model=MODEL)
+        return play(server, manager, runner, 4, group="g")
+
+    first = episode({"solver": 1.0, "checker": 0.25})
+    assert first is not None and len(first.others) == 1
+    pairs = [(first.trajectory_id, first.reward), *first.others]
+    records = [manager.trajectory(tid) for tid, _ in pairs]
+    assert [(r.group, r.agent, r.status, r.reward) for r in records] == [
+        ("g", "solver", "finished", 1.0), ("g", "checker", "finished", 0.25)]
+    assert records[0].metadata["episode"] == records[1].metadata["episode"]
+    assert all(r.num_generated == 1 for r in records)  # each agent's one call, in its own trajectory
+    # The group is complete when its episodes are (group_size 2 = two episodes, four trajectories).
+    assert manager.take_batch(0, 1, group_size=2) is None
+    episode({"solver": 0.0, "checker": 0.75})
+    batch = manager.take_batch(0, 1, group_size=2)
+    assert batch is not None and len(batch.trajectories) == 4
+    train = TrainBatch.from_trajectories(batch.trajectories)
+    by_agent = {agent: [i for i, t in enumerate(batch.trajectories) if t.agent == agent]
+                for agent in ("solver", "checker")}
+    assert {train.groups[i] for i in by_agent["solver"]} == {"g/solver"}
+    assert {train.groups[i] for i in by_agent["checker"]} == {"g/checker"}
+    # Advantages compare a solver with the other episode's solver, a checker with the other's checker.
+    advantages = group_advantages(train.rewards, train.groups)
+    solver = sorted(float(advantages[i]) for i in by_agent["solver"])
+    checker = sorted(float(advantages[i]) for i in by_agent["checker"])
+    assert solver[0] < 0 < solver[1] and checker[0] < 0 < checker[1]
+    assert solver == pytest.approx(checker, abs=1e-4)  # one winner and one loser in each, whatever the scale
