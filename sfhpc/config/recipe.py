@@ -301,6 +301,8 @@ class Budgets:
     prompts_per_step: int = setting(16, "GRPO groups (prompts) in one training batch")
     max_new_tokens: int = setting(32, "the most tokens of one policy reply: caps the task's own bound; an agent "
                                       "program is handed it as max_tokens")
+    max_choices: int = setting(8, "the most choices (n) one agent call may ask for, each a trajectory of its own "
+                                  "in the episode's group")
     wall_minutes: float | None = setting(None, "minutes after which the run ends cleanly, with a final checkpoint "
                                                "(null: no limit)")
     episode_timeout_s: float = setting(600.0, "an episode still playing after this many seconds fails (its group is "
@@ -314,7 +316,7 @@ class Budgets:
                                                "second, from a thread of their own, busy or not)")
 
     def validate(self, where: Where) -> None:
-        for key in ("steps", "prompts_per_step", "max_new_tokens"):
+        for key in ("steps", "prompts_per_step", "max_new_tokens", "max_choices"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
         if self.wall_minutes is not None and self.wall_minutes <= 0:

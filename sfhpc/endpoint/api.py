@@ -6,81 +6,101 @@ validation, trajectory bookkeeping, responses and errors whichever way it connec
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from sfhpc.endpoint import responses
 from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat, parse_reward
+from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
-from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest, TurnResult
+from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
 log = logging.getLogger(__name__)
 
 
 class Call:
-    """One accepted request: its trajectory is known, the turn is open, the answer not yet produced."""
+    """One accepted request: its trajectories are known, the turns are open (one per choice, ``n``), the answer
+    not yet produced."""
 
-    def __init__(self, request: ApiRequest, turn: Turn, builder: ResponseBuilder,
-                 on_result: Callable[[TurnResult], None] | None = None,
+    def __init__(self, request: ApiRequest, turns: list[Turn], builders: list[ResponseBuilder],
+                 on_result: Callable[[Turn], None] | None = None,
                  counts: collections.Counter[str] | None = None) -> None:
         self.request = request
-        self._turn = turn
-        self._builder = builder
+        self._turns = turns
+        self._builders = builders
         self._on_result = on_result
         self._counts = counts
 
-    def _done(self, result: TurnResult) -> None:
+    def _done(self, turn: Turn) -> None:
         if self._on_result is not None:
-            self._on_result(result)
+            self._on_result(turn)
 
-    def _read(self) -> None:
-        """Count what the reply held for the tools offered (once the response is built)."""
-        parsed = self._builder.parsed
+    def _read(self, builder: ResponseBuilder) -> None:
+        """Count what a reply held for the tools offered (once its response is built)."""
+        parsed = builder.parsed
         if parsed is None or self._counts is None:
             return
         self._counts["tool_calls"] += len(parsed.calls)
         if parsed.failed:
             self._counts["tool_call_parse_failures"] += 1
             log.warning("trajectory %s: a reply began a tool call that does not parse; returned as content",
-                        self.trajectory_id)
+                        builder.trajectory_id)
 
     @property
     def trajectory_id(self) -> str:
-        return self._turn.trajectory_id
+        """The first choice's trajectory (the only one unless the request asked for ``n > 1``)."""
+        return self._turns[0].trajectory_id
 
     @property
     def stream(self) -> bool:
         return self.request.stream
 
     async def response(self) -> dict[str, Any]:
-        """The whole response body (for ``stream: false``)."""
-        async for _ in self._turn.stream():
-            pass
-        assert self._turn.result is not None
-        self._done(self._turn.result)
-        body = self._builder.full(self._turn.result)
-        self._read()
+        """The whole response body (for ``stream: false``): the choices generate together."""
+        async def run(turn: Turn, builder: ResponseBuilder) -> dict[str, Any]:
+            async for _ in turn.stream():
+                pass
+            assert turn.result is not None
+            self._done(turn)
+            body = builder.full(turn.result)
+            self._read(builder)
+            return body
+
+        bodies = await asyncio.gather(*(run(t, b) for t, b in zip(self._turns, self._builders)))
+        if len(bodies) == 1:
+            return bodies[0]
+        # One body, one choice per trajectory (each naming its own); usage counts the prompt once.
+        body = dict(bodies[0])
+        body["choices"] = [{**b["choices"][0], "index": i, "trajectory_id": b["trajectory_id"]}
+                           for i, b in enumerate(bodies)]
+        completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+        prompt = body["usage"]["prompt_tokens"]
+        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         return body
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """The streamed chunks, without the SSE framing and the closing ``[DONE]``."""
-        yield self._builder.first_chunk()
-        async for delta in self._turn.stream():
-            yield self._builder.delta_chunk(delta)
-        result = self._turn.result
+        """The streamed chunks, without the SSE framing and the closing ``[DONE]`` (one choice: a request
+        that asks for several is not streamed, `sfhpc.endpoint.protocol.parse`)."""
+        [turn], [builder] = self._turns, self._builders
+        yield builder.first_chunk()
+        async for delta in turn.stream():
+            yield builder.delta_chunk(delta)
+        result = turn.result
         assert result is not None
-        self._done(result)
-        for chunk in self._builder.last_chunks(result):
+        self._done(turn)
+        for chunk in builder.last_chunks(result):
             yield chunk
-        self._read()
+        self._read(builder)
         if self.request.include_usage:
-            yield self._builder.usage_chunk(result)
+            yield builder.usage_chunk(result)
 
 
 class OpenAIApi:
@@ -91,13 +111,14 @@ class OpenAIApi:
     per-episode URLs (see `sfhpc.endpoint.episodes`). With a `sampling_rule` (an RL run's), a turn that asks
     for no temperature gets the run's default, and sampling the trainer cannot match is refused.
     `tool_parser` names the format of the model's tool calls (by default the one its chat template writes).
+    `max_n` is the most choices (``n``) one call may ask for; each is a trajectory of its own.
     `counts` holds what the replies held: ``tool_calls`` read, ``tool_call_parse_failures`` (replies that
     began a call that does not parse, returned as content); ``GET /health`` shows them.
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
                  token: str | None = None, sampling_rule: SamplingRule | None = None,
-                 tool_parser: str | None = None) -> None:
+                 tool_parser: str | None = None, max_n: int = 8) -> None:
         self.endpoint = endpoint
         self.model_name = model_name
         self.token = token
@@ -108,6 +129,7 @@ class OpenAIApi:
         self.episodes = Episodes()
         self.sampling_rule = sampling_rule
         self.tool_parser = tool_parser
+        self.max_n = max_n
         self.counts: collections.Counter[str] = collections.Counter()
 
     def models(self) -> dict[str, Any]:
@@ -125,21 +147,25 @@ class OpenAIApi:
         identity = identity or Identity()
         episode = None if identity.episode is None else self.episodes.get(identity.episode)
         request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity,
-                        tool_parser=self.tool_parser)
+                        tool_parser=self.tool_parser, max_n=self.max_n)
         if self.sampling_rule is not None:
             turn_request = dataclasses.replace(request.turn, sampling=self.sampling_rule.apply(request.turn.sampling))
             request = dataclasses.replace(request, turn=turn_request)
-        if episode is None:
-            async with self.endpoint.turn(request.turn) as turn:
-                yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
-                           counts=self.counts)
-            return
-        seat = episode.seat(identity.agent)
         async with contextlib.AsyncExitStack() as stack:
-            turn = await self._episode_turn(episode, seat, request.turn, stack)
-            yield Call(request, turn, ResponseBuilder(request, self.tokenizer, turn.trajectory_id),
-                       on_result=lambda result: seat.replied(self.tokenizer.decode(result.token_ids)),
-                       counts=self.counts)
+            if episode is None:
+                turns = await self._turns(request, identity, stack)
+                on_result = None
+            else:
+                seat = episode.seat(identity.agent)
+                turns = await self._episode_turns(episode, seat, request, stack)
+
+                def on_result(turn: Turn) -> None:
+                    assert turn.result is not None
+                    result = turn.result
+                    seat.replied(turn.trajectory_id, result.prompt_token_ids + result.token_ids,
+                                 self.tokenizer.decode(result.token_ids))
+            yield Call(request, turns, [ResponseBuilder(request, self.tokenizer, t.trajectory_id) for t in turns],
+                       on_result=on_result, counts=self.counts)
 
     async def respond(self, body: Any, identity: Identity | None = None) -> tuple[str, dict[str, Any]]:
         """``POST /v1/responses``: the request as a chat turn (`sfhpc.endpoint.responses`); returns the
@@ -147,25 +173,44 @@ class OpenAIApi:
         async with self.call("chat", responses.to_chat(body), identity) as call:
             return call.trajectory_id, responses.from_chat(await call.response(), body)
 
-    async def _episode_turn(self, episode: OpenEpisode, seat: Seat, request: TurnRequest,
-                            stack: contextlib.AsyncExitStack) -> Turn:
-        """Open the turn of a call on an episode's (or one of its agents') URL: the agent's first call starts
-        its trajectory (under the client's own id, if it named one), every later one continues it."""
-        chosen = request.trajectory_id
-        if seat.trajectory_id is None:
+    async def _turns(self, request: ApiRequest, identity: Identity, stack: contextlib.AsyncExitStack) -> list[Turn]:
+        """The turns of a call outside an episode: its own, and with ``n > 1`` a new trajectory per extra
+        choice, all in one group (the request's ``X-Group``, else one of their own)."""
+        if request.n == 1:
+            return [await stack.enter_async_context(self.endpoint.turn(request.turn))]
+        if request.turn.trajectory_id is not None:
+            raise BadRequest("'n' above 1 starts a conversation, or continues one on an episode's URL; this call "
+                             "names a trajectory outside an episode", param="n")
+        start = dataclasses.replace(request.turn, group=identity.group or f"choices-{uuid.uuid4().hex}")
+        return [await stack.enter_async_context(self.endpoint.turn(start)) for _ in range(request.n)]
+
+    async def _episode_turns(self, episode: OpenEpisode, seat: Seat, request: ApiRequest,
+                             stack: contextlib.AsyncExitStack) -> list[Turn]:
+        """The turns of a call on an episode's (or one of its agents') URL: the agent's first call starts its
+        trajectory (under the client's own id, if it named one), a later one continues the trajectory its
+        history holds; each extra choice (``n > 1``) starts a trajectory of its own in the episode."""
+        turn_request, chosen = request.turn, request.turn.trajectory_id
+        turns: list[Turn] = []
+        if not seat.trajectories:
             # Calls that arrive together must not start two trajectories: the first one starts it, the others
             # wait here and then continue it.
             async with seat.starting:
-                if seat.trajectory_id is None:
-                    first = dataclasses.replace(request, trajectory_id=None, start_id=chosen, task=episode.task,
-                                                group=episode.group, metadata=episode.trajectory_metadata(seat.agent))
-                    turn = await stack.enter_async_context(self.endpoint.turn(first))
-                    episode.started(seat, turn.trajectory_id)
-                    return turn
-        episode.check_id(seat, chosen)
-        assert seat.trajectory_id is not None
-        return await stack.enter_async_context(
-            self.endpoint.turn(dataclasses.replace(request, trajectory_id=seat.trajectory_id)))
+                if not seat.trajectories:
+                    first = dataclasses.replace(turn_request, trajectory_id=None, start_id=chosen, task=episode.task,
+                                                group=episode.group, metadata=episode.trajectory_metadata(seat))
+                    turns.append(await stack.enter_async_context(self.endpoint.turn(first)))
+                    episode.started(seat, turns[0].trajectory_id)
+        if not turns:
+            episode.check_id(seat, chosen)
+            tid = chosen or seat.continued_by(turn_request.prompt_token_ids)
+            turns.append(await stack.enter_async_context(
+                self.endpoint.turn(dataclasses.replace(turn_request, trajectory_id=tid))))
+        for _ in range(request.n - 1):
+            extra = dataclasses.replace(turn_request, trajectory_id=None, start_id=None, task=episode.task,
+                                        group=episode.group, metadata=episode.trajectory_metadata(seat))
+            turns.append(await stack.enter_async_context(self.endpoint.turn(extra)))
+            episode.started(seat, turns[-1].trajectory_id)
+        return turns
 
     def post_reward(self, episode_id: str, body: Any, agent: str = "") -> dict[str, Any]:
         """``POST /episodes/<id>[/agents/<name>]/reward``: the program's own reward for its episode, or for one

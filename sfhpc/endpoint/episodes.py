@@ -40,18 +40,41 @@ AGENT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 @dataclasses.dataclass(eq=False)
 class Seat:
-    """One agent of an episode: its trajectory and what its calls left (only touched on the endpoint's loop)."""
+    """One agent of an episode: its trajectories and what its calls left (only touched on the endpoint's loop).
+
+    An agent has one trajectory, and one more per extra choice of a call that asked for ``n > 1``; a later
+    call continues the trajectory its history holds (`continued_by`)."""
 
     agent: str
-    trajectory_id: str | None = None
+    trajectories: list[str] = dataclasses.field(default_factory=list)  # oldest first
+    contexts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # tokens after the last reply
+    replies: dict[str, str] = dataclasses.field(default_factory=dict)  # the text of each one's latest reply
     calls: int = 0                 # completed calls (turns that produced a reply)
-    last_reply: str | None = None  # text of the latest reply: what the task's verifier judges
     reward: float | None = None    # a reward the program posted
     starting: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
 
-    def replied(self, text: str) -> None:
+    @property
+    def trajectory_id(self) -> str | None:
+        """The agent's first trajectory (its only one unless a call asked for several choices)."""
+        return self.trajectories[0] if self.trajectories else None
+
+    @property
+    def last_reply(self) -> str | None:
+        return self.replies.get(self.trajectories[0]) if self.trajectories else None
+
+    def continued_by(self, prompt: tuple[int, ...]) -> str:
+        """The trajectory a call with `prompt` continues: the one whose tokens so far it repeats the most of
+        (the choice its history holds), the newest on a tie."""
+        def shared(trajectory_id: str) -> int:
+            context = self.contexts.get(trajectory_id, ())
+            n = min(len(context), len(prompt))
+            return next((i for i in range(n) if context[i] != prompt[i]), n)
+        return max(reversed(self.trajectories), key=shared)
+
+    def replied(self, trajectory_id: str, context: tuple[int, ...], text: str) -> None:
         self.calls += 1
-        self.last_reply = text
+        self.contexts[trajectory_id] = context
+        self.replies[trajectory_id] = text
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,22 +95,25 @@ class OpenEpisode:
             raise BadRequest(f"agent name {agent!r}: use 1-64 letters, digits, '_', '-' or '.'", param="agent")
         return self.seats.setdefault(agent, Seat(agent))
 
-    def trajectory_metadata(self, agent: str) -> dict[str, Any] | None:
-        """The metadata of an agent's trajectory: the episode's, and for a named agent its name and the episode."""
-        if not agent:
-            return self.metadata
-        return {**(self.metadata or {}), AGENT_KEY: agent, EPISODE_KEY: self.id}
+    def trajectory_metadata(self, seat: Seat) -> dict[str, Any] | None:
+        """The metadata of an agent's next trajectory: the episode's; for a named agent its name and the
+        episode; for an extra choice of the unnamed agent its first trajectory (one episode, to the group)."""
+        if seat.agent:
+            return {**(self.metadata or {}), AGENT_KEY: seat.agent, EPISODE_KEY: self.id}
+        if seat.trajectories:
+            return {**(self.metadata or {}), EPISODE_KEY: seat.trajectories[0]}
+        return self.metadata
 
     def started(self, seat: Seat, trajectory_id: str) -> None:
-        seat.trajectory_id = trajectory_id
+        seat.trajectories.append(trajectory_id)
         if self.on_trajectory is not None:
             self.on_trajectory(trajectory_id)
 
     def check_id(self, seat: Seat, chosen: str | None) -> None:
-        """A later call may repeat its agent's trajectory id, never name another one."""
-        if chosen and seat.trajectory_id is not None and chosen != seat.trajectory_id:
+        """A later call may repeat one of its agent's trajectory ids, never name another one."""
+        if chosen and seat.trajectories and chosen not in seat.trajectories:
             raise BadRequest(f"episode {self.id!r} records trajectory {seat.trajectory_id!r}, but the call names "
-                             f"{chosen!r}; every call on an episode's URL belongs to its one trajectory (send "
+                             f"{chosen!r}; every call on an episode's URL belongs to its trajectory (send "
                              f"the same session id, or none)", param="user")
 
 

@@ -4,14 +4,15 @@ Supported: ``/v1/chat/completions`` and ``/v1/completions`` with ``max_tokens`` 
 ``max_completion_tokens``), ``temperature``, ``top_p``, ``seed``, ``stream`` + ``stream_options.include_usage``,
 ``logprobs`` (the sampled token's logprob; no alternatives), ``user``, ``stop`` (up to 4 strings, OpenAI's
 semantics: the text ends before the first one met; the tokens generated up to it are recorded as they
-were sampled); chat also takes function ``tools``,
-``tool_choice`` and ``parallel_tool_calls`` (`sfhpc.endpoint.tools`), and answers with ``tool_calls`` read
-from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`). Any ``model`` name is accepted: a
-run serves one policy, whatever name an agent's author wrote. Parameters that would change what the model
-does and that the endpoint cannot honour (``n > 1``, ``stop`` strings, penalties, ``logit_bias``, top-k
-alternatives, ``echo``, and vLLM's sampling extensions ``top_k``, ``min_p``, ``repetition_penalty``) are
-refused with a 400 instead of being ignored silently. A ``temperature`` or ``top_p`` left out stays None
-here: the endpoint fills in its default (`Sampling.resolved`).
+were sampled), ``n`` (not streamed; each choice a trajectory of its own); chat also takes function
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` (`sfhpc.endpoint.tools`), and answers with
+``tool_calls`` read from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`). Any ``model``
+name is accepted: a run serves one policy, whatever name an agent's author wrote. Parameters that would
+change what the model does and that the endpoint cannot honour (penalties, ``logit_bias``, top-k
+alternatives, ``echo``, ``best_of``, ``response_format``, and vLLM's sampling extensions ``top_k``,
+``min_p``, ``repetition_penalty``) are refused with a 400 instead of being ignored silently. A
+``temperature`` or ``top_p`` left out stays None here: the endpoint fills in its default
+(`Sampling.resolved`).
 
 Extensions: ``stop_token_ids`` in the request (vLLM's name); in the response ``prompt_token_ids`` and
 ``trajectory_id`` at the top level and ``token_ids`` / ``token_versions`` (the weight version of each
@@ -50,6 +51,7 @@ class ApiRequest:
     logprobs: bool = False
     tools: ToolRequest | None = None  # chat requests that offer function tools
     stop: tuple[str, ...] = ()  # the reply's text ends before the first of these it holds
+    n: int = 1  # choices: each a trajectory of its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +66,16 @@ class Identity:
 
 
 def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer, identity: Identity,
-          tool_parser: str | None = None) -> ApiRequest:
+          tool_parser: str | None = None, max_n: int = 1) -> ApiRequest:
     """Validate `body` (already decoded JSON) for `route`; raises `BadRequest`. The answer names `model_name`,
     whatever model the request named. `tool_parser` names the format of tool calls (a key of
-    `sfhpc.endpoint.tool_parsers.PARSERS`; by default the one the chat template writes)."""
+    `sfhpc.endpoint.tool_parsers.PARSERS`; by default the one the chat template writes). `max_n` bounds
+    ``n``, the choices asked for (each one a trajectory of its own)."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     fields = Fields(body)
     fields.string("model", required=True)
-    fields.refuse_unless(n=(None, 1), best_of=(None, 1), echo=(None, False), suffix=(None, ""),
+    fields.refuse_unless(best_of=(None, 1), echo=(None, False), suffix=(None, ""),
                          presence_penalty=(None, 0, 0.0), frequency_penalty=(None, 0, 0.0), logit_bias=(None, {}),
                          functions=(None, []), function_call=(None, "none"),
                          response_format=(None, {"type": "text"}))
@@ -112,6 +115,12 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
         stop_token_ids=default_stop if stop_ids is None else tuple(stop_ids),
     )
     stream = fields.boolean("stream", default=False)
+    n = fields.integer("n", low=1) or 1
+    if n > max_n:
+        raise BadRequest(f"'n' = {n} is above this endpoint's limit of {max_n} choices per call (an RL run's "
+                         f"budgets.max_choices)", param="n")
+    if n > 1 and stream:
+        raise BadRequest("'n' above 1 is not streamed; ask for stream: false", param="n")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("stream_options must be an object", param="stream_options")
@@ -126,7 +135,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                        prompt_param="messages" if route == "chat" else "prompt",
                        stop_when=_stop_when(stop, tokenizer) if stop else None)
     return ApiRequest(route=route, model=model_name, turn=turn, stream=stream, include_usage=include_usage,
-                      logprobs=want_logprobs, tools=tools, stop=stop)
+                      logprobs=want_logprobs, tools=tools, stop=stop, n=n)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:

@@ -69,7 +69,8 @@ class RolloutWorker:
                                                # A turn without a temperature gets the recipe's; what the
                                                # trainer cannot match is refused with a 400.
                                                sampling_rule=SamplingRule(recipe.algorithm.temperature),
-                                               tool_parser=recipe.model.tool_parser),
+                                               tool_parser=recipe.model.tool_parser,
+                                               max_n=recipe.budgets.max_choices),
                                      **_endpoint_address(recipe)).start()
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(

@@ -331,26 +331,25 @@ class AgentPrograms:
                 end = run.end
         finally:
             self.episodes.close(episode.id)
-        seats = [seat for seat in episode.seats.values() if seat.trajectory_id is not None and seat.last_reply]
-        if not seats:
+        answered = [(seat, tid) for seat in episode.seats.values() for tid in seat.trajectories
+                    if seat.replies.get(tid)]
+        if not answered:
             raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint: it "
                                      "must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")
         per_agent, shared = _agent_rewards(end), _reward_of(end)
         posted = episode.seats[""].reward if "" in episode.seats else None
         rewards = []
-        for seat in seats:
+        for seat, tid in answered:  # an agent's trajectories: one, or one per choice of a call with n > 1
             # Printed (for this agent, then for all), then posted (for this agent, then for all), then the
-            # task's verifier on this agent's last reply.
+            # task's verifier on this trajectory's last reply.
             reward = next((r for r in (per_agent.get(seat.agent), shared, seat.reward, posted) if r is not None),
                           None)
             if reward is None:
-                assert seat.last_reply is not None
-                result = task.episode(problem).step(seat.last_reply)
+                result = task.episode(problem).step(seat.replies[tid])
                 reward = result.reward if result.done else 0.0
-            assert seat.trajectory_id is not None
-            rewards.append((seat.trajectory_id, reward))
+            rewards.append((tid, reward))
         (first, reward), others = rewards[0], tuple(rewards[1:])
-        return EpisodeOutcome(first, reward, sum(seat.calls for seat in seats), (), others)
+        return EpisodeOutcome(first, reward, sum(seat.calls for seat in episode.seats.values()), (), others)
 
     async def _serve(self, episode_id: str, payload: str) -> dict[str, Any]:
         """An episode on a serving program (a running one between episodes, else a new one); a program whose

@@ -131,3 +131,37 @@ def test_the_in_process_client_speaks_for_an_episode_too(server: EndpointServer,
     server.api.episodes.close(episode.id)
     with pytest.raises(NotFound):
         local.chat(episode=episode.id, model=MODEL, messages=[{"role": "user", "content": "a"}])
+
+
+def test_n_choices_are_trajectories_of_their_own_and_a_later_call_continues_the_one_its_history_holds() -> None:
+    """``n > 1`` on an episode's URL: each choice is a trajectory of the episode (one episode to its group),
+    and the next call, whose history holds the second choice, continues that one."""
+    from sfhpc.data.trajectory import episode_of
+    from sfhpc.endpoint import AgentEndpoint, OpenAIApi
+    from tests.endpoint.conftest import ReplyingEngine
+
+    replies = ["red", "blue", "green", "yes"]
+    engine = ReplyingEngine([list(r.encode()) + [tk.END] for r in replies])
+    sink = RecordingManager()
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m", max_n=3)
+    with EndpointServer(api) as server:
+        episode = api.episodes.open(task="t", group="g")
+        client = openai.OpenAI(base_url=server.episode_url(episode.id), api_key="unused", max_retries=0)
+        ask = [{"role": "user", "content": "a colour?"}]
+        first = client.chat.completions.create(model="m", messages=ask, n=3, max_tokens=8)
+        texts = [c.message.content for c in first.choices]
+        ids = [c.model_extra["trajectory_id"] for c in first.choices]
+        assert sorted(texts) == ["blue", "green", "red"] and len(set(ids)) == 3
+        assert first.usage.completion_tokens == sum(len(t) + 1 for t in texts)
+        assert {sink.trajectory(t).group for t in ids} == {"g"}
+        assert len({episode_of(t, sink.trajectory(t).metadata_json) for t in ids}) == 1  # one episode
+        picked = texts.index("blue")
+        follow = ask + [{"role": "assistant", "content": "blue"}, {"role": "user", "content": "sure?"}]
+        second = client.chat.completions.create(model="m", messages=follow, max_tokens=8)
+        assert second.model_extra["trajectory_id"] == ids[picked]
+        assert sink.calls[ids[picked]][-2:] == ["observe", "add_generated:stop"]
+        too_many = httpx.post(f"{server.episode_url(episode.id)}/chat/completions",
+                              json={"model": "m", "messages": ask, "n": 4})
+        streamed = httpx.post(f"{server.episode_url(episode.id)}/chat/completions",
+                              json={"model": "m", "messages": ask, "n": 2, "stream": True})
+        assert [(r.status_code, r.json()["error"]["param"]) for r in (too_many, streamed)] == [(400, "n"), (400, "n")]

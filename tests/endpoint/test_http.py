@@ -86,7 +86,7 @@ def test_bad_input_gets_openai_errors_and_the_server_keeps_serving(server: Endpo
         (json.dumps(chat_body()).encode(), {"X-Trajectory-Id": finished}, 409, "trajectory_finished",
          "trajectory_id"),
         (json.dumps(too_long).encode(), {}, 400, "context_length_exceeded", "messages"),
-        (json.dumps(chat_body(n=2)).encode(), {}, 400, "invalid_request", "n"),
+        (json.dumps(chat_body(n=9)).encode(), {}, 400, "invalid_request", "n"),  # above max_n
         (json.dumps(chat_body(temperature=9)).encode(), {}, 400, "invalid_request", "temperature"),
         (json.dumps(chat_body(messages=[{"role": "robot", "content": "x"}])).encode(), {}, 400, "invalid_request",
          "messages"),
