@@ -259,8 +259,9 @@ def cmd_traj_export(args: argparse.Namespace) -> int:
         raise SfhpcError(f"{out.parent}: no such folder for --out")
     with open_run(args.store) as run:  # the frame is computed over whole tables: seconds for a million
         df = run.trajectories()
-        count = write_frame(df, out, args.format)
-    print(f"wrote {count:,} trajectories to {out}")
+        fmt = args.format or {".parquet": "parquet", ".jsonl": "jsonl"}.get(out.suffix.lower(), "csv")
+        count = write_frame(df, out, fmt)
+    print(f"wrote {count:,} trajectories to {out} ({fmt})")
     return 0
 
 
@@ -440,8 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
                         description="one row per trajectory (CSV, Parquet or JSON lines)")
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
     p.add_argument("--out", required=True, help="file to create (an existing file is never overwritten)")
-    p.add_argument("--format", choices=("csv", "parquet", "jsonl"), default="csv",
-                   help="csv (default; today's columns), parquet (typed, more columns) or jsonl (as parquet)")
+    p.add_argument("--format", choices=("csv", "parquet", "jsonl"), default=None,
+                   help="csv (today's columns), parquet (typed, more columns) or jsonl (as parquet); default: from "
+                        "--out's suffix (.parquet, .jsonl), else csv")
     p.set_defaults(func=cmd_traj_export)
     p = traj.add_parser("show", help="one trajectory as a conversation: roles, text, policy versions, cuts",
                         description="one trajectory as a conversation: roles, text, policy versions, cuts")

@@ -48,7 +48,8 @@ def test_exported_turns_are_the_replies_traj_show_shows(tmp_path: Path) -> None:
     (row,) = csv.DictReader(out.open(encoding="utf-8"))
     assert (row["id"], row["turns"]) == (tid, str(TURNS))
     jsonl = tmp_path / "t.jsonl"
-    assert run_sfhpc("traj", "export", str(run_dir), "--format", "jsonl", "--out", str(jsonl)).returncode == 0
+    # The format follows --out's suffix unless --format names one.
+    assert run_sfhpc("traj", "export", str(run_dir), "--out", str(jsonl)).returncode == 0
     assert json.loads(jsonl.read_text())["turns"] == TURNS
     with open_run(run_dir) as run:
         assert list(run.trajectories()["turns"]) == [TURNS]
