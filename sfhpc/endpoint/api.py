@@ -19,8 +19,9 @@ from typing import Any
 from sfhpc.endpoint import responses
 from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat, parse_reward
 from sfhpc.endpoint.errors import BadRequest
+from sfhpc.endpoint.history import RecordedContexts
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
-from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn
+from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class Call:
         """The streamed chunks, without the SSE framing and the closing ``[DONE]`` (one choice: a request
         that asks for several is not streamed, `sfhpc.endpoint.protocol.parse`)."""
         [turn], [builder] = self._turns, self._builders
-        yield builder.first_chunk()
+        yield builder.first_chunk(turn.request.prompt_token_ids)
         async for delta in turn.stream():
             yield builder.delta_chunk(delta)
         result = turn.result
@@ -131,6 +132,7 @@ class OpenAIApi:
         self.tool_parser = tool_parser
         self.max_n = max_n
         self.counts: collections.Counter[str] = collections.Counter()
+        self.history = RecordedContexts(self.tokenizer)
 
     def models(self) -> dict[str, Any]:
         return models_body(self.model_name, self.created)
@@ -139,7 +141,8 @@ class OpenAIApi:
         engine = self.endpoint.engine
         return {"status": "ok", "model": self.model_name, "engine": engine.name, "version": engine.version,
                 "paused": engine.paused, "tool_calls": self.counts["tool_calls"],
-                "tool_call_parse_failures": self.counts["tool_call_parse_failures"]}
+                "tool_call_parse_failures": self.counts["tool_call_parse_failures"],
+                "history_respelled": self.history.respelled}
 
     @contextlib.asynccontextmanager
     async def call(self, route: Route, body: Any, identity: Identity | None = None) -> AsyncIterator[Call]:
@@ -151,19 +154,20 @@ class OpenAIApi:
         if self.sampling_rule is not None:
             turn_request = dataclasses.replace(request.turn, sampling=self.sampling_rule.apply(request.turn.sampling))
             request = dataclasses.replace(request, turn=turn_request)
-        async with contextlib.AsyncExitStack() as stack:
-            if episode is None:
-                turns = await self._turns(request, identity, stack)
-                on_result = None
-            else:
-                seat = episode.seat(identity.agent)
-                turns = await self._episode_turns(episode, seat, request, stack)
+        seat = None if episode is None else episode.seat(identity.agent)
 
-                def on_result(turn: Turn) -> None:
-                    assert turn.result is not None
-                    result = turn.result
-                    seat.replied(turn.trajectory_id, result.prompt_token_ids + result.token_ids,
-                                 self.tokenizer.decode(result.token_ids))
+        def on_result(turn: Turn) -> None:
+            result = turn.result
+            assert result is not None
+            self.history.replied(turn.trajectory_id, result.prompt_token_ids + result.token_ids)
+            if seat is not None:
+                seat.replied(turn.trajectory_id, self.tokenizer.decode(result.token_ids))
+
+        async with contextlib.AsyncExitStack() as stack:
+            if episode is None or seat is None:
+                turns = await self._turns(request, identity, stack)
+            else:
+                turns = await self._episode_turns(episode, seat, request, stack)
             yield Call(request, turns, [ResponseBuilder(request, self.tokenizer, t.trajectory_id) for t in turns],
                        on_result=on_result, counts=self.counts)
 
@@ -177,7 +181,10 @@ class OpenAIApi:
         """The turns of a call outside an episode: its own, and with ``n > 1`` a new trajectory per extra
         choice, all in one group (the request's ``X-Group``, else one of their own)."""
         if request.n == 1:
-            return [await stack.enter_async_context(self.endpoint.turn(request.turn))]
+            turn_request, tid = request.turn, request.turn.trajectory_id
+            if tid is not None:
+                turn_request = self._continuing(tid, turn_request)
+            return [await stack.enter_async_context(self.endpoint.turn(turn_request))]
         if request.turn.trajectory_id is not None:
             raise BadRequest("'n' above 1 starts a conversation, or continues one on an episode's URL; this call "
                              "names a trajectory outside an episode", param="n")
@@ -202,15 +209,20 @@ class OpenAIApi:
                     episode.started(seat, turns[0].trajectory_id)
         if not turns:
             episode.check_id(seat, chosen)
-            tid = chosen or seat.continued_by(turn_request.prompt_token_ids)
-            turns.append(await stack.enter_async_context(
-                self.endpoint.turn(dataclasses.replace(turn_request, trajectory_id=tid))))
+            tid = chosen or seat.continued_by(turn_request.prompt_token_ids, self.history.get)
+            turns.append(await stack.enter_async_context(self.endpoint.turn(self._continuing(tid, turn_request))))
         for _ in range(request.n - 1):
             extra = dataclasses.replace(turn_request, trajectory_id=None, start_id=None, task=episode.task,
                                         group=episode.group, metadata=episode.trajectory_metadata(seat))
             turns.append(await stack.enter_async_context(self.endpoint.turn(extra)))
             episode.started(seat, turns[-1].trajectory_id)
         return turns
+
+    def _continuing(self, trajectory_id: str, request: TurnRequest) -> TurnRequest:
+        """The turn that continues `trajectory_id`: the history, if it is the recorded one spelled with
+        other tokens, continues the recorded tokens (`sfhpc.endpoint.history`)."""
+        prompt = self.history.prompt(trajectory_id, request.prompt_token_ids)
+        return dataclasses.replace(request, trajectory_id=trajectory_id, prompt_token_ids=prompt)
 
     def post_reward(self, episode_id: str, body: Any, agent: str = "") -> dict[str, Any]:
         """``POST /episodes/<id>[/agents/<name>]/reward``: the program's own reward for its episode, or for one

@@ -47,7 +47,6 @@ class Seat:
 
     agent: str
     trajectories: list[str] = dataclasses.field(default_factory=list)  # oldest first
-    contexts: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # tokens after the last reply
     replies: dict[str, str] = dataclasses.field(default_factory=dict)  # the text of each one's latest reply
     calls: int = 0                 # completed calls (turns that produced a reply)
     reward: float | None = None    # a reward the program posted
@@ -62,18 +61,17 @@ class Seat:
     def last_reply(self) -> str | None:
         return self.replies.get(self.trajectories[0]) if self.trajectories else None
 
-    def continued_by(self, prompt: tuple[int, ...]) -> str:
-        """The trajectory a call with `prompt` continues: the one whose tokens so far it repeats the most of
-        (the choice its history holds), the newest on a tie."""
+    def continued_by(self, prompt: tuple[int, ...], context_of: Callable[[str], tuple[int, ...]]) -> str:
+        """The trajectory a call with `prompt` continues: the one whose tokens so far (`context_of`) it
+        repeats the most of (the choice its history holds), the newest on a tie."""
         def shared(trajectory_id: str) -> int:
-            context = self.contexts.get(trajectory_id, ())
+            context = context_of(trajectory_id)
             n = min(len(context), len(prompt))
             return next((i for i in range(n) if context[i] != prompt[i]), n)
         return max(reversed(self.trajectories), key=shared)
 
-    def replied(self, trajectory_id: str, context: tuple[int, ...], text: str) -> None:
+    def replied(self, trajectory_id: str, text: str) -> None:
         self.calls += 1
-        self.contexts[trajectory_id] = context
         self.replies[trajectory_id] = text
 
 

@@ -299,10 +299,11 @@ class ResponseBuilder:
                 "prompt_token_ids": list(result.prompt_token_ids), "trajectory_id": self.trajectory_id}
 
     # -- a stream ------------------------------------------------------------------------------
-    def first_chunk(self) -> dict[str, Any]:
-        """Chat streams open with the assistant role; both kinds carry the prompt ids and trajectory id."""
-        head = {**self._head(), "object": self._chunk_object(), "prompt_token_ids":
-                list(self.request.turn.prompt_token_ids), "trajectory_id": self.trajectory_id}
+    def first_chunk(self, prompt_token_ids: Sequence[int]) -> dict[str, Any]:
+        """Chat streams open with the assistant role; both kinds carry the prompt ids (those the turn ran
+        on) and trajectory id."""
+        head = {**self._head(), "object": self._chunk_object(), "prompt_token_ids": list(prompt_token_ids),
+                "trajectory_id": self.trajectory_id}
         if self.request.route == "chat":
             choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}

@@ -1,0 +1,70 @@
+"""The recorded tokens win: a history an agent sends back that says what was recorded, spelled with other
+tokens, continues the recorded tokens instead of forking.
+
+An agent sends a conversation as text, and the endpoint renders it with the chat template. A reply the
+policy wrote is then encoded again from its text, which need not give the tokens the policy sampled: a
+BPE tokenizer may spell the same text otherwise, and a reply that is not valid UTF-8 (a byte-level model
+writes one sooner or later) decodes to U+FFFD, which encodes to three other bytes. The trajectory would
+fork there (`sfhpc.data.manager.TrajectoryManager.observe`) and the reply, left on the old branch, would
+never be trained on: not rewarded when it helped, not penalised when it did not. A policy that learns to
+write such replies escapes its own training signal; measured on guess-number with sfhpc's byte-level tiny
+model, forks grew from 1-10 to 185-376 a step (of 64 trajectories) as the reward fell from 0.38 to 0.13.
+
+So when the new prompt's *text* begins with the recorded context's text (the history is the same; only
+its tokens differ), the prompt is the recorded tokens followed by the new prompt's tokens after that text.
+A history whose text differs (arguments re-written as canonical JSON, reasoning a template drops, an agent
+that edited a turn) still forks, and is counted as a mismatch, never silently re-spelled.
+
+The contexts are the ones this endpoint produced (prompt + reply, per trajectory); a trajectory that moved
+here from another rank (a restart, a reclaim) has none, and its next turn is taken as sent.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from sfhpc.engine.tokenizer import ChatTokenizer
+
+WINDOW = 64  # how far around the recorded length the token boundary of the same text is looked for
+KEPT = 16384  # contexts kept (trajectories in flight on one rank are far fewer)
+
+
+class RecordedContexts:
+    """The token context after each trajectory's latest reply on this endpoint, and the splice above."""
+
+    def __init__(self, tokenizer: ChatTokenizer, kept: int = KEPT) -> None:
+        self.tokenizer = tokenizer
+        self.kept = kept
+        self._contexts: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        self.respelled = 0  # turns whose history was the same text in other tokens, continued as recorded
+
+    def get(self, trajectory_id: str) -> tuple[int, ...]:
+        return self._contexts.get(trajectory_id, ())
+
+    def replied(self, trajectory_id: str, context: tuple[int, ...]) -> None:
+        self._contexts[trajectory_id] = context
+        self._contexts.move_to_end(trajectory_id)
+        while len(self._contexts) > self.kept:
+            self._contexts.popitem(last=False)
+
+    def prompt(self, trajectory_id: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
+        """The prompt a new turn of `trajectory_id` continues with: `prompt` itself, or the recorded
+        context followed by what `prompt` adds, when the two say the same up to the context's end."""
+        context = self._contexts.get(trajectory_id)
+        if context is None or prompt[:len(context)] == context:
+            return prompt
+        at = self._boundary(context, prompt)
+        if at is None:
+            return prompt
+        self.respelled += 1
+        return context + prompt[at:]
+
+    def _boundary(self, context: Sequence[int], prompt: Sequence[int]) -> int | None:
+        """The length of the prompt's prefix whose text is exactly the context's text (None: none is)."""
+        decode = self.tokenizer.decode
+        text = decode(context, skip_special=False)
+        if not decode(prompt, skip_special=False).startswith(text):
+            return None
+        low, high = max(1, len(context) - WINDOW), min(len(prompt), len(context) + WINDOW)
+        return next((k for k in range(low, high + 1) if decode(prompt[:k], skip_special=False) == text), None)

@@ -1,0 +1,40 @@
+"""The recorded tokens win: a history sent back as text that re-encodes to other tokens (a reply that is not
+valid UTF-8 comes back as U+FFFD) continues the recorded tokens, and the reply is trained on as sampled; a
+history whose text differs still forks and is counted."""
+
+from __future__ import annotations
+
+import openai
+
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
+from sfhpc.engine import tokenizer as tk
+from tests.endpoint.conftest import RecordingManager, ReplyingEngine
+
+BROKEN = [0xE2, 0x82]  # the first two bytes of a three-byte character: decodes to U+FFFD
+
+
+def test_the_same_history_in_other_tokens_continues_the_recorded_ones() -> None:
+    engine = ReplyingEngine([BROKEN + [tk.END], list(b"7") + [tk.END], list(b"8") + [tk.END], list(b"9") + [tk.END]])
+    sink = RecordingManager()
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m")
+    with EndpointServer(api) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "guess 0-9"}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=4)
+        tid = first.model_extra["trajectory_id"]
+        assert first.choices[0].message.content == "\ufffd"
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "?"}]
+        second = client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                                extra_headers={"X-Trajectory-Id": tid})
+        trajectory = sink.trajectory(tid)
+        # No fork: the reply stays on the branch as sampled, and is trained on.
+        assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
+        assert [list(r) for r, _ in trajectory.replies()] == [BROKEN + [tk.END], list(b"7") + [tk.END]]
+        recorded = first.model_extra["prompt_token_ids"] + BROKEN + [tk.END]
+        assert second.model_extra["prompt_token_ids"][:len(recorded)] == recorded
+        # A history whose text differs (the agent rewrote the reply) forks, as before.
+        messages += [{"role": "assistant", "content": "seven"}, {"role": "user", "content": "?"}]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                       extra_headers={"X-Trajectory-Id": tid})
+        assert sink.trajectory(tid).history_mismatches == 1 and api.health()["history_respelled"] == 1
