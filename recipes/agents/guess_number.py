@@ -16,19 +16,25 @@ import sys
 
 import openai
 
+clients = {}  # one client per endpoint, reused: its connections too
 for line in sys.stdin:
     episode = json.loads(line)
-    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    root = episode["base_url"].split("/episodes/")[0]
+    if root not in clients:
+        clients[root] = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"])
+    client = clients[root].with_options(base_url=episode["base_url"])
     secret = int(episode["problem"]["data"])
     messages = list(episode["messages"])
     reward = 0.0
     for turn in range(1, 9):
         reply = client.chat.completions.create(model=episode["model"], messages=messages,
                                                max_tokens=episode["max_tokens"])
-        guess = (reply.choices[0].message.content or "").strip()
+        said = reply.choices[0].message.content or ""
+        guess = said.strip()
         if guess == str(secret):
             reward = 1.0 - 0.1 * (turn - 1)
             break
         hint = "?" if not (guess.isascii() and guess.isdigit()) else "higher" if int(guess) < secret else "lower"
-        messages += [{"role": "assistant", "content": guess}, {"role": "user", "content": hint}]
+        # The reply goes back as the model wrote it: an edited history would fork the trajectory.
+        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": hint}]
     print(json.dumps({"episode_id": episode["episode_id"], "reward": reward}), flush=True)
