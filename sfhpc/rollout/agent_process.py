@@ -332,7 +332,7 @@ class AgentPrograms:
         finally:
             self.episodes.close(episode.id)
         answered = [(seat, tid) for seat in episode.seats.values() for tid in seat.trajectories
-                    if seat.replies.get(tid)]
+                    if tid in seat.replies]  # a reply may be empty text (only the end-of-turn token)
         if not answered:
             raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint: it "
                                      "must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")

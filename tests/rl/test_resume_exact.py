@@ -78,7 +78,9 @@ def test_a_cut_and_resumed_sync_run_equals_the_uninterrupted_one(tmp_path: Path)
     cut = tmp_path / "cut"
     cut.mkdir()
     (cut / "r.yaml").write_text(SYNC + f"output_dir: {cut / 'runs'}\n")
-    run_dir, _ = cut_after(cut / "r.yaml", cut / "runs", 2)
+    # Each training step held 2 s (its computation unchanged), so that the cut lands after step 2 and
+    # before the run's last step even on a loaded machine.
+    run_dir, _ = cut_after(cut / "r.yaml", cut / "runs", 2, env={"SFHPC_HOLD_PHASES": "train=2"})
     stopped = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()][-1]
     assert stopped["event"] == "stopped" and 2 <= stopped["step"] < 5
     done = run_sfhpc("run", str(cut / "r.yaml"), "--resume", str(run_dir), timeout=900)
