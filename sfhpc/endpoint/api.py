@@ -159,7 +159,7 @@ class OpenAIApi:
         def on_result(turn: Turn) -> None:
             result = turn.result
             assert result is not None
-            self.history.replied(turn.trajectory_id, result.prompt_token_ids + result.token_ids)
+            self.history.replied(turn.trajectory_id, result.prompt_token_ids, result.token_ids)
             if seat is not None:
                 seat.replied(turn.trajectory_id, self.tokenizer.decode(result.token_ids))
 

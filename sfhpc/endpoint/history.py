@@ -10,8 +10,11 @@ never be trained on: not rewarded when it helped, not penalised when it did not.
 write such replies escapes its own training signal; measured on guess-number with sfhpc's byte-level tiny
 model, forks grew from 1-10 to 185-376 a step (of 64 trajectories) as the reward fell from 0.38 to 0.13.
 
-So when the new prompt's *text* begins with the recorded context's text (the history is the same; only
-its tokens differ), the prompt is the recorded tokens followed by the new prompt's tokens after that text.
+So when the new prompt's *text* begins with the recorded context's text as the agent saw it (the history
+is the same; only its tokens differ), the prompt is the recorded tokens followed by the new prompt's tokens
+after that text. "As the agent saw it": a reply's text leaves out the special tokens the policy wrote
+inside it (a role marker mid-reply), so those are left out of the comparison too; they stay in the
+recorded tokens.
 A history whose text differs (arguments re-written as canonical JSON, reasoning a template drops, an agent
 that edited a turn) still forks, and is counted as a mismatch, never silently re-spelled.
 
@@ -36,14 +39,20 @@ class RecordedContexts:
     def __init__(self, tokenizer: ChatTokenizer, kept: int = KEPT) -> None:
         self.tokenizer = tokenizer
         self.kept = kept
-        self._contexts: collections.OrderedDict[str, tuple[int, ...]] = collections.OrderedDict()
+        # trajectory -> (its tokens after the latest reply, which of them the policy generated)
+        self._contexts: collections.OrderedDict[str, tuple[tuple[int, ...], tuple[bool, ...]]] = \
+            collections.OrderedDict()
         self.respelled = 0  # turns whose history was the same text in other tokens, continued as recorded
 
     def get(self, trajectory_id: str) -> tuple[int, ...]:
-        return self._contexts.get(trajectory_id, ())
+        return self._contexts.get(trajectory_id, ((), ()))[0]
 
-    def replied(self, trajectory_id: str, context: tuple[int, ...]) -> None:
-        self._contexts[trajectory_id] = context
+    def replied(self, trajectory_id: str, prompt: tuple[int, ...], reply: tuple[int, ...]) -> None:
+        before, generated = self._contexts.get(trajectory_id, ((), ()))
+        if prompt[:len(before)] != before:  # a fork: what the new branch holds of earlier replies is unknown here
+            generated = ()
+        generated = generated + (False,) * (len(prompt) - len(generated)) + (True,) * len(reply)
+        self._contexts[trajectory_id] = (prompt + reply, generated)
         self._contexts.move_to_end(trajectory_id)
         while len(self._contexts) > self.kept:
             self._contexts.popitem(last=False)
@@ -51,20 +60,27 @@ class RecordedContexts:
     def prompt(self, trajectory_id: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
         """The prompt a new turn of `trajectory_id` continues with: `prompt` itself, or the recorded
         context followed by what `prompt` adds, when the two say the same up to the context's end."""
-        context = self._contexts.get(trajectory_id)
-        if context is None or prompt[:len(context)] == context:
+        context, generated = self._contexts.get(trajectory_id, ((), ()))
+        if not context or prompt[:len(context)] == context:
             return prompt
-        at = self._boundary(context, prompt)
+        at = self._boundary(self._seen(context, generated), prompt, len(context))
         if at is None:
             return prompt
         self.respelled += 1
         return context + prompt[at:]
 
-    def _boundary(self, context: Sequence[int], prompt: Sequence[int]) -> int | None:
-        """The length of the prompt's prefix whose text is exactly the context's text (None: none is)."""
+    def _seen(self, context: Sequence[int], generated: Sequence[bool]) -> list[int]:
+        """The context as the agent saw it: without the special tokens the policy wrote inside its replies
+        (a reply's text leaves them out; the end-of-turn token that ends a reply stays: templates write it)."""
+        tk, stops = self.tokenizer, set(self.tokenizer.chat_stop_ids)
+        return [t for t, g in zip(context, generated) if not (g and t not in stops and tk.is_special(t))] \
+            + list(context[len(generated):])
+
+    def _boundary(self, seen: Sequence[int], prompt: Sequence[int], near: int) -> int | None:
+        """The length of the prompt's prefix whose text is exactly the text of `seen` (None: none is)."""
         decode = self.tokenizer.decode
-        text = decode(context, skip_special=False)
+        text = decode(seen, skip_special=False)
         if not decode(prompt, skip_special=False).startswith(text):
             return None
-        low, high = max(1, len(context) - WINDOW), min(len(prompt), len(context) + WINDOW)
+        low, high = max(1, min(near, len(seen)) - WINDOW), min(len(prompt), max(near, len(seen)) + WINDOW)
         return next((k for k in range(low, high + 1) if decode(prompt[:k], skip_special=False) == text), None)

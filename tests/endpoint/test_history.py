@@ -38,3 +38,24 @@ def test_the_same_history_in_other_tokens_continues_the_recorded_ones() -> None:
         client.chat.completions.create(model="m", messages=messages, max_tokens=4,
                                        extra_headers={"X-Trajectory-Id": tid})
         assert sink.trajectory(tid).history_mismatches == 1 and api.health()["history_respelled"] == 1
+
+
+def test_a_special_token_the_policy_wrote_inside_its_reply_is_not_a_difference() -> None:
+    """The reply's text leaves out a role marker written mid-reply; the history the agent sends back is
+    still the recorded one, and the marker stays in the trajectory as sampled."""
+    inside = [ord("4"), tk.SYSTEM, ord("2"), tk.END]
+    engine = ReplyingEngine([inside, list(b"7") + [tk.END]])
+    sink = RecordingManager()
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m")
+    with EndpointServer(api) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "guess"}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+        assert first.choices[0].message.content == "42"
+        tid = first.model_extra["trajectory_id"]
+        messages += [{"role": "assistant", "content": "42"}, {"role": "user", "content": "?"}]
+        client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                       extra_headers={"X-Trajectory-Id": tid})
+        trajectory = sink.trajectory(tid)
+        assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
+        assert [list(r) for r, _ in trajectory.replies()] == [inside, list(b"7") + [tk.END]]
