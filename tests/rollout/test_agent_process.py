@@ -412,3 +412,21 @@ def test_a_two_agent_episode_stores_two_trajectories_in_its_group_each_with_its_
     checker = sorted(float(advantages[i]) for i in by_agent["checker"])
     assert solver[0] < 0 < solver[1] and checker[0] < 0 < checker[1]
     assert solver == pytest.approx(checker, abs=1e-4)  # one winner and one loser in each, whatever the scale
+
+
+def test_a_reply_of_empty_text_is_a_reply(manager: TrajectoryManager, tmp_path: Path) -> None:
+    """A model may answer with its end-of-turn token alone: the episode played, and is judged on ''."""
+    from sfhpc.engine import tokenizer as tk
+    from tests.endpoint.conftest import ReplyingEngine
+
+    script = tmp_path / "once.py"
+    script.write_text("import openai\nopenai.OpenAI().chat.completions.create(model='m', "
+                      "messages=[{'role': 'user', 'content': 'x'}], max_tokens=2)\n")
+    api = OpenAIApi(AgentEndpoint(ReplyingEngine([[tk.END]]), manager), model_name=MODEL, token=new_run_token())
+    with EndpointServer(api) as server:
+        runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
+                               episodes=server.api.episodes, url_of=server.episode_url, token=server.token,
+                               model=MODEL)
+        outcome = play(server, manager, runner, 4)
+    assert outcome is not None and outcome.reward == 0.0  # the verifier judged '' as a wrong guess
+    assert manager.trajectory(outcome.trajectory_id).status == "finished"
