@@ -262,10 +262,13 @@ class ResponseBuilder:
         prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _stop_at(self, text: str) -> int:
+        """Where the first stop string in `text` begins (OpenAI's ``stop``); ``len(text)`` without one."""
+        return min((at for at in (text.find(s) for s in self.request.stop) if at >= 0), default=len(text))
+
     def _cut(self, text: str) -> str:
-        """The reply's text without its stop string and what follows it (OpenAI's ``stop``)."""
-        ends = [at for at in (text.find(s) for s in self.request.stop) if at >= 0]
-        return text[:min(ends)] if ends else text
+        """The reply's text without its stop string and what follows it."""
+        return text[:self._stop_at(text)]
 
     def _read_calls(self, reply: str) -> tuple[list[dict[str, Any]], str | None]:
         """The whole reply read for tool calls: the calls in OpenAI's shape and the content."""
@@ -336,10 +339,7 @@ class ResponseBuilder:
         """Of newly decoded text, what can be sent as content now: not what may still become a stop string
         or a tool call (held until the reply is whole), nor a stop string and what follows it."""
         self._reply = reply = self._reply + text
-        sendable = len(reply)
-        for stop in self.request.stop:
-            at = reply.find(stop)
-            sendable = min(sendable, at if at >= 0 else len(reply) - partial_suffix(reply, stop))
+        sendable = min([self._stop_at(reply), *(len(reply) - partial_suffix(reply, s) for s in self.request.stop)])
         if self.parser is not None:
             sendable = min(sendable, self.parser.held_from(reply))
         start, self._sent = self._sent, max(self._sent, sendable)

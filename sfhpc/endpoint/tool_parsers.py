@@ -225,13 +225,11 @@ PARSERS: dict[str, type[ToolCallParser]] = {p.name: p for p in (HermesParser, Ll
 def parser_for_template(template: str) -> str | None:
     """The tool-call format a chat template renders calls in (a key of `PARSERS`); None when the template
     renders no tool calls (or none of a known format)."""
-    if "tool_call" not in template and "[TOOL_CALLS]" not in template:
-        return None
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "<tool_call>" in template:
         return "hermes"
-    if '"parameters"' in template or "python_tag" in template or "ipython" in template:
+    if "tool_calls" in template and any(mark in template for mark in ('"parameters"', "python_tag", "ipython")):
         return "llama3_json"
     return None
 

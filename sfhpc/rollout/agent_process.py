@@ -95,9 +95,16 @@ def _json_line(line: str) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def rewards_line(line: str) -> dict[str, Any] | None:
+    """A stdout line that rewards the episode: a JSON object with a numeric ``reward`` or per-agent
+    ``rewards``; None for any other line."""
+    value = _json_line(line)
+    return value if value is not None and (_reward_of(value) is not None or _agent_rewards(value)) else None
+
+
 def reward_line(line: str) -> float | None:
     """The reward of a stdout line like ``{"reward": 1.0}``; None for any other line."""
-    return _reward_of(_json_line(line))
+    return _reward_of(rewards_line(line))
 
 
 def _reward_of(value: Any) -> float | None:
@@ -163,9 +170,7 @@ async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin
     async def read_stdout() -> None:
         assert process.stdout is not None
         async for line in _lines(process.stdout):
-            value = _json_line(line)
-            if value is not None and (_reward_of(value) is not None or _agent_rewards(value)):
-                run.end = value
+            run.end = rewards_line(line) or run.end
 
     async def read_stderr() -> None:
         assert process.stderr is not None
