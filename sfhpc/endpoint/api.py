@@ -13,15 +13,16 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from sfhpc.endpoint import responses
 from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat, parse_reward
 from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.history import RecordedContexts
-from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse
+from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse, read_calls
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest
+from sfhpc.endpoint.tools import read_tools
 from sfhpc.engine.tokenizer import ByteTokenizer, ChatTokenizer
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,18 @@ class OpenAIApi:
                 turns = await self._episode_turns(episode, seat, request, stack)
             yield Call(request, turns, [ResponseBuilder(request, self.tokenizer, t.trajectory_id) for t in turns],
                        on_result=on_result, counts=self.counts)
+
+    def reply_message(self, token_ids: Sequence[int], tools: Sequence[dict[str, Any]] | None) -> dict[str, Any]:
+        """The assistant message a reply of `token_ids` is sent as by a call that offers `tools` (for a reply
+        replayed to its agent after a restart, `sfhpc.rl.rollout_worker`)."""
+        tool_request = read_tools({"tools": list(tools)}, template=self.tokenizer.chat_template,
+                                  parser_name=self.tool_parser) if tools else None
+        if tool_request is None or tool_request.parser is None:
+            return {"role": "assistant", "content": self.tokenizer.decode(token_ids)}
+        stops = set(self.tokenizer.chat_stop_ids)  # decoded as a reply that offers tools is (`ResponseBuilder`)
+        text = self.tokenizer.decode([t for t in token_ids if t not in stops], skip_special=False)
+        parsed, calls = read_calls(tool_request.parser, text)
+        return {"role": "assistant", "content": parsed.content, **({"tool_calls": calls} if calls else {})}
 
     async def respond(self, body: Any, identity: Identity | None = None) -> tuple[str, dict[str, Any]]:
         """``POST /v1/responses``: the request as a chat turn (`sfhpc.endpoint.responses`); returns the

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.fields import Fields
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
-from sfhpc.endpoint.tool_parsers import Parsed, partial_suffix
+from sfhpc.endpoint.tool_parsers import Parsed, ToolCallParser, partial_suffix
 from sfhpc.endpoint.tools import ToolRequest, history_message, read_tools
 from sfhpc.engine.tokenizer import ChatFormatError, ChatTokenizer
 
@@ -201,6 +201,15 @@ def _text_prompt(fields: Fields, tokenizer: ChatTokenizer) -> list[int]:
                      param="prompt")
 
 
+def read_calls(parser: ToolCallParser, reply: str, *, parallel: bool = True) -> tuple[Parsed, list[dict[str, Any]]]:
+    """A whole reply's text read for tool calls, and the calls in OpenAI's shape (each with a new id; the
+    first one only unless `parallel`)."""
+    parsed = parser.parse(reply)
+    calls = parsed.calls if parallel else parsed.calls[:1]
+    return parsed, [{"id": parser.call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in calls]
+
+
 class ResponseBuilder:
     """Builds the response body, or the streamed chunks, of one request.
 
@@ -273,11 +282,9 @@ class ResponseBuilder:
     def _read_calls(self, reply: str) -> tuple[list[dict[str, Any]], str | None]:
         """The whole reply read for tool calls: the calls in OpenAI's shape and the content."""
         assert self.parser is not None
-        self.parsed = parsed = self.parser.parse(reply)
         tools = self.request.tools
-        calls = parsed.calls if tools is None or tools.parallel else parsed.calls[:1]
-        return ([{"id": self.parser.call_id(), "type": "function",
-                  "function": {"name": c.name, "arguments": c.arguments}} for c in calls], parsed.content)
+        self.parsed, calls = read_calls(self.parser, reply, parallel=tools is None or tools.parallel)
+        return calls, self.parsed.content
 
     def _finish(self, result: TurnResult) -> str:
         called = self.parsed is not None and self.parsed.calls

@@ -202,24 +202,29 @@ def corpus(seed: int, lines: int = 4000, texts: Iterable[str] = ()) -> Iterator[
 _SAMPLE_TOOL = {"type": "function", "function": {"name": "f", "description": "", "parameters": {}}}
 
 
+def rendered_pieces(chat: ChatFormat, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = False) -> list[str]:
+    """The text `chat`'s template writes for a conversation (offering `tools`, when it renders them), cut
+    at its special and added tokens: what a tokenizer of that format is trained on."""
+    from sfhpc.engine.chat_template import render
+
+    rendered = render(chat.template, messages, add_generation_prompt=add_generation_prompt,
+                      special_tokens={"bos_token": chat.bos or ""}, tools=tools if "tools" in chat.template else None)
+    return [p for p in re.split("|".join(re.escape(t) for t in (*chat.special_tokens, *chat.added)), rendered) if p]
+
+
 def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
     """The text the chat template writes around messages (role names, separators, a tool call and the
     instructions that come with tools), between its special tokens, `repeats` times: so a role header is one
     or two tokens, not a spelling of bytes."""
-    from sfhpc.engine.chat_template import render
-
     messages: list[dict[str, Any]] = [{"role": role, "content": ""} for role in ("system", "user", "assistant")]
-    tools = None
     if "tools" in chat.template:
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "content": "", "tool_call_id": "c"}]
-        tools = [_SAMPLE_TOOL]
     else:
         messages.append({"role": "tool", "content": ""})
-    rendered = render(chat.template, messages, add_generation_prompt=True, special_tokens={"bos_token": chat.bos or ""},
-                      tools=tools)
-    pieces = [p for p in re.split("|".join(re.escape(t) for t in (*chat.special_tokens, *chat.added)), rendered) if p]
+    pieces = rendered_pieces(chat, messages, tools=[_SAMPLE_TOOL], add_generation_prompt=True)
     for _ in range(repeats):
         yield from pieces
 

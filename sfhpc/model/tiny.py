@@ -2,7 +2,8 @@
 
 It is an ordinary Hugging Face folder (`sfhpc.model.hf_folder`): a byte-level BPE tokenizer trained here on
 generated sentences and on the text of the run's task (so the task's prompts and replies are a few tokens
-each), the brief chat template (`sfhpc.model.hf_folder.BRIEF_TEMPLATE`), and random weights from the
+each), a chat template (``model.chat_format``; by default the brief one,
+`sfhpc.model.hf_folder.BRIEF_TEMPLATE`), and random weights from the
 recipe's seed. Engine, endpoint, trainer and warm start load it as they load any user's folder, through
 ``AutoTokenizer`` and ``AutoModelForCausalLM``; nothing in sfhpc treats it otherwise. No hub download.
 """
@@ -15,31 +16,29 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.config.recipe import ModelSpec
-from sfhpc.model.hf_folder import HEAD_DIM, build_hf_model
+from sfhpc.model.hf_folder import FORMATS, HEAD_DIM, build_hf_model, rendered_pieces
 from sfhpc.tasks.base import Task
 
 TASK_TEXT_CONVERSATIONS = 2000  # the task's format examples the tokenizer is trained on
-DEFAULT_CHAT_FORMAT = "brief"  # one token per role header: a tiny model learns the task's mapping sooner
 
 
-def task_texts(task: Task, seed: int, conversations: int = TASK_TEXT_CONVERSATIONS) -> Iterator[str]:
-    """The messages of the task's format examples (`Task.warm_start_examples`, which leave the task's own
-    sampler where it is), one text each."""
+def task_texts(task: Task, seed: int, chat_format: str, conversations: int = TASK_TEXT_CONVERSATIONS) -> Iterator[str]:
+    """The task's format examples (`Task.warm_start_examples`, which leave the task's own sampler where it
+    is) as `chat_format`'s template writes them, with the task's tools: the messages, and the tool calls
+    and tool list in the template's spelling, so that a call is a few tokens too."""
     rng = random.Random(seed)
+    chat = FORMATS[chat_format]
     for conversation in task.warm_start_examples(rng, conversations):
-        for message in conversation:
-            content = message.get("content")
-            if isinstance(content, str) and content:
-                yield content
+        yield from rendered_pieces(chat, conversation, tools=task.tools)
 
 
 def build_tiny_model(spec: ModelSpec, out_dir: str | Path, seed: int = 0, task: Task | None = None) -> Path:
     """Train the tokenizer (on `task`'s text too, when given), initialise the model from `seed` and save the
     folder into `out_dir`."""
-    texts = list(task_texts(task, seed)) if task is not None else []
+    texts = list(task_texts(task, seed, spec.chat_format)) if task is not None else []
     return build_hf_model(out_dir, spec.architecture, layers=spec.layers, hidden_size=spec.hidden_size,
                           heads=spec.heads, tokenizer_vocab=spec.tokenizer_vocab, max_seq_len=spec.max_seq_len,
-                          dtype=spec.dtype, seed=seed, texts=texts, chat_format=DEFAULT_CHAT_FORMAT)
+                          dtype=spec.dtype, seed=seed, texts=texts, chat_format=spec.chat_format)
 
 
 def llama_config(spec: ModelSpec) -> dict[str, Any]:

@@ -40,9 +40,12 @@ def runnable_problems(recipe: Recipe) -> list[str]:
                         f"`sfhpc probe {recipe.source}`")
     else:
         try:
-            get_task(recipe.task, recipe.source).check()
+            task = get_task(recipe.task, recipe.source)
+            task.check()
         except SfhpcError as exc:
             problems.append(str(exc))
+        else:
+            problems += _tool_format_problems(recipe, task)
     if recipe.model.path is not None:
         from sfhpc.model.folder import model_folder_problem
 
@@ -51,6 +54,17 @@ def runnable_problems(recipe: Recipe) -> list[str]:
             problems.append(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
                             "leave model.path out to build sfhpc's own tiny model")
     return problems
+
+
+def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
+    """A task that offers tools needs a built model whose chat template renders them."""
+    from sfhpc.model.hf_folder import FORMATS
+
+    chat_format = recipe.model.chat_format
+    if not task.tools or recipe.model.path is not None or "tools" in FORMATS[chat_format].template:
+        return []
+    return [f"{recipe.source}: model.chat_format: task '{recipe.task.name}' offers tools, which the '{chat_format}' "
+            "template does not render: use qwen2_tools or llama_tools"]
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
@@ -84,7 +98,10 @@ def _build_model(recipe: Recipe, task: Task, path: Path) -> None:
             print(f"warm start: {recipe.model.warm_start_steps} steps on the reply format, loss {loss:.3f}",
                   flush=True)
 
-    if build_or_copy(path, lambda: build_key(recipe.model, recipe.seed, task_texts(task, recipe.seed)), build):
+    def key() -> str:
+        return build_key(recipe.model, recipe.seed, task_texts(task, recipe.seed, recipe.model.chat_format))
+
+    if build_or_copy(path, key, build):
         print(f"model: the same build as before, from the cache ({path})", flush=True)
 
 

@@ -189,7 +189,7 @@ class RolloutWorker:
                                                     stop_token_ids=tuple(tokenizer.chat_stop_ids)))
             result = await self.endpoint.complete(request)
             replies[-1] += result.token_ids
-        return ResumePoint(trajectory.id, tuple(tokenizer.decode(r) for r in replies))
+        return ResumePoint(trajectory.id, tuple(self.server.api.reply_message(r, self.task.tools) for r in replies))
 
     def sync_weights(self, version: int) -> float:
         """Bring the engine to `version`; returns the seconds the engine was paused.

@@ -24,29 +24,50 @@ from sfhpc.tasks.base import Problem, Task
 
 @dataclasses.dataclass(frozen=True)
 class Reply:
-    text: str
+    """A reply as the agent received it: OpenAI's assistant message (``content``, and ``tool_calls`` when
+    the policy called tools), the trajectory it continues and why it ended."""
+
+    message: dict[str, Any]
     trajectory_id: str
     finish_reason: str
 
+    @classmethod
+    def of_text(cls, text: str, trajectory_id: str, finish_reason: str = "stop") -> Reply:
+        return cls({"role": "assistant", "content": text}, trajectory_id, finish_reason)
+
+    @property
+    def text(self) -> str:
+        return self.message.get("content") or ""
+
 
 class ChatBackend(abc.ABC):
-    """One chat call to the policy for a given trajectory (None: start a new one)."""
+    """One chat call to the policy for a given trajectory (None: start a new one), offering `tools`
+    (OpenAI's function tools) when the task has them."""
 
     @abc.abstractmethod
-    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
-                   max_tokens: int, seed: int | None) -> Reply: ...
+    async def chat(self, messages: list[dict[str, Any]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None, tools: list[dict[str, Any]] | None = None) -> Reply: ...
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    """The assistant message as the history sends it back: its role, content and tool calls only."""
+    kept = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        kept["tool_calls"] = message["tool_calls"]
+    return kept
 
 
 class LocalChat(ChatBackend):
     def __init__(self, client: AsyncLocalClient, model: str) -> None:
         self.client, self.model = client, model
 
-    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
-                   max_tokens: int, seed: int | None) -> Reply:
+    async def chat(self, messages: list[dict[str, Any]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None, tools: list[dict[str, Any]] | None = None) -> Reply:
+        offered: dict[str, Any] = {"tools": tools} if tools else {}
         body = await self.client.chat(trajectory_id=trajectory_id, task=task, group=group, model=self.model,
-                                      messages=messages, max_tokens=max_tokens, seed=seed)
+                                      messages=messages, max_tokens=max_tokens, seed=seed, **offered)
         choice = body["choices"][0]
-        return Reply(choice["message"]["content"], body["trajectory_id"], choice["finish_reason"])
+        return Reply(_message(choice["message"]), body["trajectory_id"], choice["finish_reason"])
 
 
 class OpenAIChat(ChatBackend):
@@ -58,26 +79,28 @@ class OpenAIChat(ChatBackend):
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         self.model = model
 
-    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
-                   max_tokens: int, seed: int | None) -> Reply:
+    async def chat(self, messages: list[dict[str, Any]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None, tools: list[dict[str, Any]] | None = None) -> Reply:
         headers = {"X-Task": task, "X-Group": group}
         if trajectory_id is not None:
             headers["X-Trajectory-Id"] = trajectory_id
         reply: Any = await self.client.chat.completions.create(
-            model=self.model, messages=messages, max_tokens=max_tokens, seed=seed,  # type: ignore[arg-type]
-            extra_headers=headers)
+            model=self.model, messages=messages, max_tokens=max_tokens, seed=seed,
+            extra_headers=headers, **({"tools": tools} if tools else {}))  # type: ignore[call-overload]
         choice = reply.choices[0]
-        return Reply(choice.message.content or "", reply.model_extra["trajectory_id"], choice.finish_reason)
+        message = _message(choice.message.model_dump(exclude_none=True))
+        return Reply(message, reply.model_extra["trajectory_id"], choice.finish_reason)
 
 
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """Where an episode of an earlier allocation stopped: its trajectory and the policy's whole replies so
-    far (text, as the agent received them). The episode is rebuilt by replaying those replies, which
-    holds for any task whose episode is a function of its problem and the replies (every shipped task)."""
+    far (assistant messages, as the agent received them). The episode is rebuilt by replaying those
+    replies, which holds for any task whose episode is a function of its problem and the replies (every
+    shipped task)."""
 
     trajectory_id: str
-    replies: tuple[str, ...]
+    replies: tuple[dict[str, Any], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +138,14 @@ async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, gr
             bound = episode.reply_tokens()  # the problem's own bound on this reply, if it has one
             reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
                                        max_tokens=reply_tokens if bound is None else min(bound, reply_tokens),
-                                       seed=None if seed is None else seed + turn)
+                                       seed=None if seed is None else seed + turn, tools=task.tools)
         if trajectory_id is None and on_trajectory is not None:
             on_trajectory(reply.trajectory_id)
         trajectory_id = reply.trajectory_id
-        result = episode.step(reply.text)
+        result = episode.step_message(reply.message)
         turn_rewards.append(result.turn_reward)
         if result.done:
             return EpisodeOutcome(trajectory_id, result.reward, turn, tuple(turn_rewards))
-        messages = [*messages, {"role": "assistant", "content": reply.text},
-                    {"role": "user", "content": result.observation or ""}]
+        messages = [*messages, reply.message, *result.next_messages()]
     assert trajectory_id is not None
     return EpisodeOutcome(trajectory_id, 0.0, task.max_turns, tuple(turn_rewards))

@@ -2,7 +2,9 @@
 
 An agent opens an episode with its first messages, sends them to the policy (through the agent
 endpoint), and hands the reply to `Episode.step`. The episode answers with the next user message (the
-environment's observation) or ends with a reward. Single-turn tasks end after the first reply;
+environment's observation) or ends with a reward. A task that offers function tools (`Task.tools`) reads
+the whole reply message instead (`Episode.step_message`: its text and its tool calls) and answers a call
+with the tool's results (`StepResult.messages`). Single-turn tasks end after the first reply;
 multi-turn ones decide themselves how long an episode runs (the number of turns may be long-tailed).
 Rewards are verifiable: computed from the reply text, never from a model.
 
@@ -34,6 +36,13 @@ class StepResult:
     reward: float = 0.0
     observation: str | None = None
     turn_reward: float = 0.0
+    # The messages that answer the reply instead of a user observation: the results of the tools it
+    # called (``{"role": "tool", "tool_call_id": ..., "content": ...}``), in the order of its calls.
+    messages: tuple[dict[str, Any], ...] = ()
+
+    def next_messages(self) -> list[dict[str, Any]]:
+        """What the agent sends after the reply: the tools' results, or the observation as a user message."""
+        return [dict(m) for m in self.messages] or [{"role": "user", "content": self.observation or ""}]
 
 
 class Episode(abc.ABC):
@@ -46,6 +55,13 @@ class Episode(abc.ABC):
     @abc.abstractmethod
     def step(self, reply: str) -> StepResult:
         """Judge the policy's reply; a done result carries the episode's final reward."""
+
+    def step_message(self, message: dict[str, Any]) -> StepResult:
+        """Judge the policy's reply as the agent received it, OpenAI's assistant message: ``content`` and,
+        when the task offers tools, ``tool_calls`` (each ``{"id", "type": "function", "function": {"name",
+        "arguments"}}``, the arguments a JSON string). A task with tools overrides this; the default judges
+        the text alone (`step`)."""
+        return self.step(message.get("content") or "")
 
     def reply_tokens(self) -> int | None:
         """Tokens the next reply may hold, when the problem itself bounds it (a reply whose right length is

@@ -22,6 +22,7 @@ BUILTIN_TASKS: dict[str, str] = {
     "next-letter": "sfhpc.tasks.letters:NextLetterTask",
     "guess-number": "sfhpc.tasks.guess_number:GuessNumberTask",
     "dataset": "sfhpc.tasks.dataset:DatasetTask",
+    "arith-tool": "sfhpc.tasks.arith_tool:ArithToolTask",
     "repeat-letter": "sfhpc.tasks.long_tail:RepeatLetterTask",
     "letter-chain": "sfhpc.tasks.letter_chain:LetterChainTask",
 }

@@ -6,6 +6,7 @@ import asyncio
 import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore, open_store
@@ -21,14 +22,14 @@ class _Backend(ChatBackend):
     def __init__(self, manager: TrajectoryManager, delays: dict[int, float] | None = None) -> None:
         self.manager, self.delays, self.turns = manager, delays or {}, 0
 
-    async def chat(self, messages: list[dict[str, str]], *, trajectory_id: str | None, task: str, group: str,
-                   max_tokens: int, seed: int | None) -> Reply:
+    async def chat(self, messages: list[dict[str, Any]], *, trajectory_id: str | None, task: str, group: str,
+                   max_tokens: int, seed: int | None, tools: list[dict[str, Any]] | None = None) -> Reply:
         self.turns += 1
         if trajectory_id is None:
             trajectory_id = self.manager.start([1, 2, 3], task=task, group=group)
         await asyncio.sleep(self.delays.get(self.turns, 0.0))
         self.manager.add_generated(trajectory_id, [7], [-0.5], 0)
-        return Reply("7", trajectory_id, "stop")
+        return Reply.of_text("7", trajectory_id)
 
 
 class _Episode(Episode):
