@@ -103,10 +103,10 @@ class ModelSpec:
                                         "(264 to 65536; 264: no merges)")
     dtype: Literal["bfloat16", "float32"] = setting("bfloat16", "the engines' dtype, in which the trainer publishes "
                                                                 "the weights (it keeps float32 master weights)")
-    chat_format: Literal["brief", "qwen2", "llama", "qwen2_tools", "llama_tools"] = setting(
-        "brief", "the built model's chat template: brief (one token per role, the quickest to learn), qwen2 (ChatML), "
-                 "llama (Llama 3), qwen2_tools (Qwen2.5's, with tool calls), llama_tools (Llama 3.1's, with tool "
-                 "calls) (without path)")
+    chat_format: Literal["brief", "brief_tools", "qwen2", "llama", "qwen2_tools", "llama_tools"] = setting(
+        "brief", "the built model's chat template: brief (one token per role, the quickest to learn), brief_tools "
+                 "(brief with Hermes-style tool calls), qwen2 (ChatML), llama (Llama 3), qwen2_tools (Qwen2.5's, "
+                 "with tool calls), llama_tools (Llama 3.1's, with tool calls) (without path)")
     warm_start_steps: int = setting(0, "supervised steps on the task's reply format before RL (built model only; 0: "
                                        "none)")
     warm_start_learning_rate: float = setting(1e-3, "the learning rate of the warm start")

@@ -14,6 +14,7 @@ from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault
 from sfhpc.runtime.comm_layout import build_comm_layout
 from sfhpc.runtime.identity import RankIdentity
+from sfhpc.runtime.idle_wait import bcast_when_ready
 from sfhpc.tasks import Task, get_task
 
 log = logging.getLogger("sfhpc")
@@ -64,7 +65,7 @@ def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
     if not task.tools or recipe.model.path is not None or "tools" in FORMATS[chat_format].template:
         return []
     return [f"{recipe.source}: model.chat_format: task '{recipe.task.name}' offers tools, which the '{chat_format}' "
-            "template does not render: use qwen2_tools or llama_tools"]
+            "template does not render: use brief_tools, qwen2_tools or llama_tools"]
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
@@ -78,7 +79,7 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
             path = RunPaths(run_dir).model
             if not (path / "config.json").exists():  # a restarted run keeps the model it built
                 _build_model(recipe, task, path)
-    return Path(world.bcast(str(path) if path else None, root=0))
+    return Path(bcast_when_ready(world, str(path) if path else None))
 
 
 def _build_model(recipe: Recipe, task: Task, path: Path) -> None:
