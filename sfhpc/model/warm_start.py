@@ -8,6 +8,7 @@ chance level, and RL has to do the rest.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,11 +46,25 @@ def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int
                seed: int = 0, save_dtype: str = "bfloat16") -> float:
     """Train the model in `model_dir` on the task's format examples and save it in place; returns the last loss."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    tokenizer = load_tokenizer(model_dir)
+    # Under mpiexec torch starts with one thread; the other ranks wait asleep for this model
+    # (`sfhpc.runtime.idle_wait`), so its warm start may use every core the process may run on.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+    try:
+        return _train(model_dir, task, tokenizer=load_tokenizer(model_dir), rng=rng, steps=steps,
+                      batch_size=batch_size, learning_rate=learning_rate, save_dtype=save_dtype)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(model_dir: str | Path, task: Task, *, tokenizer: ChatTokenizer, rng: random.Random, steps: int,
+           batch_size: int, learning_rate: float, save_dtype: str) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
