@@ -142,6 +142,9 @@ class AlgorithmSpec:
                                                    "(PPO-clip; advantages: reward minus the batch mean)")
     group_size: int = setting(8, "answers per prompt: GRPO normalises rewards within them (GRPO needs at least 2)")
     learning_rate: float = setting(1e-4, "the AdamW learning rate")
+    warmup_steps: int = setting(0, "training steps over which the learning rate rises linearly to learning_rate "
+                                   "(Adam's first steps move every weight by about the learning rate, whatever the "
+                                   "gradient's size; 0: none)")
     clip_ratio: float = setting(0.2, "eps_low of the clipped surrogate: the ratio is clipped to [1 - clip_ratio, 1 + "
                                      "clip_ratio_high]")
     clip_ratio_high: float | None = setting(None, "eps_high, the upper clip range (null: clip_ratio; e.g. 0.28 for "
@@ -171,6 +174,8 @@ class AlgorithmSpec:
         for key in ("learning_rate", "max_grad_norm", "adam_eps", "advantage_eps"):
             if not getattr(self, key) > 0:
                 found.append((key, f"must be more than 0, found {getattr(self, key)}"))
+        if self.warmup_steps < 0:
+            found.append(("warmup_steps", f"must be 0 or more, found {self.warmup_steps}"))
         for key in ("kl_coef", "weight_decay"):
             if not getattr(self, key) >= 0:
                 found.append((key, f"must be 0 or more, found {getattr(self, key)}"))
@@ -190,6 +195,13 @@ class AlgorithmSpec:
             found.append(("temperature", f"must be more than 0 and at most 2, found {self.temperature} "
                           "(greedy decoding, temperature 0, has no sampling distribution to train on)"))
         return found
+
+    def learning_rate_at(self, step: int) -> float:
+        """The learning rate of training step `step` (0 the first): the warm-up's linear rise, then
+        ``learning_rate``. Every training backend sets it before each optimiser step."""
+        if not self.warmup_steps:
+            return self.learning_rate
+        return self.learning_rate * min(1.0, (step + 1) / self.warmup_steps)
 
     def validate(self, where: Where) -> None:
         found = self.problems()

@@ -79,7 +79,8 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
             path = RunPaths(run_dir).model
             if not (path / "config.json").exists():  # a restarted run keeps the model it built
                 _build_model(recipe, task, path)
-    return Path(bcast_when_ready(world, str(path) if path else None))
+    shared: str = bcast_when_ready(world, str(path) if path else "")  # rank 0 always has a path
+    return Path(shared)
 
 
 def _build_model(recipe: Recipe, task: Task, path: Path) -> None:

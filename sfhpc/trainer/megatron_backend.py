@@ -384,6 +384,8 @@ class MegatronTrainer:
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
             num_microbatches=num_micro, seq_length=int(local.tokens.shape[1]),
             micro_batch_size=microbatches[0].size, forward_only=False)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.algorithm.learning_rate_at(self.step)
         updated, grad_norm, _ = self.optimizer.step()
         if not updated:
             raise TrainerError("the optimizer skipped the step (non-finite gradients)")

@@ -147,6 +147,8 @@ class TorchTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()  # DDP averages gradients over ranks here
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.learning_rate_at(self.step)
         self.optimizer.step()
 
         staleness = (self.policy_version - local.versions).clamp(min=0) * local.generated

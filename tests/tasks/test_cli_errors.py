@@ -1,6 +1,7 @@
 """A recipe whose task cannot work is refused by ``sfhpc run`` and ``sfhpc launch`` in one line, before any
 job starts and before anything is written: a bad data file, a reward or task that does not import or has
-the wrong signature; ``sfhpc check`` finds each of them alike."""
+the wrong signature, a task with tools and a built model whose chat template renders none; ``sfhpc
+check`` finds each of them alike."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ TASKS = {
                          "reward: \"signatures.py:score\"}}",
                          "'signatures.py:score' has the signature (reply=''); it must take (reply, answer)"),
     "task is not a task": ("{name: \"signatures.py:score\"}", "'signatures.py:score' returned an object of type"),
+    "tools the template does not render": ("{name: arith-tool}", "model.chat_format: task 'arith-tool' offers tools, "
+                                           "which the 'brief' template does not render: use brief_tools"),
 }
 
 

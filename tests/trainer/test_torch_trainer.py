@@ -223,6 +223,23 @@ def test_the_recipe_algorithm_reaches_the_optimiser(tiny_model_dir: Path) -> Non
         TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=0.0))
 
 
+def test_the_learning_rate_warms_up(tiny_model_dir: Path) -> None:
+    spec = AlgorithmSpec(learning_rate=1e-3, warmup_steps=4)
+    assert [spec.learning_rate_at(step) for step in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    trainer = TorchTrainer(tiny_model_dir, spec)
+
+    def largest_move() -> float:
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        trainer.train_step(toy_batch())
+        return max(float((p.detach() - b).abs().max()) for p, b in zip(trainer.model.parameters(), before))
+
+    # Adam's first step moves a weight by about the learning rate whatever its gradient: here the warm-up's.
+    assert largest_move() == pytest.approx(2.5e-4, rel=0.05)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(2.5e-4)
+    largest_move()
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(5e-4)
+
+
 def test_max_grad_norm_clips_the_step(tiny_model_dir: Path) -> None:
     def first_moments(max_grad_norm: float) -> tuple[float, torch.Tensor]:
         trainer = TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=1e-3, max_grad_norm=max_grad_norm))
