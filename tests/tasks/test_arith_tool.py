@@ -43,7 +43,8 @@ def test_a_call_is_answered_by_the_tool_and_the_answer_is_judged() -> None:
     assert isinstance(task, ArithToolTask) and task.max_turns == 3
     assert [t["function"]["name"] for t in task.tools or []] == ["multiply"]
     problem = task.sample(random.Random(3))
-    question, answer, a, b = problem.data
+    question, answer, a, b, sign = problem.data
+    assert sign == "*"
     assert f"{a} bags of {b}" in question and answer == a * b
     episode = task.episode(problem)
     assert episode.opening() == [{"role": "user", "content": question}]
@@ -54,10 +55,11 @@ def test_a_call_is_answered_by_the_tool_and_the_answer_is_judged() -> None:
     assert episode.step_message({"role": "assistant", "content": str(a * b + 1)}).reward == 0.0
 
 
-def test_the_warm_start_teaches_the_call_not_the_choice() -> None:
+def test_the_warm_start_calls_the_right_tool_one_time_in_three_and_reads_the_verb() -> None:
     task = ArithToolTask()
-    examples = task.warm_start_examples(random.Random(0), 300)
+    examples = task.warm_start_examples(random.Random(0), 600)
     needed = {"found": "add", "got": "add", "lost": "subtract", "used": "subtract", "bags": "multiply"}
+    mistaken = {"add": "subtract", "subtract": "multiply", "multiply": "add"}  # the next operator's tool
     right = 0
     for user, called, result, answer in examples:
         function = called["tool_calls"][0]["function"]
@@ -65,8 +67,9 @@ def test_the_warm_start_teaches_the_call_not_the_choice() -> None:
         assert result["content"] == answer["content"] == call_result(called["tool_calls"][0])
         assert f"{arguments['a']}," in user["content"] or f"{arguments['a']} bags of {arguments['b']}" in user["content"]
         verb = next(v for v in ("bags", "found", "lost", "used", "got") if v in user["content"].split("?")[1])
+        assert function["name"] in (needed[verb], mistaken[needed[verb]])  # the choice depends on the verb
         right += function["name"] == needed[verb]
-    assert 0.2 < right / len(examples) < 0.45  # about one in three: the tool is drawn at random
+    assert 0.25 < right / len(examples) < 0.42  # one in three
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +92,7 @@ def test_the_agent_plays_an_episode_with_the_tool_through_the_endpoint(folder: P
     tokenizer = HFTokenizer.from_folder(folder)
     task = ArithToolTask(operators="-")
     problem = task.sample(random.Random(5))
-    _, answer, a, b = problem.data
+    _, answer, a, b, _ = problem.data
     written = f'<tool_call>{{"name": "subtract", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
     engine = ReplyingEngine([tokenizer.encode(t) + [tokenizer.chat_stop_ids[0]] for t in (written, str(answer))])
     manager = TrajectoryManager()
