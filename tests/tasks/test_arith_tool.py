@@ -1,8 +1,8 @@
 """arith-tool: each tool computes its operation on two numbers and refuses anything else; a reply that calls
-one gets the result as a tool message, the first reply without a call is judged; and sfhpc's own agent plays an episode through
-the endpoint with tools offered: the model's call (written by a test engine in the brief_tools format of a
-built model folder) is parsed, run, its result sent back, and the answer judged, every token in one
-trajectory. After a restart the agent replays a recorded call as the call it was."""
+one gets the result as a tool message, the first reply without a call is judged; and sfhpc's own agent
+plays an episode through the endpoint with tools offered: the model's call (written by a test engine in the
+brief_tools format of a built model folder) is parsed, run, its result sent back, and the answer judged,
+every token in one trajectory. After a restart the agent replays a recorded call as the call it was."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def test_the_warm_start_calls_the_right_tool_one_time_in_three_and_reads_the_ver
         function = called["tool_calls"][0]["function"]
         arguments = json.loads(function["arguments"])
         assert result["content"] == answer["content"] == call_result(called["tool_calls"][0])
-        assert f"{arguments['a']}," in user["content"] or f"{arguments['a']} bags of {arguments['b']}" in user["content"]
+        a, b = arguments["a"], arguments["b"]
+        assert f"had {a}, then" in user["content"] or f"{a} bags of {b}" in user["content"]
         verb = next(v for v in ("bags", "found", "lost", "used", "got") if v in user["content"].split("?")[1])
         assert function["name"] in (needed[verb], mistaken[needed[verb]])  # the choice depends on the verb
         right += function["name"] == needed[verb]
