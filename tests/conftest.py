@@ -9,10 +9,13 @@ once); the Slurm group first, as the longest.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -62,6 +65,18 @@ def run_sfhpc(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-m", "sfhpc", *args], cwd=cwd, env=full_env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def run_recipe(tmp_path: Path, text: str, timeout: float = 900) -> tuple[Path, list[dict[str, Any]]]:
+    """`sfhpc run` of a recipe's text (its runs under `tmp_path`), which must succeed; returns the run folder
+    and its metrics rows."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text + f"output_dir: {tmp_path / 'runs'}\n")
+    done = run_sfhpc("run", str(recipe), timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reward curve" in done.stdout and "trajectory store:" in done.stdout
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    return run_dir, [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def assert_one_line_error(done: subprocess.CompletedProcess[str], *fragments: str) -> str:

@@ -8,14 +8,12 @@ a Hugging Face folder `test_rl_hf_models.py`.
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_sfhpc
+from tests.conftest import run_recipe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
@@ -34,19 +32,8 @@ roles:
 """
 
 
-def run(tmp_path: Path, text: str) -> tuple[Path, list[dict]]:
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(text + f"output_dir: {tmp_path / 'runs'}\n")
-    done = run_sfhpc("run", str(recipe), timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert "reward curve" in done.stdout and "trajectory store:" in done.stdout
-    return run_dir, rows
-
-
 def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
-    run_dir, rows = run(tmp_path, LEARN.replace("STEPS", "60"))
+    run_dir, rows = run_recipe(tmp_path, LEARN.replace("STEPS", "60"))
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 60
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])

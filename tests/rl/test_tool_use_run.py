@@ -9,7 +9,6 @@ learning rate keep this run short (about 2 minutes).
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 
 from sfhpc.data.store_reader import open_store
 from sfhpc.engine.hf_tokenizer import HFTokenizer
-from tests.conftest import RECIPES, run_sfhpc
+from tests.conftest import RECIPES, run_recipe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
@@ -32,12 +31,7 @@ def test_the_tool_use_recipe_learns_which_tool_to_call(tmp_path: Path) -> None:
     text = text.replace("model:\n", "model:\n  layers: 2\n  hidden_size: 128\n  heads: 2\n", 1)
     text = re.sub(r"learning_rate: \S+", "learning_rate: 6.0e-4", text)  # the short run learns sooner
     assert f"steps: {STEPS}" in text and "layers: 2" in text and "learning_rate: 6.0e-4" in text
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(text + f"seed: 1\noutput_dir: {tmp_path / 'runs'}\n")
-    done = run_sfhpc("run", str(recipe), timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir, rows = run_recipe(tmp_path, text + "seed: 1\n")
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == STEPS
     first, last = np.mean(rewards[:6]), np.mean(rewards[-6:])
