@@ -211,6 +211,10 @@ _WORDS = tuple(_WORDS_TEXT.split(" "))
 # so a generation prompt ending in "\n\n" would not be a prefix of the same turn with its reply).
 SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Qwen2's cuts every digit apart. transformers opens a folder whose config says qwen2 with its Qwen2Tokenizer,
+# which sets this pattern whatever tokenizer.json says: with Llama 3's, "42" was one token to sfhpc and two
+# to transformers.
+QWEN2_SPLIT_PATTERN = SPLIT_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 
 def corpus(seed: int, lines: int = 4000, texts: Iterable[str] = ()) -> Iterator[str]:
@@ -264,7 +268,8 @@ def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
         yield from pieces
 
 
-def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, texts: Iterable[str] = ()) -> Any:
+def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, texts: Iterable[str] = (),
+                    split_pattern: str = SPLIT_PATTERN) -> Any:
     """A byte-level BPE trained on `corpus` (with `texts`) and the template's own text, wrapped as a
     ``PreTrainedTokenizerFast`` with `chat`'s special tokens and template."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -272,7 +277,7 @@ def train_tokenizer(chat: ChatFormat, *, vocab_size: int = 512, seed: int = 0, t
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(chat.special_tokens),
@@ -318,7 +323,8 @@ def build_hf_model(out_dir: str | Path, architecture: Architecture = "qwen2", *,
     chat = FORMATS[chat_format or architecture]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed, texts=texts)
+    tokenizer = train_tokenizer(chat, vocab_size=tokenizer_vocab, seed=seed, texts=texts,
+                                split_pattern=QWEN2_SPLIT_PATTERN if architecture == "qwen2" else SPLIT_PATTERN)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in
            (("eos_token_id", chat.eos), ("pad_token_id", chat.pad), ("bos_token_id", chat.bos)) if token}
     vocab = -(-len(tokenizer) // 64) * 64  # embedding rows padded to a multiple of 64, as real models do

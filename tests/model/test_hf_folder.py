@@ -49,6 +49,18 @@ def test_the_folder_loads_in_transformers_as_its_architecture(built: tuple[str, 
     assert tokenizer.chat_template
 
 
+def test_transformers_cuts_text_as_the_folders_tokenizer_does(built: tuple[str, Path]) -> None:
+    """transformers opens a qwen2 folder with its own Qwen2Tokenizer, which sets Qwen2's split pattern (every
+    digit apart) whatever tokenizer.json says: the built folder uses that pattern, so numbers are the same
+    tokens to sfhpc (engine, endpoint, trainer) and to transformers."""
+    from transformers import AutoTokenizer
+
+    _, folder = built
+    text = "Hal had 42, then found 555.\n\n  x  y's 7"
+    ours = HFTokenizer.from_folder(folder)
+    assert AutoTokenizer.from_pretrained(folder)(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
 def test_chat_tokens_and_stop_ids_are_the_templates(built: tuple[str, Path]) -> None:
     arch, folder = built
     assert tokenizer_kind(folder) == "hf"
