@@ -27,7 +27,7 @@ A third format, ``brief``, is the shortest a chat can be: one special token per 
 message (``<|bos|><|user|>...<|end|><|assistant|>``). sfhpc's own default model uses it (`sfhpc.model.tiny`):
 the fewer constant tokens between a question and its answer, the sooner a tiny model's reply depends on the
 question. ``brief_tools`` is ``brief`` with function tools as short: one line per tool in the system message
-(``calculator(expression)``), a call as Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
+(``add(a, b)``), a call as Hermes' ``<tool_call>{"name": ..., "arguments": ...}</tool_call>``
 (two tokens of their own, read by the ``hermes`` parser), a result as a ``<|tool|>`` message. Qwen2.5's
 format writes about 140 tokens of instructions and schemas into every prompt; this one about 6, which is
 what lets a CPU run of a tool-using task train several times as many steps.
@@ -179,6 +179,11 @@ class ChatFormat:
     stop: tuple[str, ...] = ()  # generation_config's eos_token_id: every token that ends a reply
     added: tuple[str, ...] = ()  # one token each but not special (kept in decoded text): Qwen2.5's tool tags
 
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template writes the offered function tools and the calls of a reply."""
+        return "tools" in self.template
+
 
 FORMATS: dict[str, ChatFormat] = {
     "qwen2": ChatFormat(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), CHATML_TEMPLATE,
@@ -248,7 +253,7 @@ def rendered_pieces(chat: ChatFormat, messages: list[dict[str, Any]], *, tools: 
     from sfhpc.engine.chat_template import render
 
     rendered = render(chat.template, messages, add_generation_prompt=add_generation_prompt,
-                      special_tokens={"bos_token": chat.bos or ""}, tools=tools if "tools" in chat.template else None)
+                      special_tokens={"bos_token": chat.bos or ""}, tools=tools if chat.renders_tools else None)
     return [p for p in re.split("|".join(re.escape(t) for t in (*chat.special_tokens, *chat.added)), rendered) if p]
 
 
@@ -257,7 +262,7 @@ def template_texts(chat: ChatFormat, repeats: int = 200) -> Iterator[str]:
     instructions that come with tools), between its special tokens, `repeats` times: so a role header is one
     or two tokens, not a spelling of bytes."""
     messages: list[dict[str, Any]] = [{"role": role, "content": ""} for role in ("system", "user", "assistant")]
-    if "tools" in chat.template:
+    if chat.renders_tools:
         call = {"type": "function", "function": {"name": "f", "arguments": {}}}
         messages += [{"role": "assistant", "content": "", "tool_calls": [call]},
                      {"role": "tool", "content": "", "tool_call_id": "c"}]

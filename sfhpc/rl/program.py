@@ -62,7 +62,7 @@ def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
     from sfhpc.model.hf_folder import FORMATS
 
     chat_format = recipe.model.chat_format
-    if not task.tools or recipe.model.path is not None or "tools" in FORMATS[chat_format].template:
+    if not task.tools or recipe.model.path is not None or FORMATS[chat_format].renders_tools:
         return []
     return [f"{recipe.source}: model.chat_format: task '{recipe.task.name}' offers tools, which the '{chat_format}' "
             "template does not render: use brief_tools, qwen2_tools or llama_tools"]
