@@ -81,6 +81,15 @@ class RunPaths:
         return self.root / "reward.png"
 
     @property
+    def agent_hosts(self) -> Path:
+        """One JSON file per agent host of an ``agents`` role (its URL and token, mode 0600): how the
+        rollout ranks find them (`sfhpc.rollout.agent_host`)."""
+        return self.root / "agent-hosts"
+
+    def agent_host_log(self, name: str) -> Path:
+        return self.logs / f"agent-host-{name}.log"
+
+    @property
     def submitit(self) -> Path:
         """The job folder `sfhpc launch` hands to submitit (the pickled rank program, its results)."""
         return self.root / "submitit"

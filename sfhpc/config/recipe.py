@@ -10,6 +10,9 @@ roles on a cluster through the admin's tag map.
       rollout:    {tags: [rollout], nodes: 2, tasks_per_node: 1}
 
 A colocated recipe runs rollout on the trainer's own ranks: ``rollout: {colocate_with: trainer}``.
+
+A recipe with an agent program may give it nodes of its own (a site's CPU partition): ``agents: {tags: [cpu],
+nodes: 2}``. Agent hosts are not ranks of the MPI world (`sfhpc.rollout.agent_host`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from sfhpc.config.cluster import check_name
 from sfhpc.config.schema import Where, build, doc, setting
 from sfhpc.config.yaml_source import read_yaml
 
-RoleName = Literal["controller", "trainer", "rollout", "reward"]
+RoleName = Literal["controller", "trainer", "rollout", "agents", "reward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +42,10 @@ class Role:
     """
 
     name: RoleName = dataclasses.field(metadata=doc("the role: controller (the one rank that runs the RL loop, "
-                                                    "trajectory manager and store), trainer or rollout (a reward "
-                                                    "role is refused: rewards are computed where episodes play)"))
+                                                    "trajectory manager and store), trainer, rollout, or agents "
+                                                    "(nodes of their own for the recipe's agent programs, outside "
+                                                    "the MPI world; a reward role is refused: rewards are computed "
+                                                    "where episodes play)"))
     tags: tuple[str, ...] = setting((), "capability tags every node of this role carries (the cluster map says which "
                                         "pools offer them); needed for a role on nodes of its own")
     nodes: int = setting(1, "nodes of its own (a role with tags)")
@@ -369,26 +374,39 @@ SFHPC_PYTHON = ("python", "python3")  # in an agent command: the interpreter sfh
 
 @dataclasses.dataclass(frozen=True)
 class AgentSpec:
-    """An agent program of the user's own, started once per episode on the rollout ranks (see
-    `sfhpc.rollout.agent_process`): ``command`` is its argv, at most ``workers`` run at once per rollout rank,
-    and one still running after ``timeout_s`` (default: ``budgets.episode_timeout_s``) is killed, its episode
-    failed. The program reaches the endpoint at ``OPENAI_BASE_URL``; ``host`` is the address the endpoint
-    binds (``0.0.0.0`` for programs on other nodes) and ``advertise_host`` the name that URL gives (default:
-    the bound address, or the node's host name for ``0.0.0.0``). A relative program path is read from the
-    recipe's folder, a bare name from ``PATH``; a bare ``python`` or ``python3`` is the interpreter sfhpc runs
-    under (the one with the ``openai`` package sfhpc installs), so a recipe runs the same from any shell;
-    name a path for another. The program runs in the recipe's folder."""
+    """An agent program of the user's own, started per episode (see `sfhpc.rollout.agent_process`): on the
+    rollout ranks, beside the engine, or on the agent hosts of an ``agents`` role, nodes of their own
+    (`sfhpc.rollout.agent_host`). ``command`` is its argv; at most ``workers`` run at once per rollout rank (per
+    agent host with an agents role), and one still running after ``timeout_s`` (default:
+    ``budgets.episode_timeout_s``) is killed, its episode failed. The program reaches the endpoint at
+    ``OPENAI_BASE_URL``; ``host`` is the address the endpoint binds (default: loopback, or ``0.0.0.0`` with an
+    agents role) and ``advertise_host`` the name that URL gives (default: the bound address, or the node's host
+    name for ``0.0.0.0``).
+
+    Each episode runs in a working folder of its own under ``workdir``, removed after it, so words of
+    ``command`` that name a file or folder in the recipe's folder are passed as absolute paths. A relative
+    program path is read from the recipe's folder, a bare name from ``PATH``; a bare ``python`` or ``python3``
+    is the interpreter sfhpc runs under (the one with the ``openai`` package sfhpc installs), so a recipe runs
+    the same from any shell; name a path for another. With ``container`` the command runs after that prefix
+    (``[apptainer, exec, image.sif]``), as the image names it."""
 
     command: tuple[str, ...] = setting((), "the argv of the agent program started once per episode (a relative program "
                                            "path: from the recipe's folder; a bare name: from PATH; a bare python or "
                                            "python3: sfhpc's own interpreter)")
-    workers: int = setting(4, "agent programs running at once per rollout rank")
+    workers: int = setting(4, "agent programs running at once per rollout rank (per agent host with an agents role)")
     serve: bool = setting(False, "each of the workers is one long-lived program that plays episodes one after "
                                  "another (one episode's JSON per line on stdin) instead of one program per "
                                  "episode: no start-up cost per episode")
     timeout_s: float | None = setting(None, "a program still running after this many seconds is killed and its episode "
                                             "failed (null: budgets.episode_timeout_s)")
-    host: str = setting("127.0.0.1", "the address the endpoint binds (0.0.0.0: reachable by programs on other nodes)")
+    memory_mb: int | None = setting(None, "the address space each agent process may take, in MiB (RLIMIT_AS, which "
+                                          "needs no cgroups); null: no limit")
+    container: tuple[str, ...] = setting((), "a command prefix that runs the program in a container, e.g. [apptainer, "
+                                             "exec, image.sif]; the command then names the image's own programs")
+    workdir: str | None = setting(None, "the folder under which each episode gets a working folder of its own, "
+                                        "removed after it (null: the node's $TMPDIR, else /tmp)")
+    host: str | None = setting(None, "the address the endpoint binds (null: 127.0.0.1, or 0.0.0.0 with an agents role; "
+                                     "0.0.0.0: reachable by programs on other nodes)")
     advertise_host: str | None = setting(None, "the host name in the URL handed to programs (null: the bound address, "
                                                "or the node's host name for 0.0.0.0)")
     port: int = setting(0, "the endpoint's TCP port (0: a free one)")
@@ -396,6 +414,8 @@ class AgentSpec:
     def program(self, recipe_source: str) -> Path | str:
         """The executable `command` starts: a path, or the problem with it (a string)."""
         name = self.command[0]
+        if self.container:  # the image's own program: nothing on this node to look for
+            return Path(name)
         if name in SFHPC_PYTHON:
             return Path(sys.executable)
         if "/" not in name:
@@ -408,6 +428,21 @@ class AgentSpec:
             return f"program {path} is not executable (chmod +x it, or start it with its interpreter)"
         return path
 
+    def argv(self, recipe_source: str) -> tuple[str, ...]:
+        """What is started for an episode: the container prefix, the program, and its words, those naming a
+        file or folder in the recipe's folder made absolute (the program runs in a folder of its own)."""
+        program = self.program(recipe_source)
+        if isinstance(program, str):
+            raise ValueError(program)
+        folder = Path(recipe_source).resolve().parent
+        words = [str(folder / w) if w and not Path(w).is_absolute() and not w.startswith("-")
+                 and (folder / w).exists() else w for w in self.command[1:]]
+        return (*self.container, str(program), *words)
+
+    def bind_address(self, agent_hosts: bool) -> str:
+        """The address the endpoint binds: programs on agent hosts reach it over the network."""
+        return self.host or ("0.0.0.0" if agent_hosts else "127.0.0.1")
+
     def validate(self, where: Where) -> None:
         if not self.command or not self.command[0]:
             raise where.child("command").error("must name the agent program, e.g. [python3, agent.py]")
@@ -415,10 +450,15 @@ class AgentSpec:
         if isinstance(program, str):
             raise where.child("command").error(f"{program}; give a path (relative to the recipe's folder) or a "
                                                "command on PATH")
+        if self.container and not self.container[0]:
+            raise where.child("container").error("must start with the container's program, e.g. [apptainer, exec, "
+                                                 "image.sif]")
         if self.workers < 1:
             raise where.child("workers").error(f"must be at least 1, found {self.workers}")
         if self.timeout_s is not None and not self.timeout_s > 0:
             raise where.child("timeout_s").error(f"must be more than 0 seconds, found {self.timeout_s}")
+        if self.memory_mb is not None and self.memory_mb < 16:
+            raise where.child("memory_mb").error(f"must be at least 16 MiB (or null: no limit), found {self.memory_mb}")
         if not 0 <= self.port <= 65535:
             raise where.child("port").error(f"must be a TCP port (0: a free one), found {self.port}")
 
@@ -525,6 +565,7 @@ class Recipe:
                 raise roles.child(role.name).error(
                     f"is placed with '{target}', which has no nodes of its own; place it with "
                     f"'{other.place_with or other.colocate_with}' instead")
+        self._validate_agents_role(roles)
         controller = self.role("controller")
         assert controller is not None
         if controller.colocate_with is not None or controller.num_tasks != 1:
@@ -542,6 +583,32 @@ class Recipe:
                 f"{trainer.num_tasks} trainer ranks cannot be split into tensor x pipeline = {parallel} groups")
         if self.pipeline.max_staleness < 0:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
+
+
+    def _validate_agents_role(self, roles: Where) -> None:
+        """The agents role holds agent hosts, which run the recipe's agent program and nothing else: nodes of
+        their own, no GPU, and no other role's ranks beside them (those would be ranks of the MPI world)."""
+        for role in self.roles:
+            if "agents" in (role.place_with, role.colocate_with):
+                raise roles.child(role.name).error("cannot be placed with 'agents': agent hosts are not ranks of "
+                                                   "the MPI world")
+        agents = self.role("agents")
+        if agents is None:
+            return
+        where = roles.child("agents")
+        if not agents.owns_nodes:
+            raise where.error("runs on nodes of its own: give it tags and nodes (for example tags: [cpu]), not "
+                              "place_with or colocate_with")
+        if agents.gpus_per_task:
+            raise where.child("gpus_per_task").error("agent hosts use no GPU; remove gpus_per_task")
+        if self.agent is None:
+            raise where.error("holds the recipe's agent programs, but the recipe names none: add agent: {command: "
+                              "[...]} or remove this role")
+
+    @property
+    def agent_hosts(self) -> Role | None:
+        """The role whose nodes run the agent programs, when they do not run beside the engines."""
+        return self.role("agents")
 
 
 # Keys that were renamed, old -> new, dotted from the recipe's top level (``*``: any role's name). A recipe that

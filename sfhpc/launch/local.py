@@ -46,5 +46,34 @@ def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose), env=env,
-                           stdout=output, stderr=None if output is None else subprocess.STDOUT)
+    stderr = None if output is None else subprocess.STDOUT
+    hosts = [] if probe else start_agent_hosts(plan, recipe_path, run_dir, output)
+    try:
+        return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose), env=env,
+                               stdout=output, stderr=stderr)
+    finally:
+        stop_agent_hosts(hosts)
+
+
+def start_agent_hosts(plan: LaunchPlan, recipe_path: str, run_dir: Path,
+                      output: IO[str] | None) -> list[subprocess.Popen[bytes]]:
+    """The agents role's hosts, as processes of this machine beside mpiexec's ranks (no ranks themselves)."""
+    component = plan.agent_hosts
+    if component is None:
+        return []
+    return [subprocess.Popen([sys.executable, "-m", "sfhpc.rank.agent_host", recipe_path, "--run-dir",
+                              str(run_dir), "--index", str(index), "--bind", "127.0.0.1"],
+                             stdout=output, stderr=None if output is None else subprocess.STDOUT)
+            for index in range(component.num_tasks)]
+
+
+def stop_agent_hosts(hosts: list[subprocess.Popen[bytes]], grace_s: float = 5.0) -> None:
+    for host in hosts:
+        if host.poll() is None:
+            host.terminate()
+    for host in hosts:
+        try:
+            host.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            host.kill()
+            host.wait()

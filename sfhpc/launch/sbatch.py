@@ -3,7 +3,9 @@
 `render_sbatch` turns an `SbatchSpec` into the exact text of a batch script: flags sorted within each
 component, values shell-quoted, ``snake_case`` keys as ``--kebab-case`` flags, one ``#SBATCH hetjob``
 line between components, and one ``srun`` that spans every component (``--het-group=0,1,...``) so that
-all ranks share one MPI world. The same inputs always give the same bytes (golden-file tests).
+all ranks share one MPI world. Agent hosts (an ``agents`` role, the last component) are no ranks: a step of
+their own starts them in the background before that ``srun``, so that losing one ends neither the world nor
+the job. The same inputs always give the same bytes (golden-file tests).
 `spec_for_plan` builds the spec of a resolved recipe.
 
 Nothing a recipe or map holds can break out of its place: flag values are shell-quoted, comment lines
@@ -47,6 +49,7 @@ class SbatchSpec:
     header: tuple[str, ...] = ()              # comment lines under the shebang
     guard: str | None = None                  # shell words srun runs under (sfhpc.launch.step_guard)
     exec_step: bool = False                   # the step replaces the shell: it gets the shell's signals
+    agent_hosts: str | None = None            # shell text the last component runs, outside the MPI world
 
 
 def flag(key: str, value: FlagValue) -> str | None:
@@ -99,9 +102,15 @@ def render_sbatch(spec: SbatchSpec) -> str:
             if not key.isidentifier():
                 raise ValueError(f"{key!r} is not an environment variable name")
             lines.append(f"export {key}={shlex.quote(value)}")
+    world = len(spec.components) - (spec.agent_hosts is not None)
+    if spec.agent_hosts is not None:
+        if world < 1:
+            raise ValueError("agent hosts need a component of their own after the ranks'")
+        lines += ["", f"# agent hosts (component {world}): a step of their own, outside the MPI world, so that losing "
+                      "one ends nothing else", f"srun --het-group={world} --mpi=none {spec.agent_hosts} &"]
     srun = ["srun"]
     if len(spec.components) > 1:
-        srun.append("--het-group=" + ",".join(str(i) for i in range(len(spec.components))))
+        srun.append("--het-group=" + ",".join(str(i) for i in range(world)))
     srun += _flags(spec.srun_flags)
     step = " ".join(srun) + " " + spec.command
     lines += ["", "# one step spans every component: one MPI world"]
@@ -149,9 +158,12 @@ def gpu_flags(component: Component) -> dict[str, FlagValue]:
 
 def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str | None, python: str,
                   setup: tuple[str, ...] = (), environment: Mapping[str, str] | None = None,
-                  header: tuple[str, ...] = ()) -> SbatchSpec:
+                  header: tuple[str, ...] = (), agent_hosts: str | None = None) -> SbatchSpec:
     """The batch script of a resolved recipe; `command` is what every rank runs, `python` (shell words)
-    the interpreter the batch script runs the step guard with."""
+    the interpreter the batch script runs the step guard with, `agent_hosts` what every task of the agents
+    role runs (a plan with one needs it)."""
+    if (plan.agent_hosts is None) != (agent_hosts is None):
+        raise ValueError("a plan with an agents role needs the agent hosts' command, and only such a plan")
     launch = recipe.launch
     components = [component_flags(c, launch.time_minutes) for c in plan.components]
     components[0].update(
@@ -181,4 +193,5 @@ def spec_for_plan(plan: LaunchPlan, recipe: Recipe, command: str, *, output: str
         header=header,
         guard=f"{guard} --",
         exec_step=True,
+        agent_hosts=agent_hosts,
     )

@@ -37,7 +37,7 @@ class Submission:
 def _header(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> tuple[str, ...]:
     return (f"sfhpc job for recipe '{recipe.name}' on cluster '{cluster.cluster}' ({plan.world_size} ranks)",
             *(f"component {c.index}: {c.pool.label} x{c.nodes}, roles {','.join(c.roles)}"
-              for c in plan.components))
+              + ("" if c.in_world else " (outside the MPI world)") for c in plan.components))
 
 
 def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path, command: str,
@@ -45,9 +45,16 @@ def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: 
     """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point); the batch
     script runs the step guard with `python` (shell words)."""
     # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
+    hosts = None if plan.agent_hosts is None else agent_hosts_command(
+        python, shlex.quote(str(Path(recipe.source).resolve())), f"--run-dir {shlex.quote(str(run_dir))}")
     return spec_for_plan(plan, recipe, command, output=str(RunPaths(run_dir).slurm_log_pattern),
                          python=python, environment={"SUBMITIT_EXECUTOR": "slurm"},
-                         header=_header(recipe, cluster, plan))
+                         header=_header(recipe, cluster, plan), agent_hosts=hosts)
+
+
+def agent_hosts_command(python: str, *args: str) -> str:
+    """What each task of the agents role runs (shell text): `args` are shell words already."""
+    return " ".join((python, "-m", "sfhpc.rank.agent_host", *args))
 
 
 def executor_for(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path) -> HetSlurmExecutor:
@@ -74,6 +81,7 @@ def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:
     default_map = f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{double_quoted(cluster.source)}}}"'
     spec = spec_for_plan(
         plan, recipe, f'{python} -m sfhpc.runtime "$@"', output=None, python=python,
+        agent_hosts=None if plan.agent_hosts is None else agent_hosts_command(python, '"$@"'),
         setup=(usage, default_map),
         header=(*_header(recipe, cluster, plan),
                 f"Written by: sfhpc render {shlex.quote(recipe.source)} --cluster {shlex.quote(cluster.source)} "

@@ -7,6 +7,9 @@ the controller is its first task, so the controller is world rank 0.
 
 A colocated recipe (rollout on the trainer's ranks) and a disaggregated one (rollout on nodes of its
 own) come out of the same resolver: the first gives one component, the second several.
+
+An ``agents`` role (agent hosts, `sfhpc.rollout.agent_host`) is a component too, the last one, but outside the
+MPI world: its tasks are started by a step of their own and are no ranks, so that losing one ends nothing else.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class Component:
     tasks_per_node: int | None                # set when every node runs the same number of tasks
     cpus_per_task: int
     gpus_per_node: int
+    in_world: bool = True                     # False for agent hosts: tasks of a step of their own, no ranks
 
     @property
     def num_tasks(self) -> int:
@@ -61,17 +65,28 @@ class LaunchPlan:
     components: tuple[Component, ...]
 
     @property
+    def world(self) -> tuple[Component, ...]:
+        """The components whose tasks are ranks of the MPI world (all but the agent hosts'), first in order."""
+        return tuple(c for c in self.components if c.in_world)
+
+    @property
+    def agent_hosts(self) -> Component | None:
+        """The agents role's component (the last one), if the recipe has one."""
+        return next((c for c in self.components if not c.in_world), None)
+
+    @property
     def world_size(self) -> int:
-        return sum(c.num_tasks for c in self.components)
+        return sum(c.num_tasks for c in self.world)
 
     @property
     def tasks_per_component(self) -> tuple[int, ...]:
-        return tuple(c.num_tasks for c in self.components)
+        """Ranks per component of the MPI world."""
+        return tuple(c.num_tasks for c in self.world)
 
     def ranks(self) -> tuple[RankSlot, ...]:
         """The rank table: world ranks number the tasks of component 0, then component 1, ..."""
         slots, rank = [], 0
-        for comp in self.components:
+        for comp in self.world:
             for task, roles in enumerate(comp.task_roles):
                 slots.append(RankSlot(rank, comp.index, task, roles, comp.pool.tags, comp.pool.name))
                 rank += 1
@@ -83,8 +98,9 @@ class LaunchPlan:
                  f"{self.world_size} ranks"]
         for c in self.components:
             gpus = f", {c.gpus_per_node} GPU/node" if c.gpus_per_node else ""
+            outside = "" if c.in_world else " (agent hosts, outside the MPI world)"
             lines.append(f"  component {c.index}: {c.pool.label} x{c.nodes} node(s), {c.num_tasks} task(s) "
-                         f"[{', '.join(c.roles)}], tags {','.join(c.pool.tags)}{gpus}")
+                         f"[{', '.join(c.roles)}], tags {','.join(c.pool.tags)}{gpus}{outside}")
         return "\n".join(lines)
 
 
@@ -106,7 +122,7 @@ def resolve(recipe: Recipe, cluster: ClusterMap) -> LaunchPlan:
         assert controller is not None
         return role.name in (controller.name, controller.place_with)
 
-    ordered = sorted(owners, key=lambda r: (not holds_controller(r), recipe.roles.index(r)))
+    ordered = sorted(owners, key=lambda r: (r.name == "agents", not holds_controller(r), recipe.roles.index(r)))
     components = tuple(_component(i, recipe, role, chosen[role.name]) for i, role in enumerate(ordered))
     return LaunchPlan(recipe.name, cluster.cluster, components)
 
@@ -190,4 +206,5 @@ def _component(index: int, recipe: Recipe, owner: Role, pool: Pool) -> Component
         tasks_per_node=owner.tasks_per_node if not placed else None,
         cpus_per_task=_cpus_per_task(owner, placed, colocated),
         gpus_per_node=owner.tasks_per_node * gpus_per_task,
+        in_world=owner.name != "agents",
     )

@@ -176,7 +176,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
 
         worker = RolloutWorker(recipe, task, layout, engine, trainer=trainer_worker.trainer if trainer_worker else None,
                                tokenizer=load_tokenizer(model_dir),  # the endpoint speaks the model's tokenizer
-                               lendable=lendable)
+                               lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts)
         try:
             assert trainer_worker is not None or not lendable  # lendable ranks are trainer ranks
             serve(layout, trainer=trainer_worker, rollout=worker, lent=lendable)

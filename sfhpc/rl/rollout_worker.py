@@ -38,6 +38,7 @@ from sfhpc.rollout.agent import (
     play_episode,
     reply_budget,
 )
+from sfhpc.rollout.agent_host import AgentHostsClient
 from sfhpc.rollout.agent_process import AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.rundir import RunPaths
@@ -50,8 +51,10 @@ log = logging.getLogger("sfhpc")
 
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
-                 trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False) -> None:
-        """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back."""
+                 trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False,
+                 agent_hosts: Path | None = None) -> None:
+        """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back;
+        `agent_hosts`: the run folder's register of agent hosts, where a recipe with an agents role finds them."""
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
@@ -75,7 +78,9 @@ class RolloutWorker:
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(
             recipe.agent, recipe_source=recipe.source, episodes=self.server.api.episodes,
-            url_of=self.server.episode_url, token=self.server.token, model=recipe.model.name)
+            url_of=self.server.episode_url, token=self.server.token, model=recipe.model.name,
+            # With an agents role the programs run on agent hosts, nodes of their own.
+            runner=None if recipe.agent_hosts is None or agent_hosts is None else AgentHostsClient(agent_hosts))
 
         async def start_engine() -> RolloutEngine:
             with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
@@ -155,11 +160,11 @@ class RolloutWorker:
                                        on_trajectory=on_trajectory)
 
         assert self.recipe.agent is not None
+        timeout_s = self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s
         async with programs.slots:
-            return await play_or_fail(
-                play, self.manager, task=self.task.name, group=episode.group,
-                timeout_s=self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s,
-                stopping=self._stopping)
+            return await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
+                                      timeout_s=timeout_s if programs.runner.timed_here else None,
+                                      stopping=self._stopping)
 
     def _stopping(self) -> bool:
         """A stop is under way on this rank (a signal reached it, or the controller quiesced it), or the
@@ -360,7 +365,10 @@ def _both(first: Callable[[str], None], second: Callable[[str], None]) -> Callab
 def _endpoint_address(recipe: Recipe) -> dict[str, Any]:
     """Where the endpoint listens: loopback, unless the recipe's agent programs reach it from elsewhere."""
     agent = recipe.agent
-    return {} if agent is None else {"host": agent.host, "port": agent.port, "advertise_host": agent.advertise_host}
+    if agent is None:
+        return {}
+    return {"host": agent.bind_address(recipe.agent_hosts is not None), "port": agent.port,
+            "advertise_host": agent.advertise_host}
 
 
 def _engine_dtype(recipe: Recipe) -> Any:

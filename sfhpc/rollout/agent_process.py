@@ -32,10 +32,20 @@ line of its stdout that is a JSON object with a numeric ``"reward"``, else the l
 ``.../episodes/<id>/reward``, else the task's verifier on its final reply (the latest reply of the episode,
 judged as the answer to the task's problem: `Episode.step` of a fresh episode; not done counts 0).
 
+Each episode runs in a working folder of its own (``agent.workdir``, default the node's ``$TMPDIR``), made
+before the program starts and removed after the episode: the program's working folder, or, for a serving
+program, ``workdir`` in the episode's input. Every process of the program may take at most
+``agent.memory_mb`` of address space (``RLIMIT_AS``: no cgroups needed) and dies with the process that
+started it; ``agent.container`` is a command prefix (``[apptainer, exec, image.sif]``).
+
 An exit status other than 0, a death by signal, or a program that made no call at all fails the episode
 with the reason (and the last line of stderr); at the timeout the whole process group is killed (a serving
 program too: the slot starts a new one for its next episode). Either way the run goes on
 (`sfhpc.rollout.supervise`).
+
+Where the programs run is a `ProgramRunner`'s business: `LocalPrograms` starts them on this node (a rollout
+rank, or an agent host), `sfhpc.rollout.agent_host.AgentHostsClient` hands them to the agent hosts of an
+``agents`` role.
 """
 
 from __future__ import annotations
@@ -43,15 +53,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import json
 import logging
 import math
 import os
+import resource
+import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from sfhpc.config.recipe import AgentSpec
 from sfhpc.endpoint.episodes import Episodes
@@ -75,9 +89,18 @@ class AgentProgramFailed(Exception):
     """The agent program ended its episode without an answer (the message is the reason recorded)."""
 
 
+class EpisodeTimedOut(AgentProgramFailed):
+    """The program outlived its time limit (measured where it ran) and was killed."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"timed out after {seconds:g} s")
+        self.seconds = seconds
+
+
 def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int,
                   base_url: str = "", api_key: str = "") -> dict[str, Any]:
-    """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``)."""
+    """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``); the runner adds the
+    episode's ``workdir``."""
     return {"episode_id": episode_id, "task": task.name, "model": model,
             "messages": task.episode(problem).opening(), "problem": {"key": problem.key, "data": problem.data},
             "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key,
@@ -152,13 +175,46 @@ class ProgramRun:
         return f"the agent program {what}" + (f"; its stderr ends: {last.strip()}" if last else "")
 
 
-async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin: str, cwd: str | None) -> ProgramRun:
+class ProcessLimits:
+    """What a program's process may take: address space (``RLIMIT_AS``, in MiB, None: no limit); and it dies
+    with the process that started it (``PR_SET_PDEATHSIG``), so a killed rank or agent host leaves none
+    behind. Applied in the child between fork and exec."""
+
+    def __init__(self, memory_mb: int | None = None) -> None:
+        self.memory_mb = memory_mb
+        self._prctl = _libc_prctl()  # looked up before the fork: the child only calls it
+
+    def __call__(self) -> None:
+        if self.memory_mb is not None:
+            limit = self.memory_mb << 20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        if self._prctl is not None:
+            self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _libc_prctl() -> Any:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the program outlives a killed parent until its calls fail
+        return None
+
+
+async def _start(command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None,
+                 limits: ProcessLimits | None) -> asyncio.subprocess.Process:
+    return await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT, preexec_fn=limits)
+
+
+async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin: str, cwd: str | None,
+                      limits: ProcessLimits | None = None) -> ProgramRun:
     """Run `command` to its end in a new process group; cancelling (a timeout, the rank closing) kills the
     whole group. Whatever the program leaves behind in its group is killed when it exits."""
     run = ProgramRun()
-    process = await asyncio.create_subprocess_exec(
-        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT)
+    process = await _start(command, env=env, cwd=cwd, limits=limits)
 
     async def feed() -> None:
         assert process.stdin is not None
@@ -223,11 +279,9 @@ class ServingProgram:
         self._readers = [asyncio.ensure_future(self._read_stdout()), asyncio.ensure_future(self._read_stderr())]
 
     @classmethod
-    async def start(cls, command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None) -> ServingProgram:
-        process = await asyncio.create_subprocess_exec(
-            *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT)
-        return cls(process)
+    async def start(cls, command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None,
+                    limits: ProcessLimits | None = None) -> ServingProgram:
+        return cls(await _start(command, env=env, cwd=cwd, limits=limits))
 
     @property
     def alive(self) -> bool:
@@ -277,34 +331,61 @@ def _kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-class AgentPrograms:
-    """Plays episodes with the recipe's agent program, at most ``workers`` at once (one rank's share).
+class ProgramRunner(Protocol):
+    """Runs the agent program for one episode and gives back its end line (None when it printed none);
+    raises `AgentProgramFailed` with the reason when the episode failed."""
 
-    `url_of` gives an episode's base URL (the endpoint server's `episode_url`); `token` is the run's.
-    Methods run on the endpoint's event loop, where `episodes` are served.
-    """
+    def slot(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        """Held while an episode waits for and plays its program: bounds the episodes at once here."""
+        ...
 
-    def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
-                 token: str | None, model: str) -> None:
+    @property
+    def timed_here(self) -> bool:
+        """Whether the caller bounds an episode's time (False: where the program runs bounds it)."""
+        ...
+
+    async def run(self, episode: dict[str, Any]) -> dict[str, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
+def episode_folder_base(spec: AgentSpec) -> Path:
+    """The folder under which episodes get their working folders on this node."""
+    return Path(spec.workdir or os.environ.get("TMPDIR") or tempfile.gettempdir())
+
+
+class LocalPrograms:
+    """Starts the program on this node: one per episode, or ``agent.serve`` programs kept between episodes;
+    at most ``agent.workers`` at once. `node_role` names where it runs, for a program missing here."""
+
+    def __init__(self, spec: AgentSpec, recipe_source: str, *, node_role: str = "a rollout rank") -> None:
         program = spec.program(recipe_source)
-        if isinstance(program, str):  # checked when the recipe was read; this rank's node may differ
-            raise SfhpcError(f"{recipe_source}: agent.command: {program} on {socket.gethostname()}, where a "
-                             f"rollout rank runs; install it there (or on a shared file system)")
-        self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
-        self.command = (str(program), *spec.command[1:])
-        self.cwd = str(Path(recipe_source).resolve().parent)
+        if isinstance(program, str):  # checked when the recipe was read; this node may differ
+            raise SfhpcError(f"{recipe_source}: agent.command: {program} on {socket.gethostname()}, where "
+                             f"{node_role} runs; install it there (or on a shared file system)")
+        if spec.container and shutil.which(spec.container[0]) is None:
+            raise SfhpcError(f"{recipe_source}: agent.container: program '{spec.container[0]}' is not on PATH on "
+                             f"{socket.gethostname()}, where {node_role} runs")
+        self.spec = spec
+        self.command = spec.argv(recipe_source)
+        self.base = episode_folder_base(spec)
+        self.limits = ProcessLimits(spec.memory_mb)
         self._slots: asyncio.Semaphore | None = None
         self._serving: list[ServingProgram] = []  # agent.serve: the programs between episodes
 
-    @property
-    def slots(self) -> asyncio.Semaphore:
+    def slot(self) -> asyncio.Semaphore:
         if self._slots is None:  # made on the loop that uses it
             self._slots = asyncio.Semaphore(self.spec.workers)
         return self._slots
 
-    def environment(self, url: str, episode_json: str) -> dict[str, str]:
-        env = {**os.environ, **OFFLINE, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": self.token or "none",
-               "OPENAI_MODEL": self.model}
+    @property
+    def timed_here(self) -> bool:
+        return True
+
+    def environment(self, episode: Mapping[str, Any], episode_json: str) -> dict[str, str]:
+        url = str(episode["base_url"])
+        env = {**os.environ, **OFFLINE, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": str(episode["api_key"]),
+               "OPENAI_MODEL": str(episode["model"])}
         if episode_json and len(episode_json) <= ENV_INPUT_LIMIT:
             env[EPISODE_VAR] = episode_json
         else:
@@ -315,25 +396,74 @@ class AgentPrograms:
             env[var] = ",".join(p for p in (env.get(var, ""), host) if p)
         return env
 
+    async def run(self, episode: dict[str, Any]) -> dict[str, Any] | None:
+        self.base.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f"sfhpc-episode-{episode['episode_id']}-", dir=self.base))
+        try:
+            payload = json.dumps({**episode, "workdir": str(folder)}, default=str)
+            if self.spec.serve:
+                return await self._serve(episode, payload)
+            run = await run_program(self.command, env=self.environment(episode, payload), stdin=payload + "\n",
+                                    cwd=str(folder), limits=self.limits)
+            failure = run.failure()
+            if failure is not None:
+                log.warning("agent program of episode %s: %s\n%s", episode["episode_id"], failure,
+                            "\n".join(run.stderr))
+                raise AgentProgramFailed(failure)
+            return run.end
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    async def _serve(self, episode: Mapping[str, Any], payload: str) -> dict[str, Any]:
+        """An episode on a serving program (a running one between episodes, else a new one); a program whose
+        episode did not end cleanly (cancelled, timed out, failed) is killed, never given another."""
+        while self._serving and not self._serving[-1].alive:
+            self._serving.pop().kill()
+        if self._serving:
+            program = self._serving.pop()
+        else:  # its own URL names no episode: calls must go to each episode's base_url
+            nowhere = {**episode, "base_url": str(episode["base_url"]).rsplit("/episodes/", 1)[0] + "/episodes/none/v1"}
+            program = await ServingProgram.start(self.command, env=self.environment(nowhere, ""), cwd=str(self.base),
+                                                 limits=self.limits)
+        try:
+            end = await program.play(str(episode["episode_id"]), payload)
+        except BaseException:
+            program.kill()
+            raise
+        self._serving.append(program)
+        return end
+
+    def close(self) -> None:
+        """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""
+        while self._serving:
+            self._serving.pop().kill()
+
+
+class AgentPrograms:
+    """Plays episodes with the recipe's agent program through `runner` (default: on this node, at most
+    ``workers`` at once, one rank's share).
+
+    `url_of` gives an episode's base URL (the endpoint server's `episode_url`); `token` is the run's.
+    Methods run on the endpoint's event loop, where `episodes` are served.
+    """
+
+    def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
+                 token: str | None, model: str, runner: ProgramRunner | None = None) -> None:
+        self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
+        self.runner: ProgramRunner = runner if runner is not None else LocalPrograms(spec, recipe_source)
+
+    @property
+    def slots(self) -> contextlib.AbstractAsyncContextManager[Any]:
+        return self.runner.slot()
+
     async def play(self, task: Task, problem: Problem, *, group: str, max_tokens: int,
                    on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
         """One episode: run the program against its episode URL, then take its reward (see the module)."""
         episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory)
-        url = self.url_of(episode.id)
-        end: dict[str, Any] | None
         try:
-            payload = json.dumps(episode_input(episode.id, task, problem, model=self.model, max_tokens=max_tokens,
-                                               base_url=url, api_key=self.token or "none"), default=str)
-            if self.spec.serve:
-                end = await self._serve(episode.id, payload)
-            else:
-                run = await run_program(self.command, env=self.environment(url, payload), stdin=payload + "\n",
-                                        cwd=self.cwd)
-                failure = run.failure()
-                if failure is not None:
-                    log.warning("agent program of group %s: %s\n%s", group, failure, "\n".join(run.stderr))
-                    raise AgentProgramFailed(failure)
-                end = run.end
+            end = await self.runner.run(episode_input(
+                episode.id, task, problem, model=self.model, max_tokens=max_tokens, base_url=self.url_of(episode.id),
+                api_key=self.token or "none"))
         finally:
             self.episodes.close(episode.id)
         answered = [(seat, tid) for seat in episode.seats.values() for tid in seat.trajectories
@@ -356,25 +486,5 @@ class AgentPrograms:
         (first, reward), others = rewards[0], tuple(rewards[1:])
         return EpisodeOutcome(first, reward, sum(seat.calls for seat in episode.seats.values()), (), others)
 
-    async def _serve(self, episode_id: str, payload: str) -> dict[str, Any]:
-        """An episode on a serving program (a running one between episodes, else a new one); a program whose
-        episode did not end cleanly (cancelled, timed out, failed) is killed, never given another."""
-        while self._serving and not self._serving[-1].alive:
-            self._serving.pop().kill()
-        if self._serving:
-            program = self._serving.pop()
-        else:  # its own URL names no episode: calls must go to each episode's base_url
-            program = await ServingProgram.start(self.command, env=self.environment(self.url_of("none"), ""),
-                                                 cwd=self.cwd)
-        try:
-            end = await program.play(episode_id, payload)
-        except BaseException:
-            program.kill()
-            raise
-        self._serving.append(program)
-        return end
-
     def close(self) -> None:
-        """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""
-        while self._serving:
-            self._serving.pop().kill()
+        self.runner.close()

@@ -41,7 +41,7 @@ def describe_failure(exc: BaseException) -> str:
 
 
 async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[EpisodeOutcome]],
-                       recorder: EpisodeRecorder, *, task: str, group: str, timeout_s: float,
+                       recorder: EpisodeRecorder, *, task: str, group: str, timeout_s: float | None,
                        stopping: Callable[[], bool] = lambda: False) -> EpisodeOutcome | None:
     """Play one episode and record its end: `finish` with the reward, or `fail` with the reason.
 
@@ -61,8 +61,8 @@ async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[Episode
             log.info("episode of group %s cut by the stop (%s); it continues after a restart", group,
                      describe_failure(exc))
             return None
-        if deadline.expired():
-            reason = f"timed out after {timeout_s:g} s"
+        if deadline.expired() or getattr(exc, "seconds", None) is not None:  # here, or where the program ran
+            reason = f"timed out after {getattr(exc, 'seconds', None) or timeout_s:g} s"
             log.warning("episode of group %s failed: %s", group, reason)
         else:
             reason = describe_failure(exc)

@@ -86,7 +86,12 @@ def _from_slurm(env: Mapping[str, str]) -> RankEnvironment:
         partitions = tuple(env.get(f"SLURM_JOB_PARTITION_HET_GROUP_{k}", "") for k in range(groups))
     else:
         counts, partitions = (size,), (env.get("SLURM_JOB_PARTITION", ""),)
-    if sum(counts) != size:
+    world = next((k for k in range(1, len(counts) + 1) if sum(counts[:k]) == size), None)
+    if world is not None:
+        # A step over the first components only (agent hosts, the last component, run a step of their own):
+        # the counts describe the whole job, the world is their prefix.
+        counts, partitions = counts[:world], partitions[:world]
+    else:
         # A step that spans only some components: the counts then describe the whole job, not the step.
         raise SfhpcError(f"this job step has {size} tasks but the job's components hold {counts}: "
                          "start the step with srun --het-group covering every component")

@@ -192,7 +192,7 @@ def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, ma
     monkeypatch.setenv("PATH", str(tmp_path))
     runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
                            episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model=MODEL)
-    assert runner.command[0] == sys.executable
+    assert runner.runner.command[0] == sys.executable  # type: ignore[attr-defined]
     play(server, manager, runner, 3)
     data = json.loads(dump.read_text())
     assert data["task"] == "guess-number" and data["model"] == MODEL and data["max_tokens"] == 1
