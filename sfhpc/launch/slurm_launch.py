@@ -45,8 +45,9 @@ def launch_spec(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: 
     """The script of ``sfhpc launch``: every rank runs `command` (submitit's job entry point); the batch
     script runs the step guard with `python` (shell words)."""
     # submitit's job side finds its environment plugin through SUBMITIT_EXECUTOR.
+    # The recipe as the user named it: the job runs in the folder it was submitted from.
     hosts = None if plan.agent_hosts is None else agent_hosts_command(
-        python, shlex.quote(str(Path(recipe.source).resolve())), f"--run-dir {shlex.quote(str(run_dir))}")
+        python, shlex.quote(recipe.source), f"--run-dir {shlex.quote(str(run_dir))}")
     return spec_for_plan(plan, recipe, command, output=str(RunPaths(run_dir).slurm_log_pattern),
                          python=python, environment={"SUBMITIT_EXECUTOR": "slurm"},
                          header=_header(recipe, cluster, plan), agent_hosts=hosts)

@@ -30,8 +30,8 @@ def write(tmp_path: Path, text: str, name: str = "r.yaml") -> Path:
 def test_shipped_examples_load() -> None:
     dev = load_cluster_map(RECIPES / "cluster-dev.yaml")
     assert [p.name for p in dev.pools] == ["h100", "l40s"]
-    assert dev.pools[0].tags == ("train", "rollout") and dev.pools[0].constraint == "h100"
-    assert dev.tags == ("reward", "rollout", "train")
+    assert dev.pools[0].tags == ("train", "rollout", "cpu") and dev.pools[0].constraint == "h100"
+    assert dev.tags == ("cpu", "reward", "rollout", "train")
     site = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
     assert site.pools[0].gpus_per_node == 8 and site.pools[2].constraint is None
     recipe = load_recipe(RECIPES / "report.yaml")

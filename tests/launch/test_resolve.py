@@ -30,7 +30,7 @@ def test_disaggregated_recipe_gives_one_component_per_role_with_nodes() -> None:
     ranks = plan.ranks()
     assert [(s.rank, s.component, s.roles) for s in ranks] == [
         (0, 0, ("controller",)), (1, 0, ("trainer",)), (2, 1, ("rollout",)), (3, 1, ("rollout",))]
-    assert ranks[2].tags == ("rollout", "reward")
+    assert ranks[2].tags == ("rollout", "reward", "cpu")
 
 
 def test_colocated_recipe_gives_one_component() -> None:
@@ -94,3 +94,43 @@ def test_cli_resolution_errors(tmp_path: Path) -> None:
     assert_one_line_error(run_sfhpc("plan", str(recipe)), "needs 5 node(s)", "lower 'nodes'")
     assert_one_line_error(run_sfhpc("render", str(RECIPES / "h100-l40s-grpo.yaml")), "GPU")
 
+
+
+AGENT_HOSTS = RECIPES / "guess-number-agent-hosts.yaml"
+
+
+def test_an_agents_role_is_the_last_component_and_outside_the_mpi_world() -> None:
+    plan = resolve(load_recipe(AGENT_HOSTS), DEV)
+    assert [(c.pool.name, c.roles, c.num_tasks, c.in_world) for c in plan.components] == [
+        ("h100", ("controller", "trainer"), 2, True), ("l40s", ("rollout",), 1, True), ("l40s", ("agents",), 2, False)]
+    assert plan.world_size == 3 and plan.tasks_per_component == (2, 1)
+    assert [s.roles for s in plan.ranks()] == [("controller",), ("trainer",), ("rollout",)]
+    assert plan.agent_hosts is plan.components[2]
+    assert "(agent hosts, outside the MPI world)" in plan.describe().splitlines()[-1]
+    # Locally (sfhpc run) too, with the ranks' world unchanged.
+    local = resolve(load_recipe(AGENT_HOSTS), local_cluster_map(load_recipe(AGENT_HOSTS)))
+    assert local.tasks_per_component == (2, 1) and local.agent_hosts is not None and local.agent_hosts.num_tasks == 2
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ("  agents:     {tags: [cpu], nodes: 1, tasks_per_node: 2}", None),
+    ("  agents:     {tags: [bigmem], nodes: 1}", "role 'agents' needs nodes tagged [bigmem], but no pool"),
+    ("  agents:     {place_with: trainer, tasks: 2}", "runs on nodes of its own: give it tags and nodes"),
+    ("  agents:     {tags: [cpu], gpus_per_task: 1}", "agent hosts use no GPU"),
+])
+def test_agents_role_errors_are_one_line_before_any_job(tmp_path: Path, change: str, message: str | None) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    text = AGENT_HOSTS.read_text().replace("  agents:     {tags: [cpu], nodes: 1, tasks_per_node: 2}", change)
+    recipe.write_text(text.replace("agents/guess_number.py", str(RECIPES / "agents" / "guess_number.py")))
+    done = run_sfhpc("plan", str(recipe))
+    if message is None:
+        assert done.returncode == 0 and "[agents]" in done.stdout, done.stderr
+    else:
+        assert_one_line_error(done, message)
+
+
+def test_an_agents_role_needs_an_agent_program(tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    rollout = "  rollout:    {tags: [rollout], nodes: 2, tasks_per_node: 1}\n"
+    recipe.write_text((RECIPES / "report.yaml").read_text().replace(rollout, rollout + "  agents: {tags: [cpu]}\n"))
+    assert_one_line_error(run_sfhpc("plan", str(recipe)), "the recipe names none: add agent:")

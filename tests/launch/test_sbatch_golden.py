@@ -20,6 +20,7 @@ GOLDEN = Path(__file__).parent / "golden"
 CASES = {  # name: (recipe, cluster map, shipped template)
     "dev-disaggregated": ("recipes/report.yaml", "recipes/cluster-dev.yaml"),
     "dev-colocated": ("recipes/report-colocated.yaml", "recipes/cluster-dev.yaml"),
+    "dev-agent-hosts": ("recipes/guess-number-agent-hosts.yaml", "recipes/cluster-dev.yaml"),
     "h100-l40s": ("recipes/h100-l40s-grpo.yaml", "recipes/cluster-h100-l40s.yaml"),
 }
 UPDATE = os.environ.get("SFHPC_UPDATE_GOLDEN") == "1"

@@ -47,13 +47,22 @@ def test_mpiexec_ranks_use_the_local_layout() -> None:
 
 def test_step_over_part_of_a_het_job_is_refused() -> None:
     with pytest.raises(SfhpcError, match="--het-group covering every component"):
-        read_rank_environment({**HET_STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "2"})
+        read_rank_environment({**HET_STEP, "SLURM_PROCID": "0", "SLURM_NTASKS": "3", "SLURM_NTASKS_HET_GROUP_1": "3"})
+
+
+def test_a_step_over_the_first_components_leaves_out_the_agent_hosts() -> None:
+    """Agent hosts, the last component, run a step of their own: the ranks' step spans the others."""
+    env = read_rank_environment({**HET_STEP, "SLURM_PROCID": "2", "SLURM_NTASKS": "3", "SLURM_HET_SIZE": "3",
+                                 "SLURM_NTASKS_HET_GROUP_1": "1", "SLURM_NTASKS_HET_GROUP_2": "2",
+                                 "SLURM_JOB_PARTITION_HET_GROUP_2": "cpu"})
+    assert (env.component, env.task_in_component, env.tasks_per_component) == (1, 0, (2, 1))
+    assert env.partitions == ("train", "rollout")
 
 
 def test_identity_joins_environment_and_plan() -> None:
     plan = resolve(load_recipe(RECIPES / "report.yaml"), load_cluster_map(RECIPES / "cluster-dev.yaml"))
     identity = identify(plan, read_rank_environment({**HET_STEP, "SLURM_PROCID": "2"}))
-    assert identity.roles == ("rollout",) and identity.tags == ("rollout", "reward")
+    assert identity.roles == ("rollout",) and identity.tags == ("rollout", "reward", "cpu")
     assert identity.as_record()["component"] == 1 and identity.as_record()["node"] == "n4"
     colocated = resolve(load_recipe(RECIPES / "report-colocated.yaml"),
                         load_cluster_map(RECIPES / "cluster-dev.yaml"))

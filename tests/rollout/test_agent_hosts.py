@@ -6,6 +6,7 @@ killed is `test_a_run_with_agent_hosts_survives_losing_one` (and, on the dev clu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -27,8 +28,8 @@ from sfhpc.rollout.agent_host import AgentHostsClient
 from sfhpc.rollout.agent_process import AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.tasks.base import Problem
-from tests.conftest import run_sfhpc
-from tests.rollout.test_agent_process import MODEL, TASK, alive, manager, server  # noqa: F401 (fixtures)
+from tests.rollout.conftest import MODEL
+from tests.rollout.test_agent_process import TASK, alive
 from tests.rollout.test_agent_run import AGENT, RECIPE, TEST_ENGINE
 
 # By the secret: 1 plays; 2 takes more memory than the limit; 3 never ends. Every program notes where it ran.
@@ -65,8 +66,8 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[str]]]]:
     recipe.write_text(f"name: hosts\ntask: {{name: guess-number}}\nagent: {{command: [{sys.executable}, program.py, "
                       f"{notes}], container: [env, IN_CONTAINER=yes], memory_mb: 300, timeout_s: 20, "
                       f"workdir: {tmp_path / 'work'}}}\n"
-                      "roles: {controller: {place_with: trainer}, trainer: {tags: [train]}, rollout: {tags: [rollout]}, "
-                      "agents: {tags: [cpu]}}\n")
+                      "roles: {controller: {place_with: trainer}, trainer: {tags: [train]}, "
+                      "rollout: {tags: [rollout]}, agents: {tags: [cpu]}}\n")
     run_dir = tmp_path / "run"
     started = [start_host(recipe, run_dir, i) for i in range(2)]
     try:
@@ -94,7 +95,7 @@ def play_all(server: EndpointServer, manager: TrajectoryManager, programs: Agent
 
 
 def test_agent_hosts_play_episodes_in_folders_of_their_own_within_limits_and_losing_one_fails_only_its_own(
-        server: EndpointServer, manager: TrajectoryManager, tmp_path: Path,  # noqa: F811 (fixtures)
+        server: EndpointServer, manager: TrajectoryManager, tmp_path: Path,
         hosts: tuple[Path, list[subprocess.Popen[str]]]) -> None:
     run_dir, (first, second) = hosts
     client = AgentHostsClient(run_dir / "agent-hosts")
@@ -180,13 +181,11 @@ def kill_agent_host(register: Path, notes_pid_file: Path) -> str:
     hung = int(notes_pid_file.read_text().split()[0])
     parent = _parent(hung)
     record = next(r for r in (json.loads(p.read_text()) for p in register.glob("*.json")) if r["pid"] == parent)
-    for child in _children(parent):
-        for pid in [child, *_children(child)]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    os.kill(parent, signal.SIGKILL)
+    programs = [pid for child in _children(parent) for pid in (child, *_children(child))]
+    os.kill(parent, signal.SIGKILL)  # first: a host that outlived its programs would report their deaths
+    for pid in programs:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return str(record["name"])
 
 

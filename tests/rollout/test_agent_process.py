@@ -7,7 +7,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +23,10 @@ from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.tasks.base import Problem
 from sfhpc.tasks.guess_number import GuessNumberTask
 from tests.conftest import assert_one_line_error, run_sfhpc
+from tests.rollout.conftest import MODEL
 
 AGENT = Path(__file__).parent / "agents" / "guess_agent.py"
-MODEL = "tiny-test"
 TASK = GuessNumberTask(max_turns=4)
-
-
-@pytest.fixture
-def manager() -> TrajectoryManager:
-    return TrajectoryManager()
-
-
-@pytest.fixture
-def server(manager: TrajectoryManager) -> Iterator[EndpointServer]:
-    # Digits only, so that the model's replies are guesses; the test engine is seeded and deterministic.
-    engine = ScriptedEngine(seed=3, vocab=tuple(range(ord("0"), ord("9") + 1)), max_model_len=256)
-    api = OpenAIApi(AgentEndpoint(engine, manager), model_name=MODEL, token=new_run_token())
-    with EndpointServer(api) as running:
-        yield running
 
 
 def programs(server: EndpointServer, *args: str, workers: int = 4) -> AgentPrograms:
