@@ -160,6 +160,8 @@ async def serve_host(spec: AgentSpec, recipe_source: str, register: Path, name: 
         await stop.wait()
     finally:
         host.runner.close()
+        with contextlib.suppress(TimeoutError):
+            await host.runner.wait_closed()
         await runner.cleanup()
         print(f"sfhpc agent host {name}: stopped after {host.played} episode(s)", flush=True)
 

@@ -372,6 +372,7 @@ class LocalPrograms:
         self.limits = ProcessLimits(spec.memory_mb)
         self._slots: asyncio.Semaphore | None = None
         self._serving: list[ServingProgram] = []  # agent.serve: the programs between episodes
+        self._closed: list[ServingProgram] = []
 
     def slot(self) -> asyncio.Semaphore:
         if self._slots is None:  # made on the loop that uses it
@@ -435,8 +436,15 @@ class LocalPrograms:
 
     def close(self) -> None:
         """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""
+        self._closed = list(self._serving)
         while self._serving:
             self._serving.pop().kill()
+
+    async def wait_closed(self, timeout_s: float = 5.0) -> None:
+        """Reap the programs `close` killed, so that their pipes close on this loop before it ends."""
+        waits = [p.process.wait() for p in self._closed]
+        if waits:
+            await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout_s)
 
 
 class AgentPrograms:

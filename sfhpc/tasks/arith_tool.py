@@ -2,13 +2,16 @@
 
     task:
       name: arith-tool
-      options: {operators: "+-*", max_turns: 3}
+      options: {operators: "+-*", max_turns: 3, tools: operators}
 
 The policy is offered one function tool per operator, ``add``, ``subtract`` and ``multiply`` (``a`` and
-``b``, numbers). A reply that calls one gets each call's result as a ``tool`` message and the episode goes
-on; the first reply without a call is the answer, judged by its final number (the ``numeric`` reward of
-`sfhpc.tasks.rewards`). An episode that has not answered after `max_turns` replies gets 0. The numbers are
-two-digit, so a small policy cannot answer without a tool: the reward is what it makes of the tools.
+``b``, numbers), or with ``tools: calculator`` one, ``calculate`` (``expression``, a string such as ``"43 -
+12"``), the tool of the shipped example agents (``recipes/agents/calculator.py``), so that an agent program
+written with any framework offers the tool the policy was warm-started on. A reply that calls one gets
+each call's result as a ``tool`` message and the episode goes on; the first reply without a call is the
+answer, judged by its final number (the ``numeric`` reward of `sfhpc.tasks.rewards`). An episode that has
+not answered after `max_turns` replies gets 0. The numbers are two-digit, so a small policy cannot answer
+without a tool: the reward is what it makes of the tools.
 
 Each problem is told with a verb that decides its operator (``found`` or ``got``: add; ``lost`` or
 ``used``: subtract; ``bags of``: multiply), the question first and the facts last, as in ``arith-word``.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import operator
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +61,31 @@ def tool(sign: str) -> dict[str, Any]:
                        "required": ["a", "b"]}}}
 
 
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculate",
+    "description": "Evaluate an arithmetic expression such as '(3 + 4) * 2' and return the number.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+_EXPRESSION = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([-+*])\s*(-?\d+(?:\.\d+)?)\s*")
+
+
+def calculator_result(call: Any) -> str:
+    """What ``calculate`` answers to one call: the value of ``a op b`` (the only expressions these problems
+    need), or an ``error: ...`` text."""
+    function = call.get("function", {}) if isinstance(call, dict) else {}
+    if function.get("name") != "calculate":
+        return f"error: no tool named {function.get('name')!r}; the tool is calculate"
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        return "error: the arguments are not JSON"
+    found = _EXPRESSION.fullmatch(str(arguments.get("expression", ""))) if isinstance(arguments, dict) else None
+    if found is None:
+        return "error: the arguments are {\"expression\": \"<number> <+ - *> <number>\"}"
+    a, sign, b = float(found[1]), found[2], float(found[3])
+    result = FUNCTIONS[sign][1](a, b)
+    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
+
+
 def call_result(call: Any) -> str:
     """What the tools answer to one call as the agent received it (OpenAI's shape): the result as text, or
     an ``error: ...`` text."""
@@ -76,8 +105,8 @@ def call_result(call: Any) -> str:
 
 
 class _ToolEpisode(Episode):
-    def __init__(self, question: str, answer: int) -> None:
-        self.question, self.answer = question, answer
+    def __init__(self, question: str, answer: int, result: Callable[[Any], str]) -> None:
+        self.question, self.answer, self.result = question, answer, result
 
     def opening(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": self.question}]
@@ -90,20 +119,23 @@ class _ToolEpisode(Episode):
         if not calls:
             return self.step(message.get("content") or "")
         return StepResult(done=False, messages=tuple(
-            {"role": "tool", "tool_call_id": call.get("id", ""), "content": call_result(call)} for call in calls))
+            {"role": "tool", "tool_call_id": call.get("id", ""), "content": self.result(call)} for call in calls))
 
 
 class ArithToolTask(Task):
     name = "arith-tool"
     max_reply_tokens = 40  # a call is about 25 tokens; a cut one is no call
 
-    def __init__(self, operators: str = "+-*", max_turns: int = 3) -> None:
+    def __init__(self, operators: str = "+-*", max_turns: int = 3, tools: str = "operators") -> None:
         if not operators or set(operators) - set(WORDINGS):
             raise TypeError(f"operators must be some of {''.join(WORDINGS)!r}, found {operators!r}")
         if max_turns < 2:
             raise TypeError("max_turns must be at least 2 (a call, then the answer)")
+        if tools not in ("operators", "calculator"):
+            raise TypeError(f"tools must be 'operators' (one per operator) or 'calculator', found {tools!r}")
         self.operators, self.max_turns = tuple(dict.fromkeys(operators)), max_turns
-        self.tools = [tool(sign) for sign in self.operators]
+        self.calculator = tools == "calculator"
+        self.tools = [CALCULATOR] if self.calculator else [tool(sign) for sign in self.operators]
 
     def sample(self, rng: random.Random) -> Problem:
         sign = rng.choice(self.operators)
@@ -115,7 +147,7 @@ class ArithToolTask(Task):
 
     def episode(self, problem: Problem) -> Episode:
         question, answer, *_ = problem.data
-        return _ToolEpisode(question, answer)
+        return _ToolEpisode(question, answer, calculator_result if self.calculator else call_result)
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, Any]]]:
         examples = []
@@ -126,10 +158,12 @@ class ArithToolTask(Task):
             name, apply = FUNCTIONS[sign]
             call_id = f"call_{index}"
             result = str(apply(a, b))
+            function = ({"name": "calculate", "arguments": json.dumps({"expression": f"{a} {sign} {b}"})}
+                        if self.calculator else {"name": name, "arguments": json.dumps({"a": a, "b": b})})
             examples.append([
                 {"role": "user", "content": question},
-                {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function", "function": {
-                    "name": name, "arguments": json.dumps({"a": a, "b": b})}}]},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call_id, "type": "function",
+                                                                     "function": function}]},
                 {"role": "tool", "tool_call_id": call_id, "content": result},
                 {"role": "assistant", "content": result},
             ])

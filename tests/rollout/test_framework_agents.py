@@ -93,3 +93,53 @@ def test_a_framework_agent_calls_the_tool_and_answers(
     assert "<tool_response>\n20\n</tool_response>" in text and '"name": "calculate"' in text
     assert trajectory.history_mismatches == 0
     assert server.api.health()["tool_calls"] == 1
+
+
+RUN = """\
+name: frameworks
+seed: 1
+model: {{chat_format: brief_tools, warm_start_steps: 300, layers: 2, hidden_size: 128, heads: 2}}
+pipeline: {{mode: sync}}
+algorithm: {{group_size: 4}}
+budgets: {{steps: 1, prompts_per_step: 4, max_failed_fraction: 0.5}}
+task: {{name: arith-tool, options: {{tools: calculator}}}}
+agent: {{command: [python3, {dispatcher}, {log}], workers: 4, timeout_s: 120}}
+roles:
+  controller: {{place_with: trainer}}
+  trainer:    {{tags: [train], nodes: 1}}
+  rollout:    {{tags: [rollout], nodes: 1}}
+"""
+
+
+@pytest.mark.vllm
+@pytest.mark.mpi
+def test_the_framework_examples_play_inside_an_rl_run_on_vllm(tmp_path: Path) -> None:
+    """All four examples, each in turn, play a run's episodes on vLLM: a policy warm-started on `arith-tool`'s
+    calculator calls, which every example offers as its own `calculate` tool."""
+    from sfhpc.data.store_reader import open_store
+    from tests.conftest import run_recipe
+
+    log = tmp_path / "played.txt"
+    run_dir, rows = run_recipe(tmp_path, RUN.format(dispatcher=Path(__file__).parent / "agents" / "any_framework.py",
+                                                    log=log))
+    assert len(rows) == 1
+    played = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
+    assert len(played) >= 16 and {played.count(e) for e in set(played)} >= {4}
+    assert set(played) == {"calculator_openai.py", "calculator_agents_sdk.py responses",
+                           "calculator_agents_sdk.py chat", "calculator_langchain.py"}
+    tokenizer = HFTokenizer.from_folder(run_dir / "model")
+    store = open_store(run_dir / "trajectories.h5")
+    assert [t.fail_reason for t in store.trajectories("failed")] == []
+    consumed = list(store.trajectories("consumed"))
+    assert len(consumed) == 16
+    with_calls = 0
+    for trajectory in consumed:
+        replies = [tokenizer.decode(tokens, skip_special=False) for tokens, _ in trajectory.replies()]
+        if "<tool_call>" in replies[0]:
+            # The framework ran the call and sent its result back: a tool message, then the next reply, all in
+            # the one trajectory.
+            with_calls += 1
+            assert len(replies) >= 2 and "observation" in [s.kind for s in trajectory.segments]
+            assert '"name": "calculate"' in replies[0]
+    # At most three episodes without a call: every example (four episodes each) ran calls.
+    assert with_calls >= 13, with_calls

@@ -20,7 +20,7 @@ from sfhpc.engine.hf_tokenizer import HFTokenizer
 from sfhpc.model.tiny import build_tiny_model
 from sfhpc.model.warm_start import encode_with_targets
 from sfhpc.rollout.agent import LocalChat, ResumePoint, play_episode
-from sfhpc.tasks.arith_tool import ArithToolTask, call_result
+from sfhpc.tasks.arith_tool import CALCULATOR, ArithToolTask, calculator_result, call_result
 from sfhpc.tasks.registry import get_task
 from tests.endpoint.conftest import ReplyingEngine
 
@@ -36,6 +36,37 @@ def test_each_tool_computes_its_operation_and_refuses_the_rest() -> None:
     for a, b in (("1", 2), (True, 2), (None, 2)):
         assert call_result(call("add", a, b)).startswith("error: the arguments are"), (a, b)
     assert call_result({"function": {"name": "add", "arguments": "{not json"}}) == "error: the arguments are not JSON"
+
+
+def test_the_calculator_tool_is_the_example_agents_own_and_computes_one_operation() -> None:
+    import sys
+
+    from tests.conftest import RECIPES
+
+    sys.path.insert(0, str(RECIPES / "agents"))
+    try:
+        from calculator import TOOL  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(RECIPES / "agents"))
+    assert TOOL == CALCULATOR  # an example agent offers the very tool the policy was warm-started on
+    task = ArithToolTask(tools="calculator")
+    assert task.tools == [CALCULATOR]
+
+    def call(arguments: object) -> str:
+        return calculator_result({"function": {"name": "calculate", "arguments": json.dumps(arguments)}})
+    assert (call({"expression": "43 - 12"}), call({"expression": "12*3"}), call({"expression": "7 + 0.5"})) == (
+        "31", "36", "7.5")
+    assert call({"expression": "__import__('os')"}).startswith("error:") and call({}).startswith("error:")
+    assert calculator_result({"function": {"name": "add", "arguments": "{}"}}).startswith("error: no tool named")
+    [example] = task.warm_start_examples(random.Random(0), 1)
+    called = example[1]["tool_calls"][0]["function"]
+    assert called["name"] == "calculate" and json.loads(called["arguments"])["expression"].count(" ") == 2
+    episode = task.episode(task.sample(random.Random(1)))
+    result = episode.step_message({"tool_calls": [{"id": "c", "function": {
+        "name": "calculate", "arguments": json.dumps({"expression": "2 * 21"})}}]})
+    assert not result.done and result.messages[0]["content"] == "42"
+    with pytest.raises(TypeError, match="tools must be"):
+        ArithToolTask(tools="abacus")
 
 
 def test_a_call_is_answered_by_the_tool_and_the_answer_is_judged() -> None:
