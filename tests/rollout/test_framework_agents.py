@@ -3,10 +3,12 @@
 `bind_tools`), run unmodified as agent programs against a live endpoint: the model's tool call (written by
 a test engine that replies in Qwen2.5's tool format, with the tokenizer and chat template of a tiny model
 folder) reaches the framework as a call, the framework runs the tool and sends the result back, and the
-final answer is judged by the task. Every call of the episode is in its trajectory."""
+final answer is judged by the task. Every call of the episode is in its trajectory. The last test runs all
+four, in turn, as the agent program of an RL run launched on the dev cluster, on vLLM and an agent host."""
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,23 +110,36 @@ roles:
   controller: {{place_with: trainer}}
   trainer:    {{tags: [train], nodes: 1}}
   rollout:    {{tags: [rollout], nodes: 1}}
+  agents:     {{tags: [cpu], nodes: 1}}
+launch: {{time_minutes: 10}}
+output_dir: {runs}
 """
 
 
+@pytest.mark.slurm
 @pytest.mark.vllm
-@pytest.mark.mpi
-def test_the_framework_examples_play_inside_an_rl_run_on_vllm(tmp_path: Path) -> None:
-    """All four examples, each in turn, play a run's episodes on vLLM: a policy warm-started on `arith-tool`'s
+def test_the_framework_examples_play_inside_a_slurm_run_on_vllm(slurm_cluster: str, tmp_path: Path) -> None:
+    """All four examples, each in turn, play the episodes of a run launched on the dev cluster, from an agent
+    host on a node of its own, against vLLM on the rollout node: a policy warm-started on `arith-tool`'s
     calculator calls, which every example offers as its own `calculate` tool."""
+    import re
+
     from sfhpc.data.store_reader import open_store
-    from tests.conftest import run_recipe
+    from tests.conftest import run_sfhpc
 
     log = tmp_path / "played.txt"
-    run_dir, rows = run_recipe(tmp_path, RUN.format(dispatcher=Path(__file__).parent / "agents" / "any_framework.py",
-                                                    log=log))
-    assert len(rows) == 1
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RUN.format(dispatcher=Path(__file__).parent / "agents" / "any_framework.py", log=log,
+                                 runs=tmp_path / "runs"))
+    done = run_sfhpc("launch", str(recipe), "--wait", "--timeout", "600", timeout=660)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    [host] = [p.stem for p in (run_dir / "agent-hosts").glob("*.json")]
+    ranks = json.loads((run_dir / "launch_report.json").read_text())["ranks"]
+    assert host.rsplit("-", 1)[0] not in {r["node"] for r in ranks}  # the agent host has a node of its own
     played = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
-    assert len(played) >= 16 and {played.count(e) for e in set(played)} >= {4}
+    assert len(played) >= 16 and min(played.count(e) for e in set(played)) >= 4
     assert set(played) == {"calculator_openai.py", "calculator_agents_sdk.py responses",
                            "calculator_agents_sdk.py chat", "calculator_langchain.py"}
     tokenizer = HFTokenizer.from_folder(run_dir / "model")
