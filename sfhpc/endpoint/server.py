@@ -1,6 +1,6 @@
 """The HTTP server of the agent endpoint (aiohttp): OpenAI routes, bearer-token guard, SSE streaming.
 
-Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (non-streamed,
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` (streamed or not,
 `sfhpc.endpoint.responses`), ``GET /v1/models``, ``GET /health``.
 The trajectory id travels in the ``X-Trajectory-Id`` header (or the body's ``user`` field) and comes
 back in the same header and in the body's ``trajectory_id``; ``X-Task`` / ``X-Group`` label a new
@@ -34,6 +34,7 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from sfhpc.endpoint import responses
 from sfhpc.endpoint.api import OpenAIApi
 from sfhpc.endpoint.auth import authorized
 from sfhpc.endpoint.errors import (
@@ -143,8 +144,28 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
         return await completion(request, "completions")
 
     async def respond(request: web.Request) -> web.StreamResponse:
-        trajectory_id, body = await api.respond(await _json_body(request), identity(request))
-        return web.json_response(body, headers={TRAJECTORY_HEADER: trajectory_id})
+        body = await _json_body(request)
+        if not (isinstance(body, dict) and body.get("stream")):
+            trajectory_id, answer = await api.respond(body, identity(request))
+            return web.json_response(answer, headers={TRAJECTORY_HEADER: trajectory_id})
+        async with api.call("chat", responses.to_chat(body), identity(request)) as call:
+            stream = responses.ResponseStream(body, api.model_name)
+            response = web.StreamResponse(headers={TRAJECTORY_HEADER: call.trajectory_id,
+                                                   "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await response.prepare(request)
+            try:
+                try:
+                    async for chunk in call.chunks():
+                        for event in stream.events(chunk):
+                            await response.write(_sse_event(event))
+                    for event in stream.end():
+                        await response.write(_sse_event(event))
+                except EndpointError as exc:  # headers are sent: the error becomes the last event
+                    await response.write(_sse_event(stream.error(exc.body())))
+                await response.write_eof()
+            except ConnectionResetError:  # the agent left; the turn recorded what was generated
+                pass
+            return response
 
     async def models(request: web.Request) -> web.StreamResponse:
         if "episode" in request.match_info:
@@ -181,6 +202,11 @@ async def _json_body(request: web.Request) -> Any:
         return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+
+
+def _sse_event(event: dict[str, Any]) -> bytes:
+    """One event of the Responses API's stream: its type named on the ``event:`` line too."""
+    return f"event: {event['type']}\n".encode() + _sse(event)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

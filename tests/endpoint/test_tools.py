@@ -237,8 +237,35 @@ def test_the_responses_api_is_a_chat_turn_with_items(qwen: Served) -> None:
              "name": "get_time", "arguments": {"city": "paris"}}}]},
          {"role": "tool", "content": "noon"}], tools=TOOLS)
     assert qwen.context(tid)[:len(rendered)] == rendered and qwen.sink.trajectory(tid).history_mismatches == 0
-    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"), ({"stream": True}, "stream"),
+    for extra, param in [({"previous_response_id": "resp_1"}, "previous_response_id"),
                          ({"tools": [{"type": "web_search"}]}, "tools"), ({"input": []}, "input"),
                          ({"frequency_penalty": 1}, "frequency_penalty")]:
         response = httpx.post(f"{qwen.server.url}/responses", json={"model": "any", "input": "hi", **extra})
         assert (response.status_code, response.json()["error"]["param"]) == (400, param), extra
+
+
+def test_streamed_responses_are_the_responses_apis_events(qwen: Served) -> None:
+    """What the openai client's ``responses.stream`` and the Agents SDK's ``Runner.run_streamed`` read: the
+    call as a function_call item, then the answer's text as deltas, each closed by ``response.completed``."""
+    qwen.will_reply(CALL, "it is noon")
+    tool = {"type": "function", "name": "get_time", "description": "the time of day in a city",
+            "parameters": TOOLS[0]["function"]["parameters"]}
+    with qwen.client.responses.stream(model="any", input="time in paris?", tools=[tool]) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_response()
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    [call] = first.output
+    assert (call.type, call.name, json.loads(call.arguments)) == ("function_call", "get_time", {"city": "paris"})
+    tid = first.model_extra["trajectory_id"]
+    items: list[Any] = [{"role": "user", "content": "time in paris?"}, call.model_dump(exclude_none=True),
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "noon"}]
+    events = list(qwen.client.responses.create(model="any", input=items, tools=[tool], stream=True,
+                                               extra_headers={"X-Trajectory-Id": tid}))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    [done] = [e for e in events if e.type == "response.completed"]
+    assert text == "it is noon" and done.response.output_text == "it is noon"
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert done.response.usage.output_tokens == len(qwen.tok.encode("it is noon")) + 1
+    assert done.response.model_extra["trajectory_id"] == tid and qwen.sink.trajectory(tid).history_mismatches == 0

@@ -66,8 +66,10 @@ def served(tokenizer: HFTokenizer) -> Iterator[tuple[EndpointServer, TrajectoryM
 
 
 @pytest.mark.parametrize("command", [("calculator_openai.py",), ("calculator_agents_sdk.py", "chat"),
-                                     ("calculator_agents_sdk.py", "responses"), ("calculator_langchain.py",)],
-                         ids=["openai", "agents-sdk-chat", "agents-sdk-responses", "langchain"])
+                                     ("calculator_agents_sdk.py", "responses"),
+                                     ("calculator_agents_sdk.py", "responses", "stream"), ("calculator_langchain.py",)],
+                         ids=["openai", "agents-sdk-chat", "agents-sdk-responses", "agents-sdk-streamed",
+                              "langchain"])
 def test_a_framework_agent_calls_the_tool_and_answers(
         command: tuple[str, ...], tokenizer: HFTokenizer,
         served: tuple[EndpointServer, TrajectoryManager, ReplyingEngine]) -> None:
@@ -119,7 +121,7 @@ output_dir: {runs}
 @pytest.mark.slurm
 @pytest.mark.vllm
 def test_the_framework_examples_play_inside_a_slurm_run_on_vllm(slurm_cluster: str, tmp_path: Path) -> None:
-    """All four examples, each in turn, play the episodes of a run launched on the dev cluster, from an agent
+    """The examples, each in turn, play the episodes of a run launched on the dev cluster, from an agent
     host on a node of its own, against vLLM on the rollout node: a policy warm-started on `arith-tool`'s
     calculator calls, which every example offers as its own `calculate` tool."""
     import re
@@ -139,9 +141,10 @@ def test_the_framework_examples_play_inside_a_slurm_run_on_vllm(slurm_cluster: s
     ranks = json.loads((run_dir / "launch_report.json").read_text())["ranks"]
     assert host.rsplit("-", 1)[0] not in {r["node"] for r in ranks}  # the agent host has a node of its own
     played = [line.split(" ", 1)[1] for line in log.read_text().splitlines()]
-    assert len(played) >= 16 and min(played.count(e) for e in set(played)) >= 4
+    assert len(played) >= 16 and min(played.count(e) for e in set(played)) >= 3
     assert set(played) == {"calculator_openai.py", "calculator_agents_sdk.py responses",
-                           "calculator_agents_sdk.py chat", "calculator_langchain.py"}
+                           "calculator_agents_sdk.py chat", "calculator_langchain.py",
+                           "calculator_agents_sdk.py responses stream"}
     tokenizer = HFTokenizer.from_folder(run_dir / "model")
     store = open_store(run_dir / "trajectories.h5")
     assert [t.fail_reason for t in store.trajectories("failed")] == []
@@ -156,5 +159,5 @@ def test_the_framework_examples_play_inside_a_slurm_run_on_vllm(slurm_cluster: s
             with_calls += 1
             assert len(replies) >= 2 and "observation" in [s.kind for s in trajectory.segments]
             assert '"name": "calculate"' in replies[0]
-    # At most three episodes without a call: every example (four episodes each) ran calls.
-    assert with_calls >= 13, with_calls
+    # At most two episodes without a call: every example (three episodes or more each) ran calls.
+    assert with_calls >= 14, with_calls

@@ -1,6 +1,7 @@
 """Plays each episode with one of the shipped tool-using example agents, in turn: plain `openai`, the OpenAI
-Agents SDK on its Responses model and on its chat-completions model, LangChain. It notes which played which
-episode (``LOG``: ``<episode id> <example>`` lines) and then becomes that example (exec), stdin untouched.
+Agents SDK on its Responses model and on its chat-completions model, LangChain, the Agents SDK streamed. It
+notes which played which episode (``LOG``: ``<episode id> <example>`` lines) and then becomes that example
+(exec), stdin untouched.
 
     any_framework.py LOG
 """
@@ -13,7 +14,7 @@ from pathlib import Path
 
 AGENTS = Path(__file__).resolve().parents[3] / "recipes" / "agents"
 EXAMPLES = (["calculator_openai.py"], ["calculator_agents_sdk.py", "responses"], ["calculator_agents_sdk.py", "chat"],
-            ["calculator_langchain.py"])
+            ["calculator_langchain.py"], ["calculator_agents_sdk.py", "responses", "stream"])
 
 log = sys.argv[1]
 episode_id = json.loads(os.environ["SFHPC_EPISODE"])["episode_id"]
