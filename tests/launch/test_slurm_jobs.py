@@ -165,8 +165,8 @@ def test_tags_check_against_live_cluster(slurm_cluster: str, tmp_path: Path) -> 
     broken.write_text((RECIPES / "cluster-dev.yaml").read_text()
                       .replace("constraint: l40s", "constraint: a100")
                       .replace("partition: train", "partition: training")
-                      .replace("nodes: 2\n    tags: [rollout, reward]\n    cpus_per_node: 4",
-                               "nodes: 3\n    tags: [rollout, reward]\n    cpus_per_node: 8"))
+                      .replace("nodes: 2\n    tags: [rollout, reward, cpu]\n    cpus_per_node: 4",
+                               "nodes: 3\n    tags: [rollout, reward, cpu]\n    cpus_per_node: 8"))
     bad = run_sfhpc("tags", "check", str(broken))
     assert bad.returncode == 1
     assert "pool 'h100': partition 'training' does not exist (partitions: rollout, train, urgent)" in bad.stdout
@@ -174,8 +174,9 @@ def test_tags_check_against_live_cluster(slurm_cluster: str, tmp_path: Path) -> 
             in bad.stdout)
     wrong_count = tmp_path / "count.yaml"
     wrong_count.write_text((RECIPES / "cluster-dev.yaml").read_text().replace(
-        "nodes: 2\n    tags: [rollout, reward]\n    cpus_per_node: 4", "nodes: 3\n    tags: [rollout, reward]\n"
-        "    cpus_per_node: 8").replace("cluster: sfhpcdev", "cluster: other"))
+        "nodes: 2\n    tags: [rollout, reward, cpu]\n    cpus_per_node: 4",
+        "nodes: 3\n    tags: [rollout, reward, cpu]\n    cpus_per_node: 8",
+    ).replace("cluster: sfhpcdev", "cluster: other"))
     bad = run_sfhpc("tags", "check", str(wrong_count))
     assert bad.returncode == 1
     assert "cluster: the map says 'other', the live cluster is 'sfhpcdev'" in bad.stdout

@@ -44,7 +44,7 @@ def lending_scheduler(*, trainer_tags: str = "[train, rollout]", lending: bool =
     if trainer_tags != "[train, rollout]":
         assert tmp_path is not None
         cluster = tmp_path / "cluster.yaml"
-        cluster.write_text((RECIPES / "cluster-dev.yaml").read_text().replace("tags: [train, rollout]",
+        cluster.write_text((RECIPES / "cluster-dev.yaml").read_text().replace("tags: [train, rollout, cpu]",
                                                                                f"tags: {trainer_tags}"))
     plan = resolve(load_recipe(RECIPES / "report.yaml"), load_cluster_map(cluster))
     return Scheduler(plan, lending=lending)
