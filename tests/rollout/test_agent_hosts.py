@@ -28,6 +28,7 @@ from sfhpc.rollout.agent_host import AgentHostsClient
 from sfhpc.rollout.agent_process import AgentPrograms
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.tasks.base import Problem
+from tests.conftest import ROOT
 from tests.rollout.conftest import MODEL
 from tests.rollout.test_agent_process import TASK, alive
 from tests.rollout.test_agent_run import AGENT, RECIPE, TEST_ENGINE
@@ -202,13 +203,23 @@ def agent_hosts_recipe(tmp_path: Path, *, engine: str, timeout_s: int = 30, extr
     return recipe
 
 
-def wait_and_kill_the_hung_host(run: subprocess.Popen[str], faults: Path, register_of: Any) -> str:
-    """Once the hung episode is playing, kill the host that plays it (and its programs)."""
-    deadline = time.monotonic() + 600
-    while not (faults / "hang.pids").exists() or not (faults / "hang.pids").read_text().strip():
-        assert run.poll() is None and time.monotonic() < deadline, "the run ended before its hung episode began"
-        time.sleep(0.2)
-    return kill_agent_host(register_of(), faults / "hang.pids")
+def run_losing_the_hung_host(tmp_path: Path, *command: str, timeout: float = 600) -> tuple[int, str, str]:
+    """Run `command` (``sfhpc run`` or ``launch --wait`` of `agent_hosts_recipe`) and, once the hung episode
+    is playing, kill the agent host that plays it (and its programs); returns the exit code, the output and
+    the killed host's name."""
+    faults = tmp_path / "faults"
+    run = subprocess.Popen([sys.executable, "-m", "sfhpc", *command], cwd=ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not (faults / "hang.pids").exists() or not (faults / "hang.pids").read_text().strip():
+            assert run.poll() is None and time.monotonic() < deadline, "the run ended before its hung episode began"
+            time.sleep(0.2)
+        killed = kill_agent_host(next((tmp_path / "runs").glob("*/agent-hosts")), faults / "hang.pids")
+        out, _ = run.communicate(timeout=timeout)
+    finally:
+        run.kill()
+    return run.returncode, out, killed
 
 
 def check_lost_host_run(run_dir: Path, killed: str) -> None:
@@ -230,16 +241,8 @@ def check_lost_host_run(run_dir: Path, killed: str) -> None:
 
 @pytest.mark.mpi
 def test_a_run_with_agent_hosts_survives_losing_one(tmp_path: Path) -> None:
-    recipe = agent_hosts_recipe(tmp_path, engine=TEST_ENGINE)
-    run = subprocess.Popen([sys.executable, "-m", "sfhpc", "run", str(recipe)], stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
-    try:
-        killed = wait_and_kill_the_hung_host(
-            run, tmp_path / "faults", lambda: next((tmp_path / "runs").glob("*/agent-hosts")))
-        out, _ = run.communicate(timeout=600)
-    finally:
-        run.kill()
-    assert run.returncode == 0, out[-4000:]
+    code, out, killed = run_losing_the_hung_host(tmp_path, "run", str(agent_hosts_recipe(tmp_path, engine=TEST_ENGINE)))
+    assert code == 0, out[-4000:]
     run_dir = Path(re.search(r"run folder (\S+)", out).group(1))  # type: ignore[union-attr]
     assert "component 2: local x1 node(s), 2 task(s) [agents]" in out and "outside the MPI world" in out
     check_lost_host_run(run_dir, killed)

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from sfhpc.data.store import open_store
-from tests.conftest import ROOT
 from tests.launch.test_slurm_jobs import het_completed, node_features, wait_for_sacct
-from tests.rollout.test_agent_hosts import agent_hosts_recipe, check_lost_host_run, wait_and_kill_the_hung_host
+from tests.rollout.test_agent_hosts import agent_hosts_recipe, check_lost_host_run, run_losing_the_hung_host
 from tests.rollout.test_agent_run import VLLM
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
@@ -27,15 +24,8 @@ pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
 def test_agent_programs_on_agent_hosts_play_inside_a_slurm_run(slurm_cluster: str, tmp_path: Path) -> None:
     recipe = agent_hosts_recipe(tmp_path, engine=VLLM, extra="launch: {time_minutes: 10}\n")
-    launch = subprocess.Popen([sys.executable, "-m", "sfhpc", "launch", str(recipe), "--wait", "--timeout", "600"],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        killed = wait_and_kill_the_hung_host(
-            launch, tmp_path / "faults", lambda: next((tmp_path / "runs").glob("*/agent-hosts")))
-        out, _ = launch.communicate(timeout=660)
-    finally:
-        launch.kill()
-    assert launch.returncode == 0, out[-4000:]
+    code, out, killed = run_losing_the_hung_host(tmp_path, "launch", str(recipe), "--wait", "--timeout", "600")
+    assert code == 0, out[-4000:]
     job_id = re.search(r"submitted job (\d+)", out).group(1)  # type: ignore[union-attr]
     run_dir = Path(re.search(r"run folder (\S+)", out).group(1))  # type: ignore[union-attr]
     report = json.loads((run_dir / "launch_report.json").read_text())
