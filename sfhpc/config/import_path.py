@@ -58,8 +58,10 @@ def load_object(text: str, *, source: str, key: str, base_dir: Path | None = Non
     return obj
 
 
-def check_callable(obj: Any, args: tuple[str, ...], *, text: str, source: str, key: str) -> Callable[..., Any]:
-    """`obj` when it can be called with the positional arguments named in `args`; a ConfigError otherwise."""
+def check_callable(obj: Any, args: tuple[str, ...], *, text: str, source: str, key: str,
+                   alternative: str = "") -> Callable[..., Any]:
+    """`obj` when it can be called with the positional arguments named in `args`; a ConfigError otherwise
+    (naming `alternative`, another signature accepted, when given)."""
     if not callable(obj):
         raise ConfigError(source, key, f"'{text}' is of type {type(obj).__name__}, not a function")
     try:
@@ -70,7 +72,7 @@ def check_callable(obj: Any, args: tuple[str, ...], *, text: str, source: str, k
         signature.bind(*args)
     except TypeError:
         raise ConfigError(source, key, f"'{text}' has the signature {signature}; it must take "
-                                       f"({', '.join(args)})") from None
+                                       f"({', '.join(args)}){' ' + alternative if alternative else ''}") from None
     return obj
 
 

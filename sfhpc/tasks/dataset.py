@@ -6,6 +6,7 @@
         path: data/train.jsonl     # .jsonl or .parquet; relative to the recipe's folder
         prompt: question           # the row's key holding the prompt text, or a list of chat messages
         answer: answer             # the row's key holding the reference answer, given to the reward
+                                   # (a dotted key reads a nested one: reward_model.ground_truth)
         reward: numeric            # exact | numeric | package.module:function | file.py:function
         system: "Answer with #### and the number."   # optional system message before every prompt
         max_reply_tokens: 32
@@ -20,6 +21,11 @@ and writes a random result, so RL learns the result alone. Replies that never de
 a tiny model to ignore the prompt (a few steps leave its next-token distribution the same for every
 question), and RL then has no gradient through the question; ``worked`` replies depend on it. For a
 multi-step problem a worked solution holds intermediate results: ``worked`` trains on those.
+
+A data file as verl's preprocessing writes it (GSM8K: ``prompt`` a list of chat messages, ``reward_model:
+{style, ground_truth}``, ``data_source``, ``extra_info``) is read as it is, with ``answer:
+reward_model.ground_truth`` and a reward function of verl's signature (`sfhpc.tasks.rewards.VerlReward`),
+which gets the row's ``data_source`` and ``extra_info`` too.
 
 Problems are drawn without repeats within an epoch: each epoch visits every row once, in an order
 shuffled with a seed drawn from the controller's seeded RNG, and the sampler's position (`state`) is saved
@@ -37,36 +43,64 @@ from typing import Any
 
 from sfhpc.errors import ConfigError
 from sfhpc.tasks.base import Episode, Problem, StepResult, Task
-from sfhpc.tasks.rewards import ANSWER_MARK, BUILTIN_REWARDS, NUMBER, Reward, final_number, get_reward
+from sfhpc.tasks.rewards import (
+    ANSWER_MARK,
+    BUILTIN_REWARDS,
+    NUMBER,
+    VERL_ROW_KEYS,
+    Reward,
+    VerlReward,
+    final_number,
+    get_reward,
+    judge,
+)
 
 SUFFIXES = (".jsonl", ".parquet")
 OPTIONS = ("path", "prompt", "answer", "reward", "system", "max_reply_tokens", "warm_start")
 WARM_STARTS = ("answer", "number", "worked")
 
 
+Row = tuple[list[dict[str, str]], Any, dict[str, Any]]  # opening messages, answer, what else the reward reads
+
+
 class _DatasetEpisode(Episode):
-    def __init__(self, messages: list[dict[str, str]], answer: Any, reward: Reward) -> None:
-        self.messages, self.answer, self.reward = messages, answer, reward
+    def __init__(self, messages: list[dict[str, str]], answer: Any, reward: Reward | VerlReward,
+                 context: dict[str, Any]) -> None:
+        self.messages, self.answer, self.reward, self.context = messages, answer, reward, context
 
     def opening(self) -> list[dict[str, str]]:
         return [dict(m) for m in self.messages]
 
     def step(self, reply: str) -> StepResult:
-        return StepResult(done=True, reward=float(self.reward(reply, self.answer)))
+        return StepResult(done=True, reward=judge(self.reward, reply, self.answer, self.context))
+
+
+def lookup(row: dict[str, Any], key: str) -> Any:
+    """The value of `key` in `row`: a key of its own, else a dotted path into nested objects
+    (``reward_model.ground_truth``); KeyError when neither holds one."""
+    if key in row:
+        return row[key]
+    value: Any = row
+    for part in key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise KeyError(key)
+        value = value[part]
+    return value
 
 
 class DatasetTask(Task):
     name = "dataset"
     max_turns = 1
 
-    def __init__(self, path: Path, *, prompt: str, answer: str, reward: Reward, numeric_answers: bool = False,
+    def __init__(self, path: Path, *, prompt: str, answer: str, reward: Reward | VerlReward,
+                 numeric_answers: bool = False,
                  system: str | None = None, max_reply_tokens: int = 32, warm_start: str | None = None,
                  source: str = "recipe") -> None:
         self.path, self.prompt_key, self.answer_key, self.reward = path, prompt, answer, reward
         self.numeric_answers, self.system, self.max_reply_tokens, self.source = (
             numeric_answers, system, max_reply_tokens, source)
         self.warm_start = warm_start or ("number" if numeric_answers else "answer")
-        self._rows: list[tuple[list[dict[str, str]], Any]] | None = None
+        self._rows: list[Row] | None = None
         self._seed: int | None = None  # with the epoch and position: the sampler (see `state`)
         self._epoch, self._position = 0, 0
         self._order: list[int] = []
@@ -111,8 +145,8 @@ class DatasetTask(Task):
         self.rows  # noqa: B018 - reading them is the check
 
     @property
-    def rows(self) -> list[tuple[list[dict[str, str]], Any]]:
-        """Every row as (opening messages, answer), read on first use."""
+    def rows(self) -> list[Row]:
+        """Every row as (opening messages, answer, what else the reward reads), read on first use."""
         if self._rows is None:
             self._rows = [self._row(i, row) for i, row in enumerate(self._read())]
             if not self._rows:
@@ -145,17 +179,20 @@ class DatasetTask(Task):
                         from None
         return rows
 
-    def _row(self, index: int, row: Any) -> tuple[list[dict[str, str]], Any]:
+    def _row(self, index: int, row: Any) -> Row:
         def bad(problem: str) -> ConfigError:
             return ConfigError(self.source, "task.options", f"row {index + 1} of {self.path} {problem}")
 
         if not isinstance(row, dict):
             raise bad(f"is a {type(row).__name__}, not an object with keys")
+        found = {}
         for name, key in (("prompt", self.prompt_key), ("answer", self.answer_key)):
-            if key not in row:
+            try:
+                found[name] = lookup(row, key)
+            except KeyError:
                 keys = ", ".join(map(str, row)) or "none"
-                raise bad(f"has no key '{key}' (task.options.{name}; the row's keys: {keys})")
-        prompt = row[self.prompt_key]
+                raise bad(f"has no key '{key}' (task.options.{name}; the row's keys: {keys})") from None
+        prompt = found["prompt"]
         if isinstance(prompt, str):
             messages = [{"role": "user", "content": prompt}]
         elif (isinstance(prompt, list) and prompt
@@ -167,7 +204,8 @@ class DatasetTask(Task):
                       "({role, content})")
         if self.system is not None and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system})
-        return messages, row[self.answer_key]
+        context = {k: row.get(k) for k in VERL_ROW_KEYS} if isinstance(self.reward, VerlReward) else {}
+        return messages, found["answer"], context
 
     # -- sampling without repeats per epoch -----------------------------------------------------------
     def sample(self, rng: random.Random) -> Problem:
@@ -179,8 +217,8 @@ class DatasetTask(Task):
             self._order = self._shuffled(len(rows), self._seed)
         index = self._order[self._position]
         self._position += 1
-        messages, answer = rows[index]
-        return Problem(key=str(index), data={"messages": messages, "answer": answer})
+        messages, answer, context = rows[index]
+        return Problem(key=str(index), data={"messages": messages, "answer": answer, "context": context})
 
     @staticmethod
     def _shuffled(count: int, seed: int) -> list[int]:
@@ -205,7 +243,8 @@ class DatasetTask(Task):
         return self._epoch
 
     def episode(self, problem: Problem) -> Episode:
-        return _DatasetEpisode(problem.data["messages"], problem.data["answer"], self.reward)
+        return _DatasetEpisode(problem.data["messages"], problem.data["answer"], self.reward,
+                               problem.data.get("context", {}))
 
     def warm_start_examples(self, rng: random.Random, count: int) -> list[list[dict[str, str]]]:
         # Format only: the result of each reply is another row's, right only by chance (see the module's
@@ -215,8 +254,8 @@ class DatasetTask(Task):
         rows = self.rows
         examples = []
         for _ in range(count):
-            messages, own = rows[rng.randrange(len(rows))]
-            _, other = rows[rng.randrange(len(rows))]
+            messages, own, _ = rows[rng.randrange(len(rows))]
+            _, other, _ = rows[rng.randrange(len(rows))]
             examples.append([*messages, {"role": "assistant", "content": self._format_reply(str(own), str(other))}])
         return examples
 

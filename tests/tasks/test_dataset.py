@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
 
+from sfhpc.config import load_recipe
 from sfhpc.config.recipe import TaskSpec
 from sfhpc.errors import ConfigError
 from sfhpc.rl.resume import ControllerState
 from sfhpc.tasks import get_task
 from sfhpc.tasks.dataset import DatasetTask
+from sfhpc.tasks.rewards import VerlReward
 
 
 def write_jsonl(path: Path, rows: list[object]) -> Path:
@@ -161,3 +164,69 @@ def test_bad_input_is_named(tmp_path: Path, rows: object, options: dict[str, obj
         get_task(spec, "r.yaml").check()
     assert expected.format(dir=tmp_path) in str(caught.value), str(caught.value)
     assert "\n" not in str(caught.value)
+
+
+def test_a_verl_data_file_and_reward_work_as_they_are(tmp_path: Path) -> None:
+    """The shipped GSM8K-shaped parquet (written as verl writes one) and a reward with verl's signature: the
+    nested ground truth by a dotted key, the reward called as verl calls it, with the row's data_source and
+    extra_info, its dict's score taken."""
+    from tests.conftest import ROOT
+
+    recipe = load_recipe(ROOT / "recipes" / "gsm8k-verl.yaml")
+    task = get_task(recipe.task, recipe.source)
+    assert isinstance(task, DatasetTask) and isinstance(task.reward, VerlReward)
+    problem = task.sample(random.Random(0))
+    episode = task.episode(problem)
+    [message] = episode.opening()
+    assert message["role"] == "user" and message["content"].endswith('output the final answer after "####".')
+    answer = problem.data["answer"]
+    row = task.rows[int(problem.key)]
+    assert answer == row[2]["extra_info"]["answer"].rpartition("#### ")[2]  # reward_model.ground_truth
+    assert row[2]["data_source"] == "openai/gsm8k"
+    assert episode.step(f"so #### {answer}").reward == 1.0 and episode.step("#### 1000").reward == 0.0
+
+    # What verl passes, by keyword; a function may leave out data_source and extra_info, or take **kwargs.
+    (tmp_path / "rewards.py").write_text(
+        "SEEN = []\n"
+        "def full(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    SEEN.append(dict(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,\n"
+        "                     extra_info=extra_info))\n"
+        "    return 0.5\n"
+        "def short(solution_str, ground_truth):\n    return {'score': 1, 'acc': True}\n"
+        "def keywords(solution_str, ground_truth, **kwargs):\n    return float('data_source' in kwargs)\n"
+        "def wrong(solution_str, ground_truth):\n    return 'yes'\n")
+    rows = [{"prompt": [{"role": "user", "content": "1 + 1?"}], "data_source": "mine",
+             "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 7}}]
+    scores = {}
+    for name in ("full", "short", "keywords"):
+        task = dataset(tmp_path, rows, prompt="prompt", answer="reward_model.ground_truth",
+                       reward=f"rewards.py:{name}")
+        scores[name] = task.episode(task.sample(random.Random(0))).step("2").reward
+    assert scores == {"full": 0.5, "short": 1.0, "keywords": 1.0}
+    module = next(m for n, m in sys.modules.items() if n.startswith("sfhpc_user_rewards_"))
+    seen = module.SEEN
+    assert seen == [{"data_source": "mine", "solution_str": "2", "ground_truth": "2", "extra_info": {"index": 7}}]
+    task = dataset(tmp_path, rows, prompt="prompt", answer="reward_model.ground_truth", reward="rewards.py:wrong")
+    with pytest.raises(TypeError, match="must return a number or a dict with a numeric 'score'"):
+        task.episode(task.sample(random.Random(0))).step("2")
+    with pytest.raises(ConfigError, match=r"has no key 'reward_model.truth' \(task.options.answer"):
+        dataset(tmp_path, rows, prompt="prompt", answer="reward_model.truth").check()
+
+
+@pytest.mark.mpi
+def test_the_verl_recipe_runs_as_shipped(tmp_path: Path) -> None:
+    """`recipes/gsm8k-verl.yaml` as a user runs it, made short: the parquet's chat prompts reach the policy
+    and the verl reward judges every reply."""
+    import re
+
+    from sfhpc.data.store_reader import open_store
+    from tests.conftest import ROOT, run_recipe
+
+    text = (ROOT / "recipes" / "gsm8k-verl.yaml").read_text().replace("../data/", f"{ROOT}/data/")
+    text = re.sub(r"\nbudgets:\n(  .*\n)+", "\nbudgets: {steps: 2, prompts_per_step: 2}\n", text)
+    text = text.replace("  warm_start_steps: 100\n", "  warm_start_steps: 0\n  layers: 1\n") + "engine: {name: test}\n"
+    run_dir, rows = run_recipe(tmp_path, text)
+    assert [r["version"] for r in rows] == [1, 2]
+    with open_store(run_dir / "trajectories.h5") as store:
+        consumed = list(store.trajectories(status="consumed"))
+    assert len(consumed) == 2 * 2 * 8 and all(t.reward in (0.0, 1.0) for t in consumed)
