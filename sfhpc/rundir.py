@@ -81,6 +81,11 @@ class RunPaths:
         return self.root / "reward.png"
 
     @property
+    def trackers(self) -> Path:
+        """The experiment trackers' run ids and last steps (`sfhpc.rl.trackers`), kept across restarts."""
+        return self.root / "trackers.json"
+
+    @property
     def agent_hosts(self) -> Path:
         """One JSON file per agent host of an ``agents`` role (its URL and token, mode 0600): how the
         rollout ranks find them (`sfhpc.rollout.agent_host`)."""

@@ -464,6 +464,42 @@ class AgentSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class WandbSpec:
+    """Weights & Biases: the run's step metrics, config and reward curve in a wandb run (`sfhpc.rl.trackers`)."""
+
+    project: str = setting("", "the wandb project (required)")
+    entity: str | None = setting(None, "the wandb team or user (null: your default)")
+    mode: Literal["online", "offline"] = setting("online", "offline: write the run under the run folder only "
+                                                           "(`wandb sync` uploads it later)")
+    name: str | None = setting(None, "the run's display name (null: the run folder's name)")
+
+    def validate(self, where: Where) -> None:
+        if not self.project:
+            raise where.child("project").error("required: the wandb project to log to")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlflowSpec:
+    """MLflow: the run's step metrics, recipe and reward curve in an MLflow run (`sfhpc.rl.trackers`)."""
+
+    experiment: str = setting("", "the MLflow experiment (made when missing; required)")
+    tracking_uri: str | None = setting(None, "where runs are recorded, e.g. http://mlflow:5000 or file:///path/mlruns "
+                                             "(null: $MLFLOW_TRACKING_URI, else MLflow's default)")
+
+    def validate(self, where: Where) -> None:
+        if not self.experiment:
+            raise where.child("experiment").error("required: the MLflow experiment to log to")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingSpec:
+    """Experiment trackers beside ``metrics.jsonl`` and the TensorBoard file (which every run writes)."""
+
+    wandb: WandbSpec | None = setting(None, "log to Weights & Biases (absent: not)")
+    mlflow: MlflowSpec | None = setting(None, "log to MLflow (absent: not)")
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchSpec:
     """Slurm job settings that are not placement (placement comes from roles and the tag map).
 
@@ -527,6 +563,8 @@ class Recipe:
     agent: AgentSpec | None = setting(None, "an agent program of your own plays the episodes (absent: the task's "
                                             "built-in agent)")
     launch: LaunchSpec = setting(LaunchSpec(), "Slurm job settings that are not placement")
+    logging: LoggingSpec = setting(LoggingSpec(), "experiment trackers (wandb, MLflow) beside metrics.jsonl and "
+                                                  "TensorBoard")
     seed: int = setting(0, "seeds the controller's draws of problems, the engines' sampling and the built model")
     output_dir: str = setting("runs", "the folder that run folders are made in (relative to the working folder)")
     source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})

@@ -39,6 +39,7 @@ from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
+from sfhpc.rl.trackers import open_trackers
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import preemption, requeue
 from sfhpc.runtime.comm_layout import CommLayout
@@ -100,7 +101,7 @@ class Controller:
         # The event log of a folder opened again: a crash may have cut its last line, which is set aside
         # before the first event is appended (the metrics likewise, by `Progress`).
         repair_log(RunPaths(run_dir).events)
-        self.progress = Progress(run_dir, recipe.budgets.steps)
+        self.progress = Progress(run_dir, recipe.budgets.steps, trackers=open_trackers(recipe, run_dir))
         self.checkpoints = RunCheckpoints(run_dir)
         self.identity = run_identity(recipe, model_dir)
         self.last_checkpoint: CheckpointInfo | None = resume_from

@@ -31,7 +31,7 @@ def check_runnable(recipe: Recipe) -> None:
 def runnable_problems(recipe: Recipe) -> list[str]:
     """What in a loaded recipe would stop a run on every rank after the job started, one line each: the task
     (an unknown one, user code that does not import, a reward of the wrong signature, bad options or data
-    file) and the model folder (one the engines cannot load)."""
+    file), the model folder (one the engines cannot load) and the experiment trackers' packages."""
     problems = []
     if not recipe.task.name:
         from sfhpc.tasks.registry import BUILTIN_TASKS
@@ -54,7 +54,18 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         if problem is not None:
             problems.append(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
                             "leave model.path out to build sfhpc's own tiny model")
-    return problems
+    return problems + _tracker_problems(recipe)
+
+
+def _tracker_problems(recipe: Recipe) -> list[str]:
+    """An experiment tracker the recipe names needs its package where the controller runs."""
+    import importlib.util
+
+    named = [(key, package) for key, package in (("wandb", "wandb"), ("mlflow", "mlflow"))
+             if getattr(recipe.logging, key) is not None]
+    return [f"{recipe.source}: logging.{key}: the {package} package is not installed; pip install "
+            f"'sfhpc[logging]' (or remove logging.{key})" for key, package in named
+            if importlib.util.find_spec(package) is None]
 
 
 def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
@@ -154,7 +165,8 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         controller = Controller(recipe, plan, layout, task, run_dir, model_dir=model_dir, resume_from=resume_from,
                                 restart=identity.env.restart_count, job_id=identity.env.job_id)
         summary = run_loop(controller)
-        print(describe(summary, controller.progress, controller.progress.plot()), flush=True)
+        plot = controller.progress.end(complete=controller.stopping is None)
+        print(describe(summary, controller.progress, plot), flush=True)
         return {"rank": identity.rank, "steps": summary.steps, "first_reward": summary.first_reward,
                 "last_reward": summary.last_reward, "store": str(summary.store),
                 "store_share": summary.store_seconds / max(summary.seconds, 1e-9)}

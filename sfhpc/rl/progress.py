@@ -2,7 +2,8 @@
 
 Long runs show steps, reward and throughput as they go; at the end the reward curve is printed (so a
 terminal shows it) and drawn to ``reward.png`` next to the metrics. The same per-step values also go to a
-TensorBoard event file beside ``metrics.jsonl`` (`sfhpc.rl.tfevents`), for ``tensorboard --logdir runs/``.
+TensorBoard event file beside ``metrics.jsonl`` (`sfhpc.rl.tfevents`), for ``tensorboard --logdir runs/``,
+and to the experiment trackers the recipe names (`sfhpc.rl.trackers`: wandb, MLflow).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from typing import Any
 
 from sfhpc.data.run_log import repair_log
 from sfhpc.rl.tfevents import EventFile, rewrite
+from sfhpc.rl.trackers import Trackers
 from sfhpc.rundir import RunPaths
 
 SPARK = " .:-=+*#%@"
 
 
 class Progress:
-    def __init__(self, run_dir: Path, total_steps: int) -> None:
+    def __init__(self, run_dir: Path, total_steps: int, trackers: Trackers | None = None) -> None:
         self.paths = RunPaths(run_dir)
         self.path = self.paths.metrics
         # A folder opened again: a crash may have cut the last row, which is set aside before one is appended.
@@ -29,6 +31,7 @@ class Progress:
         self.started = time.monotonic()
         self.rows: list[dict[str, Any]] = []
         self.events: EventFile | None = None  # opened at the first step (or at a resume)
+        self.trackers = trackers
 
     def resume(self, step: int) -> None:
         """Continue the metrics of a run restored at `step`: its rows up to that step are the curve so far.
@@ -57,6 +60,8 @@ class Progress:
         if self.events is None:
             self.events = EventFile(self.path.parent)
         self.events.add(int(row["step"]), row)
+        if self.trackers is not None:
+            self.trackers.log(row)
         print(f"step {row['step']:>4}/{self.total}  reward {row['reward_mean']:.3f}  "
               f"staleness {row.get('mean_staleness', 0):.2f}  gen {row['generated_tokens_per_s']:>7.0f} tok/s  "
               f"train {row['trained_tokens_per_s']:>7.0f} tok/s  sync {row['sync_s'] * 1000:.0f} ms  "
@@ -75,6 +80,14 @@ class Progress:
         first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
         return (f"reward curve (0 to 1, {len(rewards)} steps, moving average of {window}): |{spark}|\n"
                 f"mean reward: first {tenth} step(s) {first:.3f} -> last {tenth} step(s) {last:.3f}")
+
+    def end(self, *, complete: bool) -> Path | None:
+        """The run's end on this rank (`complete`: its budget spent, not stopped for a requeue): the reward plot
+        is drawn and the trackers get it and close. Returns the plot (None without matplotlib)."""
+        plot = self.plot()
+        if self.trackers is not None:
+            self.trackers.finish(plot, complete=complete)
+        return plot
 
     def plot(self) -> Path | None:
         """Draw reward.png (reward and staleness per step); None when matplotlib is missing."""

@@ -96,9 +96,9 @@ def events(run_dir: Path) -> list[dict]:
 
 
 def cut_after(recipe: Path, runs: Path, steps: int, *, env: dict[str, str] | None = None,
-              then: Callable[[], bool] | None = None) -> tuple[Path, str]:
-    """Start the recipe, SIGTERM every process of the ranks (vLLM's engine too, as Slurm does) once `steps`
-    steps are done (and, after that, `then()` holds); returns the run folder and the output."""
+              then: Callable[[], bool] | None = None, stop: int = signal.SIGTERM) -> tuple[Path, str]:
+    """Start the recipe, send `stop` (SIGTERM) to every process of the ranks (vLLM's engine too, as Slurm
+    does) once `steps` steps are done (and, after that, `then()` holds); returns the run folder and the output."""
     process = start_run(recipe, env=env)
     deadline = time.monotonic() + 600
     run_dir, stepped = None, False
@@ -113,7 +113,7 @@ def cut_after(recipe: Path, runs: Path, steps: int, *, env: dict[str, str] | Non
         pytest.fail(f"the run ended before it could be cut:\n{process.communicate()[0][-3000:]}")
     for pid in step_pids(run_dir):
         with contextlib.suppress(ProcessLookupError):  # a helper process that ended meanwhile
-            os.kill(pid, signal.SIGTERM)
+            os.kill(pid, stop)
     out, _ = process.communicate(timeout=300)
     assert process.returncode == 75, out[-4000:]  # stopped at a safe point: resumable, not done
     return run_dir, out
