@@ -275,16 +275,37 @@ class EngineSpec:
     cut_after_tokens: int = setting(0, "test engine: a reply started under weights of version 1 or later waits "
                                        "after this many tokens for the next weight update, which cuts it there "
                                        "(tests of partial rollout); 0: never")
+    tensor_parallel_size: int = setting(1, "vLLM: GPUs one engine spans (each rollout rank needs as many: "
+                                           "roles.rollout.gpus_per_task)")
+    gpu_memory_utilization: float = setting(0.9, "vLLM: the share of each GPU's memory the engine may take (weights "
+                                                 "and KV cache)")
+    max_num_seqs: int | None = setting(None, "vLLM: the most sequences one engine step holds (null: vLLM's default)")
+    enforce_eager: bool = setting(True, "vLLM: no CUDA graphs (false on GPUs: faster decoding, slower start; CPUs "
+                                        "ignore it)")
 
     def validate(self, where: Where) -> None:
         if not self.token_delay_s >= 0:
             raise where.child("token_delay_s").error(f"must be 0 or more seconds, found {self.token_delay_s}")
         if self.cut_after_tokens < 0:
             raise where.child("cut_after_tokens").error(f"must be 0 or more, found {self.cut_after_tokens}")
+        if self.tensor_parallel_size < 1:
+            raise where.child("tensor_parallel_size").error(f"must be at least 1, found {self.tensor_parallel_size}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise where.child("gpu_memory_utilization").error(
+                f"must be more than 0 and at most 1 (a share of the GPU), found {self.gpu_memory_utilization}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise where.child("max_num_seqs").error(f"must be at least 1 (or null), found {self.max_num_seqs}")
         if self.name == "vllm":
             for key in ("token_delay_s", "writes_to_budget", "cut_after_tokens"):
                 if getattr(self, key):
                     raise where.child(key).error("paces the 'test' engine only; leave it out for vLLM")
+        else:
+            for key, default in VLLM_KNOBS.items():
+                if getattr(self, key) != default:
+                    raise where.child(key).error("configures vLLM only; leave it out for the 'test' engine")
+
+
+VLLM_KNOBS = {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "max_num_seqs": None, "enforce_eager": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -621,6 +642,13 @@ class Recipe:
                 f"{trainer.num_tasks} trainer ranks cannot be split into tensor x pipeline = {parallel} groups")
         if self.pipeline.max_staleness < 0:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
+        tp = self.engine.tensor_parallel_size
+        engine_role = self.role("trainer") if self.colocated else self.role("rollout")
+        assert engine_role is not None
+        if tp > 1 and engine_role.gpus_per_task < tp:
+            raise where.child("engine").child("tensor_parallel_size").error(
+                f"{tp} spans {tp} GPUs, but each {engine_role.name} rank has {engine_role.gpus_per_task}: set "
+                f"roles.{engine_role.name}.gpus_per_task: {tp}")
 
 
     def _validate_agents_role(self, roles: Where) -> None:

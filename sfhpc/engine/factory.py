@@ -25,7 +25,7 @@ def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
     from sfhpc.engine.vllm_engine import VllmEngine
 
     return VllmEngine.start(f"vllm-r{rank}", model_dir, max_model_len=recipe.model.max_seq_len,
-                            dtype=recipe.model.dtype, seed=recipe.seed + rank)
+                            dtype=recipe.model.dtype, seed=recipe.seed + rank, knobs=spec)
 
 
 def scripted_vocab(model_dir: Path, *, stops: bool) -> tuple[int, ...]:

@@ -38,6 +38,7 @@ from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal, cast
 
+from sfhpc.config.recipe import EngineSpec
 from sfhpc.engine.base import FinishReason, GenerationChunk, GenerationRequest, RolloutEngine
 
 RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
@@ -142,8 +143,11 @@ class VllmEngine(RolloutEngine):
     @classmethod
     def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256,
               dtype: Literal["bfloat16", "float32"] = "bfloat16",
-              kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0) -> VllmEngine:
-        """Start the engine (about 20 s on a CPU). Call from the event loop that will use it."""
+              kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0,
+              knobs: EngineSpec | None = None) -> VllmEngine:
+        """Start the engine (about 20 s on a CPU). Call from the event loop that will use it. `knobs`: the
+        recipe's ``engine`` section (tensor parallelism, GPU memory share, batch bound, eager mode)."""
+        knobs = knobs or EngineSpec()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         import torch
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -153,9 +157,12 @@ class VllmEngine(RolloutEngine):
         # prefill, when many arrive at once) makes vLLM rewind the request's seeded generator, which CPU
         # generators cannot do ("CPU Generator does not use offset"), and the engine dies.
         on_cpu = not torch.cuda.is_available()
+        optional: dict[str, Any] = {} if knobs.max_num_seqs is None else {"max_num_seqs": knobs.max_num_seqs}
         args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
-                               enforce_eager=True, dtype=dtype, seed=seed, logprobs_mode="processed_logprobs",
-                               enable_chunked_prefill=False if on_cpu else None)
+                               enforce_eager=knobs.enforce_eager, dtype=dtype, seed=seed,
+                               logprobs_mode="processed_logprobs", enable_chunked_prefill=False if on_cpu else None,
+                               tensor_parallel_size=knobs.tensor_parallel_size,
+                               gpu_memory_utilization=knobs.gpu_memory_utilization, **optional)
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
         with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)

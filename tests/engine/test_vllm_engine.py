@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from sfhpc.config.recipe import ModelSpec
+from sfhpc.config.recipe import EngineSpec, ModelSpec
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.engine.base import GenerationRequest
@@ -41,7 +41,9 @@ def served(model_dir: Path, tokenizer: ChatTokenizer) -> Iterator[tuple[Endpoint
     endpoint = AgentEndpoint(ScriptedEngine(seed=0), manager)
     with EndpointServer(OpenAIApi(endpoint, model_name="tiny-llama", tokenizer=tokenizer)) as server:
         async def switch() -> VllmEngine:
-            engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
+            # The recipe's engine knobs (engine: in a recipe): checked on the running engine's own config.
+            engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256,
+                                      knobs=EngineSpec(max_num_seqs=24, gpu_memory_utilization=0.5))
             await endpoint.replace_engine(engine)
             return engine
         engine = server.call(switch(), timeout=300)
@@ -65,6 +67,14 @@ async def collect(engine: VllmEngine, request: GenerationRequest) -> tuple[list[
 def prompt(i: int) -> tuple[int, ...]:
     """A few token ids (any ids below the vocabulary make a prompt for the engine)."""
     return (0, 97, 98, 99, 48 + i)
+
+
+def test_the_recipes_engine_knobs_reach_vllm(served) -> None:  # type: ignore[no-untyped-def]
+    _, engine, _ = served
+    config = engine._llm.vllm_config
+    assert config.scheduler_config.max_num_seqs == 24
+    assert config.cache_config.gpu_memory_utilization == 0.5
+    assert config.parallel_config.tensor_parallel_size == 1 and config.model_config.enforce_eager
 
 
 def test_generates_tokens_with_logprobs_and_versions(served, tokenizer) -> None:  # type: ignore[no-untyped-def]
