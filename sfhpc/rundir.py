@@ -128,6 +128,17 @@ def job_run_dir(output_dir: str | Path, recipe_name: str, job_id: str) -> Path:
     return Path(output_dir).absolute() / f"{recipe_name}-job{job_id}"
 
 
+def given_or_job_run_dir(output_dir: str | Path, recipe_name: str, given: str | None,
+                         job_id: str | None) -> Path | None:
+    """The run folder a process of a job uses: the one given (``--run-dir``), else the Slurm job's own (a
+    template's job, whose requeue finds it again); None when neither says."""
+    if given:
+        return Path(given).absolute()
+    if job_id is not None:
+        return job_run_dir(output_dir, recipe_name, job_id)
+    return None
+
+
 def record_job(output_dir: str | Path, job_id: str, run_dir: Path, recipe_source: str) -> None:
     """Append ``job_id -> run_dir`` to the index (a lock keeps concurrent writers' lines whole)."""
     index = Path(output_dir).absolute() / INDEX_NAME

@@ -11,12 +11,12 @@ import asyncio
 import logging
 import os
 import sys
-from pathlib import Path
 
 from sfhpc.config import load_recipe
 from sfhpc.errors import SfhpcError
+from sfhpc.rank.main import given_or_job_run_dir
 from sfhpc.rollout.agent_host import host_name, run_host
-from sfhpc.rundir import RunPaths, job_run_dir
+from sfhpc.rundir import RunPaths
 from sfhpc.runtime.slurm_env import current_job_id
 
 
@@ -31,12 +31,8 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
         if recipe.agent is None:
             raise SfhpcError(f"{args.recipe}: an agent host runs the recipe's agent program, but it names none")
-        job_id = current_job_id()
-        if args.run_dir:
-            run_dir = Path(args.run_dir).absolute()
-        elif job_id is not None:
-            run_dir = job_run_dir(recipe.output_dir, recipe.name, job_id)
-        else:
+        run_dir = given_or_job_run_dir(recipe.output_dir, recipe.name, args.run_dir, current_job_id())
+        if run_dir is None:
             raise SfhpcError("an agent host needs its run's folder: pass --run-dir or set SFHPC_RUN_DIR")
         paths = RunPaths(run_dir)
         name = host_name(args.index)

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.local_map import LOCAL_MAP_NAME, local_cluster_map
 from sfhpc.plan.resolve import resolve
 from sfhpc.rank.program import RankProgram, report_user_error, run_rank_main
-from sfhpc.rundir import job_run_dir, new_run_dir, record_job
+from sfhpc.rundir import given_or_job_run_dir, new_run_dir, record_job
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
@@ -39,13 +38,10 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe)
         local = args.cluster == LOCAL_MAP_NAME
         plan = resolve(recipe, local_cluster_map(recipe) if local else load_cluster_map(args.cluster))
-        if args.run_dir:
-            run_dir = Path(args.run_dir).absolute()
-        elif env.job_id is not None:
-            run_dir = job_run_dir(recipe.output_dir, recipe.name, env.job_id)
-        elif env.world_size == 1:
+        run_dir = given_or_job_run_dir(recipe.output_dir, recipe.name, args.run_dir, env.job_id)
+        if run_dir is None and env.world_size == 1:
             run_dir = new_run_dir(recipe.output_dir, recipe.name)
-        else:
+        elif run_dir is None:
             raise SfhpcError("several ranks need one shared run folder: pass --run-dir or set SFHPC_RUN_DIR")
         run_dir.mkdir(parents=True, exist_ok=True)
         if env.world_rank == 0 and env.job_id is not None and env.restart_count == 0 and not args.run_dir:

@@ -10,6 +10,7 @@ from typing import Any
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.rl.trackers import tracker_problems
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault
 from sfhpc.runtime.comm_layout import build_comm_layout
@@ -54,18 +55,7 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         if problem is not None:
             problems.append(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
                             "leave model.path out to build sfhpc's own tiny model")
-    return problems + _tracker_problems(recipe)
-
-
-def _tracker_problems(recipe: Recipe) -> list[str]:
-    """An experiment tracker the recipe names needs its package where the controller runs."""
-    import importlib.util
-
-    named = [(key, package) for key, package in (("wandb", "wandb"), ("mlflow", "mlflow"))
-             if getattr(recipe.logging, key) is not None]
-    return [f"{recipe.source}: logging.{key}: the {package} package is not installed; pip install "
-            f"'sfhpc[logging]' (or remove logging.{key})" for key, package in named
-            if importlib.util.find_spec(package) is None]
+    return problems + tracker_problems(recipe)
 
 
 def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:

@@ -197,13 +197,28 @@ class Trackers:
         return True
 
 
+# The recipe's ``logging`` key of each tracker: its class and the package it needs.
+KINDS: dict[str, tuple[type[WandbTracker] | type[MlflowTracker], str]] = {
+    "wandb": (WandbTracker, "wandb"), "mlflow": (MlflowTracker, "mlflow")}
+
+
+def tracker_problems(recipe: Recipe) -> list[str]:
+    """One line for each tracker the recipe names whose package is not installed here (checked before any
+    job starts, `sfhpc.rl.program.runnable_problems`)."""
+    import importlib.util
+
+    return [f"{recipe.source}: logging.{name}: the {package} package is not installed; pip install "
+            f"'sfhpc[logging]' (or remove logging.{name})" for name, (_, package) in KINDS.items()
+            if getattr(recipe.logging, name) is not None and importlib.util.find_spec(package) is None]
+
+
 def open_trackers(recipe: Recipe, run_dir: Path) -> Trackers:
     """Start the trackers the recipe's ``logging`` names (none: an empty set)."""
     paths = RunPaths(run_dir)
     state = TrackerState(paths)
     trackers: list[Tracker] = []
-    for name, spec, kind in (("wandb", recipe.logging.wandb, WandbTracker),
-                             ("mlflow", recipe.logging.mlflow, MlflowTracker)):
+    for name, (kind, _) in KINDS.items():
+        spec = getattr(recipe.logging, name)
         if spec is None:
             continue
         try:

@@ -457,7 +457,7 @@ class AgentPrograms:
 
     def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
                  token: str | None, model: str, runner: ProgramRunner | None = None) -> None:
-        self.spec, self.episodes, self.url_of, self.token, self.model = spec, episodes, url_of, token, model
+        self.episodes, self.url_of, self.token, self.model = episodes, url_of, token, model
         self.runner: ProgramRunner = runner if runner is not None else LocalPrograms(spec, recipe_source)
 
     @property
