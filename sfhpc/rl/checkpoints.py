@@ -1,7 +1,7 @@
 """A run's checkpoints: one folder per checkpoint, complete only once its manifest is in place.
 
     checkpoints/step-000042/        trainer.pt (and any parts a backend writes beside it),
-                                    controller.pt (step, version, sampler, the episodes out),
+                                    controller.json (step, version, sampler, the episodes out),
                                     MANIFEST.json (written last: every file's size and sha256)
 
 A checkpoint is built in a hidden temporary folder (``.step-000042.XXXX.partial``), its manifest is
@@ -32,7 +32,7 @@ from sfhpc.rundir import RunPaths
 
 MANIFEST = "MANIFEST.json"
 TRAINER_FILE = "trainer.pt"
-CONTROLLER_FILE = "controller.pt"
+CONTROLLER_FILE = "controller.json"
 FORMAT = "sfhpc-run-checkpoint"
 FORMAT_VERSION = 1
 _NAME = re.compile(r"^step-(\d{6,})(?:\.(\d+))?$")

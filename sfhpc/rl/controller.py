@@ -34,7 +34,7 @@ from sfhpc.data.store import TrajectoryStore
 from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
-from sfhpc.rl.checkpoints import TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
+from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
@@ -96,6 +96,7 @@ class Controller:
         self.hopeless_checked = 0  # the policy version whose hopeless groups were dropped last
         self.hopeless_groups = 0  # groups dropped as stale while they still played, this run (for metrics)
         self.next_group = 0
+        self._state_checked = False
         # The episodes of the groups in flight, for the checkpoint (the manager's book says which are).
         self.open_groups: dict[str, tuple[msg.EpisodeTicket, ...]] = {}
         # The event log of a folder opened again: a crash may have cut its last line, which is set aside
@@ -142,6 +143,9 @@ class Controller:
             self.manager.book_group(group)
             self.open_groups[group] = members
             episodes += members
+            if not self._state_checked:  # a task whose problems no checkpoint could hold stops now, not then
+                self._state().to_json(self.task)
+                self._state_checked = True
         self.hand_out(episodes)
 
     def drop_hopeless_groups(self) -> int:
@@ -342,7 +346,7 @@ class Controller:
             msg.send(self.layout.world, msg.Checkpoint(str(partial / TRAINER_FILE)), rank)
         msg.receive_reply(self.layout.world, trainers[0], msg.CheckpointWritten)
         self.manager.flush()
-        self._state().save(partial / "controller.pt")
+        self._state().save(partial / CONTROLLER_FILE, self.task)
         info = self.checkpoints.commit(partial, step=self.step_done, version=self.version, identity=self.identity,
                                        reason=reason, extra={"restart": self.restart})
         self.last_checkpoint = info
@@ -429,7 +433,7 @@ class Controller:
         info = self.resume_from
         if info is None:
             return 1
-        state = ControllerState.load(info.controller_file)
+        state = ControllerState.load(info.controller_file, self.task)
         self.step_done, self.version, self.next_group = state.step, state.version, state.next_group
         self.rng.setstate(state.rng)
         if state.task_state is not None and callable(restore := getattr(self.task, "restore", None)):

@@ -27,19 +27,26 @@ trajectory is trained twice.
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import json
 from pathlib import Path
 from typing import Any
 
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Status
+from sfhpc.errors import SfhpcError
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rundir import RunPaths
+from sfhpc.tasks.base import Problem, Task
+
+CONTROLLER_STATE_FORMAT = "sfhpc-controller-state"
+CONTROLLER_STATE_VERSION = 1
 
 
 @dataclasses.dataclass
 class ControllerState:
-    """Everything of the controller a checkpoint holds (pickled: problems are the tasks' own objects)."""
+    """Everything of the controller a checkpoint holds, written as JSON: a resume reads plain data only, so
+    that a run folder another user can write cannot make it run code. Problems go through their task's
+    `Task.problem_to_json` / `Task.problem_from_json`, the sampler's state is `Task.state` as it is."""
 
     step: int  # the last training step done
     version: int  # the policy version the trainers hold
@@ -49,25 +56,61 @@ class ControllerState:
     task_state: Any = None  # a task's own sampler state (`Task.state`), e.g. a data file's position
     assigned: dict[int, int] = dataclasses.field(default_factory=dict)  # rank -> episodes sent so far
 
-    def save(self, path: Path) -> None:
-        with open(path, "wb") as f:
-            pickle.dump(dataclasses.asdict(self) | {"open_groups": self.open_groups}, f, protocol=5)
+    def save(self, path: Path, task: Task) -> None:
+        path.write_text(self.to_json(task), encoding="utf-8")
+
+    def to_json(self, task: Task) -> str:
+        """The state as the checkpoint's JSON text (`ControllerStateError` for what is not plain data)."""
+        version, internal, gauss = self.rng
+        state = {"format": CONTROLLER_STATE_FORMAT, "format_version": CONTROLLER_STATE_VERSION,
+                 "step": self.step, "version": self.version, "rng": [version, list(internal), gauss],
+                 "next_group": self.next_group, "task_state": self.task_state,
+                 "assigned": {str(rank): count for rank, count in self.assigned.items()},
+                 "open_groups": {group: [_ticket_json(t, task) for t in tickets]
+                                 for group, tickets in self.open_groups.items()}}
+        try:
+            return json.dumps(state, allow_nan=False)
+        except (TypeError, ValueError) as exc:
+            raise ControllerStateError(f"task {task.name or type(task).__name__}: its problems or sampler state "
+                                       f"are not plain data ({exc}); see Task.problem_to_json and Task.state "
+                                       "in docs/tasks-and-rewards.md") from None
 
     @classmethod
-    def load(cls, path: Path) -> ControllerState:
-        with open(path, "rb") as f:
-            fields = _StateUnpickler(f).load()  # a file this run wrote, verified against its manifest
-        return cls(**fields)
+    def load(cls, path: Path, task: Task) -> ControllerState:
+        if not path.is_file():
+            if (path.parent / "controller.pt").is_file():
+                raise ControllerStateError(f"{path.parent}: written by an earlier sfhpc, whose controller state "
+                                           "is a pickle; resume reads plain data only: start a new run")
+            raise ControllerStateError(f"{path}: no such file")
+        try:
+            state = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ControllerStateError(f"{path}: cannot read the controller state ({exc})") from None
+        if not isinstance(state, dict) or state.get("format") != CONTROLLER_STATE_FORMAT:
+            raise ControllerStateError(f"{path}: not an sfhpc controller state")
+        if state.get("format_version") != CONTROLLER_STATE_VERSION:
+            raise ControllerStateError(f"{path}: controller state format {state.get('format_version')} is not "
+                                       f"the supported {CONTROLLER_STATE_VERSION}")
+        version, internal, gauss = state["rng"]
+        return cls(step=state["step"], version=state["version"], rng=(version, tuple(internal), gauss),
+                   next_group=state["next_group"], task_state=state["task_state"],
+                   assigned={int(rank): count for rank, count in state["assigned"].items()},
+                   open_groups={group: tuple(_ticket(t, task) for t in tickets)
+                                for group, tickets in state["open_groups"].items()})
 
 
-class _StateUnpickler(pickle.Unpickler):
-    """Reads controller states written before the hand-out record was renamed `EpisodeTicket` (it was
-    `sfhpc.rl.messages.Episode`), so that runs stopped then still resume."""
+class ControllerStateError(SfhpcError):
+    """A controller state that cannot be written as plain data, or read back."""
 
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("sfhpc.rl.messages", "Episode"):
-            return EpisodeTicket
-        return super().find_class(module, name)
+
+def _ticket_json(ticket: EpisodeTicket, task: Task) -> dict[str, Any]:
+    return {"key": ticket.problem.key, "data": task.problem_to_json(ticket.problem.data), "group": ticket.group,
+            "seed": ticket.seed, "resume_id": ticket.resume_id}
+
+
+def _ticket(value: dict[str, Any], task: Task) -> EpisodeTicket:
+    return EpisodeTicket(Problem(value["key"], task.problem_from_json(value["data"])), value["group"],
+                         value["seed"], value["resume_id"])
 
 
 @dataclasses.dataclass

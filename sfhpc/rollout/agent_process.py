@@ -102,7 +102,8 @@ def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, 
     """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``); the runner adds the
     episode's ``workdir``."""
     return {"episode_id": episode_id, "task": task.name, "model": model,
-            "messages": task.episode(problem).opening(), "problem": {"key": problem.key, "data": problem.data},
+            "messages": task.episode(problem).opening(),
+            "problem": {"key": problem.key, "data": task.problem_to_json(problem.data)},
             "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key,
             "agents_base_url": base_url.removesuffix("/v1") + "/agents" if base_url else ""}
 

@@ -145,6 +145,9 @@ class ArithToolTask(Task):
         question = rng.choice(WORDINGS[sign]).format(name=rng.choice(NAMES), things=rng.choice(THINGS), a=a, b=b)
         return Problem(key=question, data=(question, FUNCTIONS[sign][1](a, b), a, b, sign))
 
+    def problem_from_json(self, value: list[Any]) -> tuple[Any, ...]:
+        return tuple(value)
+
     def episode(self, problem: Problem) -> Episode:
         question, answer, *_ = problem.data
         return _ToolEpisode(question, answer, calculator_result if self.calculator else call_result)

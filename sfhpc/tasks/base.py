@@ -102,12 +102,23 @@ class Task(abc.ABC):
         return None
 
     def state(self) -> Any:
-        """The sampler's position, saved with each checkpoint (None: the controller's RNG is all there is)."""
+        """The sampler's position, saved with each checkpoint as JSON (None: the controller's RNG is all
+        there is): plain data only (None, bool, numbers, str, lists, dicts with str keys)."""
         return None
 
     def restore(self, state: Any) -> None:
         """Continue from a `state` this task's `state` returned."""
         return None
+
+    def problem_to_json(self, data: Any) -> Any:
+        """A problem's ``data`` as plain data (None, bool, numbers, str, lists, dicts with str keys), for the
+        controller's checkpoint: a resume reads no pickles. The default takes data that already is; a task
+        whose problems hold other objects converts them here and back in `problem_from_json`."""
+        return data
+
+    def problem_from_json(self, value: Any) -> Any:
+        """The ``data`` that `problem_to_json` wrote (JSON has no tuples: a tuple comes back as a list)."""
+        return value
 
     @classmethod
     def from_options(cls, options: dict[str, Any], *, source: str, base_dir: Path | None) -> Task:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import random
 import string
+from typing import Any
 
 from sfhpc.tasks.base import Episode, Problem, StepResult, Task
 
@@ -85,6 +86,9 @@ class RepeatLetterTask(Task):
         letter = rng.choice(self.letters)
         count = long_tail_count(rng, low=self.min_count, high=self.max_count, alpha=self.alpha)
         return Problem(key=f"{count}{letter}", data=(letter, count))
+
+    def problem_from_json(self, value: list[Any]) -> tuple[Any, ...]:
+        return tuple(value)
 
     def episode(self, problem: Problem) -> Episode:
         letter, count = problem.data

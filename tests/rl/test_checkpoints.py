@@ -22,7 +22,7 @@ IDENTITY = {"recipe": "r", "model_config_sha256": "abc"}
 def write(checkpoints: RunCheckpoints, step: int, payload: bytes = b"weights") -> Path:
     partial = checkpoints.begin(step)
     (partial / "trainer.pt").write_bytes(payload)
-    (partial / "controller.pt").write_bytes(b"state")
+    (partial / "controller.json").write_bytes(b"state")
     return checkpoints.commit(partial, step=step, version=step, identity=IDENTITY, reason="test").path
 
 
@@ -31,7 +31,7 @@ def test_a_checkpoint_is_a_folder_with_its_manifest_written_last(tmp_path: Path)
     path = write(checkpoints, 3)
     assert path.name == "step-000003"
     manifest = json.loads((path / MANIFEST).read_text())
-    assert manifest["step"] == 3 and set(manifest["files"]) == {"trainer.pt", "controller.pt"}
+    assert manifest["step"] == 3 and set(manifest["files"]) == {"trainer.pt", "controller.json"}
     assert manifest["files"]["trainer.pt"]["bytes"] == len(b"weights")
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-000003"]  # no temporary left
     assert checkpoints.latest().path == path
@@ -59,7 +59,7 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_used(tmp_path
     elif damage == "no-manifest":
         (bad / MANIFEST).unlink()
     else:
-        (bad / "controller.pt").unlink()
+        (bad / "controller.json").unlink()
     warnings: list[str] = []
     assert checkpoints.latest(warn=warnings.append).path == good
     assert len(warnings) == 1 and str(bad) in warnings[0]

@@ -31,6 +31,7 @@ from sfhpc.bench._processes import rank_pids
 from sfhpc.data.store import open_store
 from sfhpc.rl.checkpoints import RunCheckpoints
 from sfhpc.rl.resume import ControllerState
+from sfhpc.tasks.letters import NextLetterTask
 from tests.conftest import ROOT, run_sfhpc
 from tests.rl.test_cut_logs import cut_last_line
 
@@ -102,7 +103,7 @@ def test_a_crashed_run_resumes_without_merging_groups_or_training_anything_twice
     crashed_at = time.time()
     checkpoint = RunCheckpoints(run_dir).latest()
     assert checkpoint is not None and checkpoint.step == 3
-    known = set(ControllerState.load(checkpoint.controller_file).open_groups)  # out at the checkpoint
+    known = set(ControllerState.load(checkpoint.controller_file, NextLetterTask()).open_groups)  # out at the checkpoint
     with open_store(run_dir / "trajectories.h5") as store:
         before = list(store.trajectories())
     keys_before = {t.group for t in before}

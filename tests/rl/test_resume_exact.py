@@ -61,7 +61,7 @@ def check_colocated_records(run_dir: Path) -> None:
     state = torch.load(run_dir / "checkpoints" / "step-000005" / "trainer.pt", weights_only=False)
     assert state["policy_version"] == 5 and state["step"] == 5
     manifest = json.loads((run_dir / "checkpoints" / "step-000005" / "MANIFEST.json").read_text())
-    assert manifest["step"] == manifest["version"] == 5 and set(manifest["files"]) == {"trainer.pt", "controller.pt"}
+    assert manifest["step"] == manifest["version"] == 5 and set(manifest["files"]) == {"trainer.pt", "controller.json"}
 
 
 def test_a_cut_and_resumed_sync_run_equals_the_uninterrupted_one(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Status
 from sfhpc.rl.messages import EpisodeTicket
-from sfhpc.rl.resume import ControllerState, plan_resume
+from sfhpc.rl.resume import ControllerState, ControllerStateError, plan_resume
+from sfhpc.tasks.arith_tool import ArithToolTask
 from sfhpc.tasks.base import Problem
+from sfhpc.tasks.letters import NextLetterTask
 
 
 def episodes(group: str, n: int = 2) -> tuple[EpisodeTicket, ...]:
@@ -95,40 +98,47 @@ def test_groups_of_the_lost_allocation_are_kept_whole_or_dropped_never_merged(tm
     manager.close()
 
 
-def test_controller_state_round_trips(tmp_path: Path) -> None:
+def test_controller_state_round_trips_as_plain_data(tmp_path: Path) -> None:
+    """The state is JSON; problems go through their task's contract (arith-tool's tuples come back as tuples)."""
+    task = ArithToolTask()
     rng = random.Random(7)
-    state = ControllerState(step=3, version=3, rng=rng.getstate(), next_group=9,
-                            open_groups={"g": episodes("g")}, assigned={2: 40})
-    state.save(tmp_path / "controller.pt")
-    loaded = ControllerState.load(tmp_path / "controller.pt")
-    assert loaded == state
+    problem = task.sample(rng)
+    tickets = tuple(EpisodeTicket(problem, "s1-g0-q", seed) for seed in range(2))
+    state = ControllerState(step=3, version=3, rng=rng.getstate(), next_group=9, open_groups={"s1-g0-q": tickets},
+                            task_state={"position": 4}, assigned={2: 40})
+    state.save(tmp_path / "controller.json", task)
+    assert json.loads((tmp_path / "controller.json").read_text())["open_groups"]["s1-g0-q"][1]["seed"] == 1
+    loaded = ControllerState.load(tmp_path / "controller.json", task)
+    assert loaded == state and isinstance(loaded.open_groups["s1-g0-q"][0].problem.data, tuple)
     restored = random.Random()
     restored.setstate(loaded.rng)
     assert restored.random() == rng.random()
 
 
-def test_a_controller_state_written_before_the_rename_still_loads(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Checkpoints of runs stopped before the hand-out record was renamed `EpisodeTicket` still resume."""
-    import dataclasses
+def test_a_task_whose_problems_are_not_plain_data_is_named(tmp_path: Path) -> None:
+    class Odd(Problem):
+        pass
+
+    state = ControllerState(step=1, version=1, rng=random.Random(0).getstate(), next_group=1,
+                            open_groups={"g": (EpisodeTicket(Problem("k", Odd("x", 1)), "g", 0),)})
+    with pytest.raises(ControllerStateError, match="task next-letter: its problems or sampler state are not plain"):
+        state.save(tmp_path / "controller.json", NextLetterTask())
+    assert not (tmp_path / "controller.json").exists()
+
+
+def test_a_pickled_controller_state_is_refused_and_runs_nothing(tmp_path: Path) -> None:
+    """A checkpoint of an earlier version held the controller's state as a pickle: resume says so, and
+    unpickles nothing (the pickle here would create a file if it ran)."""
     import pickle
 
-    from sfhpc.rl import messages
-    from sfhpc.rl.resume import ControllerState
+    class Trap:
+        def __reduce__(self) -> tuple[object, tuple[str, str]]:
+            return (Path.write_text, (tmp_path / "ran", "code"))  # type: ignore[return-value]
 
-    @dataclasses.dataclass(frozen=True)
-    class Episode:  # the record as it was named then
-        problem: Problem
-        group: str
-        seed: int
-        resume_id: str | None = None
-
-    Episode.__module__, Episode.__qualname__ = "sfhpc.rl.messages", "Episode"
-    monkeypatch.setattr(messages, "Episode", Episode, raising=False)
-    old = {"step": 3, "version": 3, "rng": None, "next_group": 7,
-           "open_groups": {"s1-g6-k": (Episode(Problem("k", 1), "s1-g6-k", 5),)}}
-    (tmp_path / "controller.pt").write_bytes(pickle.dumps(old))
-    monkeypatch.delattr(messages, "Episode")
-    state = ControllerState.load(tmp_path / "controller.pt")
-    (ticket,) = state.open_groups["s1-g6-k"]
-    assert isinstance(ticket, EpisodeTicket) and (ticket.group, ticket.seed) == ("s1-g6-k", 5)
+    (tmp_path / "controller.pt").write_bytes(pickle.dumps(Trap()))
+    with pytest.raises(ControllerStateError, match="earlier sfhpc, whose controller state is a pickle"):
+        ControllerState.load(tmp_path / "controller.json", NextLetterTask())
+    (tmp_path / "controller.json").write_bytes(pickle.dumps(Trap()))
+    with pytest.raises(ControllerStateError, match="cannot read the controller state"):
+        ControllerState.load(tmp_path / "controller.json", NextLetterTask())
+    assert not (tmp_path / "ran").exists()

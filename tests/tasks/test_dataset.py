@@ -79,7 +79,7 @@ def test_each_epoch_visits_every_row_once_in_a_new_order(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("cut", [0, 3, 7, 9])
 def test_a_resumed_sampler_continues_its_epoch(tmp_path: Path, cut: int) -> None:
-    """Cut after `cut` problems, the state saved as the controller saves it (`controller.pt`) and restored
+    """Cut after `cut` problems, the state saved as the controller saves it (`controller.json`) and restored
     into a fresh task and RNG: the problems after the cut are the uninterrupted run's, so the epoch neither
     repeats nor skips a row."""
     whole = dataset(tmp_path, numbered(7))
@@ -90,8 +90,8 @@ def test_a_resumed_sampler_continues_its_epoch(tmp_path: Path, cut: int) -> None
     rng = random.Random(11)
     head = [before.sample(rng).key for _ in range(cut)]
     ControllerState(step=1, version=1, rng=rng.getstate(), next_group=cut, open_groups={},
-                    task_state=before.state()).save(tmp_path / "controller.pt")
-    saved = ControllerState.load(tmp_path / "controller.pt")
+                    task_state=before.state()).save(tmp_path / "controller.json", before)
+    saved = ControllerState.load(tmp_path / "controller.json", before)
     after, rng = dataset(tmp_path), random.Random()
     after.restore(saved.task_state)
     rng.setstate(saved.rng)
