@@ -157,6 +157,11 @@ class AlgorithmSpec:
     ratio_cap: float = setting(3.0, "the importance ratio of stale tokens is truncated here before the surrogate (more "
                                     "than 1 + the upper clip)")
     kl_coef: float = setting(0.0, "> 0: a k3 KL penalty to a frozen copy of the initial weights, with this weight")
+    loss_aggregation: Literal["token-mean", "sequence-mean"] = setting(
+        "token-mean", "how the loss averages: token-mean (every generated token weighs the same) or sequence-mean "
+                      "(each trajectory's tokens averaged, then the trajectories: every trajectory weighs the same "
+                      "whatever its length, so a group's advantages sum to zero in the gradient; for multi-turn "
+                      "episodes whose failures are the long ones)")
     max_grad_norm: float = setting(1.0, "gradient clipping by global norm")
     weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
     adam_beta1: float = setting(0.9, "AdamW's beta1")

@@ -46,6 +46,18 @@ Loss (token mean over every masked token of the batch, so long and short answers
 
     L = -(1/N) sum_t s~_t + beta * (1/N) sum_t kl_t
 
+or, with ``loss_aggregation: sequence-mean``, the mean over sequences of each sequence's token mean
+(``w_t = 1 / |o_i|`` for the tokens of sequence ``i``, ``N`` the number of sequences):
+
+    L = -(1/N) sum_t w_t s~_t + beta * (1/N) sum_t w_t kl_t
+
+Under the token mean a sequence weighs by its length. Where the failures are the long sequences (a
+multi-turn episode that never finds the answer makes every reply it may, one that does stops early), the
+negative advantages then outweigh the positive ones of the same group: the batch as a whole pushes down
+the replies the policy writes, and the mass goes to replies it does not write (other tokens, longer
+replies). The sequence mean gives each sequence the weight of its advantage, so a group's pushes sum to
+zero as GRPO's advantages do.
+
 GRPO (Shao et al. 2024) differs from PPO-clip only in its advantages: a group is the set of answers to
 one prompt, and each answer's advantage is its reward normalised within the group (no critic):
 
@@ -149,8 +161,8 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     clip ranges, ratio cap and KL coefficient of `algorithm`.
 
     `advantages` is ``[batch]`` (one per sequence) or ``[batch, seq]`` (per token). `normaliser` replaces
-    the local token count in the mean: data-parallel ranks pass the global count, so that their averaged
-    gradients equal the gradient of the global token mean.
+    the local count in the mean (`loss_units`: tokens, or sequences): data-parallel ranks pass the global
+    count, so that their averaged gradients equal the gradient of the global mean.
     """
     problems = algorithm.problems()
     if problems:
@@ -166,6 +178,8 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     advantages = advantages.to(new_logprobs.dtype).expand_as(new_logprobs)
     mask = mask.to(torch.bool)
     weight = mask.to(new_logprobs.dtype)
+    if algorithm.loss_aggregation == "sequence-mean":
+        weight = weight / weight.sum(dim=-1, keepdim=True).clamp(min=1.0)
 
     # Masked-out positions (prompt, padding) may hold anything, e.g. -inf behaviour logprobs: zero the
     # log-ratio there so no inf/nan reaches the sums or the gradient.
@@ -179,18 +193,27 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     took_clip = (clipped < unclipped) & mask
 
     count = int(mask.sum())
-    denom = float(normaliser) if normaliser is not None else float(max(count, 1))
+    denom = float(normaliser) if normaliser is not None else max(loss_units(algorithm, mask), 1.0)
     loss = -(surrogate * weight).sum() / denom
+    per_token = mask.to(new_logprobs.dtype)  # the statistics stay sums over tokens, whatever the aggregation
     kl_sum = 0.0
     if ref_logprobs is not None and kl_coef != 0.0:
         diff = torch.where(mask, ref_logprobs.to(new_logprobs.dtype) - new_logprobs, 0.0)
         kl = torch.exp(diff) - diff - 1.0
         loss = loss + kl_coef * (kl * weight).sum() / denom
-        kl_sum = float((kl.detach() * weight).sum())
+        kl_sum = float((kl.detach() * per_token).sum())
     return LossOutput(
-        loss=loss, tokens=count, ratio_sum=float((ratio.detach() * weight).sum()), clipped=int(took_clip.sum()),
+        loss=loss, tokens=count, ratio_sum=float((ratio.detach() * per_token).sum()), clipped=int(took_clip.sum()),
         truncated=int((over_cap & mask).sum()), kl_sum=kl_sum,
-        surrogate_sum=float((surrogate.detach() * weight).sum()))
+        surrogate_sum=float((surrogate.detach() * per_token).sum()))
+
+
+def loss_units(algorithm: AlgorithmSpec, mask: torch.Tensor) -> float:
+    """What the loss is a mean over, in `mask` (``[batch, seq]``, the generated tokens): its tokens, or
+    with ``loss_aggregation: sequence-mean`` its sequences that hold any. Data-parallel ranks add theirs."""
+    if algorithm.loss_aggregation == "sequence-mean":
+        return float((mask.to(torch.bool).sum(dim=-1) > 0).sum())
+    return float(mask.to(torch.bool).sum())
 
 
 def grpo_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, rewards: torch.Tensor,

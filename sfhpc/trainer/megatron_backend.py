@@ -42,7 +42,7 @@ from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
-from sfhpc.trainer.losses import policy_loss, tempered
+from sfhpc.trainer.losses import loss_units, policy_loss, tempered
 from sfhpc.trainer.torch_trainer import StepMetrics, batch_advantages, check_algorithm
 
 # megatron-core's forward, DDP and optimizer address the CUDA device directly. Tests that exercise the
@@ -345,8 +345,9 @@ class MegatronTrainer:
             if batch.size < dp:
                 raise BatchError(f"a batch of {batch.size} rows cannot feed {dp} data-parallel replicas")
             local = local.rows(range(self.dp_rank, batch.size, dp))
-        global_tokens = self._dp_sum([float(local.num_generated)])[0] if sharded else float(batch.num_generated)
-        normaliser = max(global_tokens, 1.0) / dp  # DDP averages over replicas: together, the global mean
+        global_tokens, global_units = (self._dp_sum([float(local.num_generated), loss_units(cfg, local.generated)])
+                                       if sharded else [float(batch.num_generated), loss_units(cfg, batch.generated)])
+        normaliser = max(global_units, 1.0) / dp  # DDP averages over replicas: together, the global mean
 
         # Pipeline stages exchange fixed [seq, micro_batch, hidden] activations: equal microbatches, as many
         # as the stages (or the largest count below that divides the rows) to keep them all busy.

@@ -31,7 +31,7 @@ from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
-from sfhpc.trainer.losses import DEFAULT_ALGORITHM, algorithm_advantages, policy_loss, token_logprobs
+from sfhpc.trainer.losses import DEFAULT_ALGORITHM, algorithm_advantages, loss_units, policy_loss, token_logprobs
 
 
 def check_algorithm(algorithm: AlgorithmSpec) -> AlgorithmSpec:
@@ -140,10 +140,10 @@ class TorchTrainer:
         if self.reference is not None:
             with torch.no_grad():
                 ref_logprobs = self.logprobs(local, self.reference)
-        global_tokens = self._sum([float(local.num_generated)])[0]
+        global_tokens, global_units = self._sum([float(local.num_generated), loss_units(cfg, local.generated)])
         assert local.advantages is not None  # set by with_advantages above; rows() keeps them
         out = policy_loss(new_logprobs, local.behaviour_logprobs, local.advantages, local.generated, cfg,
-                          ref_logprobs=ref_logprobs, normaliser=max(global_tokens, 1.0) / world)
+                          ref_logprobs=ref_logprobs, normaliser=max(global_units, 1.0) / world)
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()  # DDP averages gradients over ranks here
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm))

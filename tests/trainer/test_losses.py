@@ -13,6 +13,7 @@ from sfhpc.trainer.losses import (
     baseline_advantages,
     group_advantages,
     grpo_loss,
+    loss_units,
     policy_loss,
     ppo_clip_loss,
     token_logprobs,
@@ -155,6 +156,27 @@ def test_normaliser_replaces_the_local_token_count() -> None:
     out = policy_loss(new, torch.zeros(1, 2, dtype=torch.float64), torch.tensor([1.0]), torch.ones(1, 2, dtype=bool),
                       normaliser=8.0)
     assert out.loss.item() == pytest.approx(-2.0 / 8.0)
+
+
+def test_sequence_mean_gives_every_sequence_the_weight_of_its_advantage() -> None:
+    """A group of two: a long failure (3 tokens, A = -1) and a short success (1 token, A = +1), ratio 1.
+    Token mean: -(1 - 3) / 4 = +0.5, the failure's tokens outweigh the success (the batch pushes the
+    policy's own replies down). Sequence mean: -((+1) + (-1)) / 2 = 0, each sequence weighs its advantage."""
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    advantages = torch.tensor([1.0, -1.0])
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    token = policy_loss(zeros.clone().requires_grad_(), zeros, advantages, mask)
+    assert token.loss.item() == pytest.approx(0.5)
+    new = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    sequence = policy_loss(new, torch.zeros(2, 3, dtype=torch.float64), advantages, mask,
+                           AlgorithmSpec(loss_aggregation="sequence-mean"))
+    assert sequence.loss.item() == pytest.approx(0.0)
+    assert (sequence.tokens, sequence.ratio_sum) == (4, pytest.approx(4.0))  # statistics stay per token
+    sequence.loss.backward()
+    # d/dlogp_t = -A_i * w_t / N: the success's one token -1/2, each of the failure's three +1/6
+    assert new.grad.flatten().tolist() == pytest.approx([-0.5, 0.0, 0.0, 1 / 6, 1 / 6, 1 / 6])
+    assert loss_units(AlgorithmSpec(loss_aggregation="sequence-mean"), mask) == 2.0
+    assert loss_units(AlgorithmSpec(), mask) == 4.0
 
 
 def test_token_logprobs_align_logits_with_the_next_token() -> None:
