@@ -18,8 +18,9 @@ recorded tokens.
 A history whose text differs (arguments re-written as canonical JSON, reasoning a template drops, an agent
 that edited a turn) still forks, and is counted as a mismatch, never silently re-spelled.
 
-The contexts are the ones this endpoint produced (prompt + reply, per trajectory); a trajectory that moved
-here from another rank (a restart, a reclaim) has none, and its next turn is taken as sent.
+The contexts are the ones this endpoint produced (prompt + reply, per trajectory), and those of trajectories
+a restart continues here (`adopt`: the recorded tokens, from the store); a trajectory reclaimed from another
+rank mid-episode has none, and its next turn is taken as sent.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class RecordedContexts:
             generated = ()
         generated = generated + (False,) * (len(prompt) - len(generated)) + (True,) * len(reply)
         self._contexts[trajectory_id] = (prompt + reply, generated)
+        self._contexts.move_to_end(trajectory_id)
+        while len(self._contexts) > self.kept:
+            self._contexts.popitem(last=False)
+
+    def adopt(self, trajectory_id: str, tokens: tuple[int, ...], generated: tuple[bool, ...]) -> None:
+        """Take the recorded context of a trajectory that moved here (a restart continues it on this rank):
+        its tokens and which of them the policy generated, so that its next turn, whose history repeats
+        the earlier replies as text, continues the recorded tokens as a turn of this endpoint's own would."""
+        self._contexts[trajectory_id] = (tuple(tokens), tuple(generated))
         self._contexts.move_to_end(trajectory_id)
         while len(self._contexts) > self.kept:
             self._contexts.popitem(last=False)

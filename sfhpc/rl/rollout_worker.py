@@ -182,6 +182,8 @@ class RolloutWorker:
         recorded = trajectory.replies()
         replies = [list(tokens) for tokens, _ in recorded]
         cut = bool(recorded) and recorded[-1][1]
+        context = tuple(int(t) for t in trajectory.context())
+        generated = tuple(bool(g) for g in trajectory.generated_mask())
         remaining = reply_budget(self.task, self.recipe.budgets.max_new_tokens) - (len(replies[-1]) if cut else 0)
         if cut and remaining > 0:
             # The continuation samples as the cut reply did: one reply, one temperature to train it at.
@@ -194,6 +196,11 @@ class RolloutWorker:
                                                     stop_token_ids=tuple(tokenizer.chat_stop_ids)))
             result = await self.endpoint.complete(request)
             replies[-1] += result.token_ids
+            context += tuple(result.token_ids)
+            generated += (True,) * len(result.token_ids)
+        # The replayed episode sends its earlier replies back as text; this endpoint continues the recorded
+        # tokens when that text says the same in other tokens (a BPE spelling), as for a turn of its own.
+        self.server.api.history.adopt(trajectory.id, context, generated)
         return ResumePoint(trajectory.id, tuple(self.server.api.reply_message(r, self.task.tools) for r in replies))
 
     def sync_weights(self, version: int) -> float:

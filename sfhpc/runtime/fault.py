@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import sys
 import threading
@@ -58,7 +59,10 @@ def describe_rank(rank: int, roles: Sequence[str], node: str) -> str:
 
 
 def exit_code(exc: BaseException) -> int:
-    """A user error's own code (2), else `FAULT_EXIT`."""
+    """A user error's own code (2), else `FAULT_EXIT`. A full disk or quota counts as a user error: a
+    requeued job would meet it again."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return SfhpcError.exit_code
     return exc.exit_code if isinstance(exc, SfhpcError) else FAULT_EXIT
 
 

@@ -38,6 +38,9 @@ def set_up(path: Path, rank: int, *, verbose: bool = False) -> None:
     log = logging.getLogger("sfhpc")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
+    # A record the log cannot take (a full disk) is dropped, not reported with a traceback on stderr for
+    # every line: the console keeps the one line that says what failed.
+    logging.raiseExceptions = False
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

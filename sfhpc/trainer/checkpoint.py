@@ -7,8 +7,10 @@ rename itself survives a crash. A preempted job killed mid-write leaves only a s
 
 from __future__ import annotations
 
+import errno
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -36,8 +38,14 @@ def save_atomic(state: dict[str, Any], path: str | Path) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, (OSError, RuntimeError)):  # torch's writer reports a failed write as RuntimeError
+            free = shutil.disk_usage(path.parent).free
+            full = (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or free < 2**20
+            why = "No space left on device" if full else _first_line(exc)
+            raise CheckpointError(f"{path}: cannot write the checkpoint ({why}; {free / 2**20:.1f} MiB free on "
+                                  "its file system); the checkpoints written before stay as they were") from None
         raise
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
@@ -56,16 +64,20 @@ def load(path: str | Path) -> dict[str, Any]:
         # Tensors and plain data only: unpickling anything else would run whatever code the file names.
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same to the user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(f"{path}: cannot read checkpoint as tensors and plain data "
-                              f"({exc.__class__.__name__}: {first}); a checkpoint of format 1, written before "
-                              "checkpoints held nothing else, cannot be resumed by this version") from None
+                              f"({exc.__class__.__name__}: {_first_line(exc)}); a checkpoint of format 1, written "
+                              "before checkpoints held nothing else, cannot be resumed by this version") from None
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an sfhpc trainer checkpoint")
     if state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: checkpoint format {state.get('format_version')} is not the supported "
                               f"{FORMAT_VERSION}")
     return state
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def rng_state() -> dict[str, Any]:

@@ -59,3 +59,31 @@ def test_a_special_token_the_policy_wrote_inside_its_reply_is_not_a_difference()
         trajectory = sink.trajectory(tid)
         assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
         assert [list(r) for r, _ in trajectory.replies()] == [inside, list(b"7") + [tk.END]]
+
+
+def test_a_trajectory_continued_after_a_restart_keeps_its_recorded_tokens() -> None:
+    """A restart continues a trajectory on a new endpoint, which replays the earlier replies as text: with
+    the recorded context adopted (as the rollout rank does from the store), the history spelled in other
+    tokens continues the recorded ones; without it, the same turn forks."""
+    sink = RecordingManager()
+    before = OpenAIApi(AgentEndpoint(ReplyingEngine([BROKEN + [tk.END]] * 2), sink), model_name="m")
+    messages = [{"role": "user", "content": "guess 0-9"}]
+    with EndpointServer(before) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        ids = [client.chat.completions.create(model="m", messages=messages, max_tokens=4).model_extra["trajectory_id"]
+               for _ in range(2)]
+    messages += [{"role": "assistant", "content": "\ufffd"}, {"role": "user", "content": "?"}]
+    for tid, adopted in zip(ids, (True, False)):
+        after = OpenAIApi(AgentEndpoint(ReplyingEngine([list(b"7") + [tk.END]]), sink), model_name="m")
+        recorded = sink.trajectory(tid)
+        if adopted:
+            after.history.adopt(tid, tuple(int(t) for t in recorded.context()),
+                                tuple(bool(g) for g in recorded.generated_mask()))
+        with EndpointServer(after) as server:
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                           extra_headers={"X-Trajectory-Id": tid})
+        trajectory = sink.trajectory(tid)
+        assert trajectory.history_mismatches == (0 if adopted else 1)
+        if adopted:  # both replies on the branch as sampled, and trained on
+            assert [list(r) for r, _ in trajectory.replies()] == [BROKEN + [tk.END], list(b"7") + [tk.END]]

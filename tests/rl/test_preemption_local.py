@@ -54,8 +54,8 @@ class TurnLogGuess(GuessNumberTask):
         return inner
 """
 # The test engine writes letters, never a digit: every episode guesses wrong and plays all its turns. Each reply is
-# one paced token, a letter or a space, which the chat template renders back into that same token: the turns
-# stay on one branch of the trajectory (a reply of several letters could come back as other tokens, a fork).
+# two paced tokens, letters or spaces, which the agent sends back as text: the built tokenizer may spell that text
+# with other tokens, and the endpoint continues the recorded ones, across the restart too (no fork).
 MULTI_TURN = f"""\
 name: cut
 seed: 5
@@ -63,7 +63,7 @@ engine: {{name: test, token_delay_s: 0.2, writes_to_budget: true}}
 model: {{layers: 1, hidden_size: 64, heads: 1}}
 algorithm: {{group_size: 4}}
 pipeline: {{mode: async, max_staleness: 1}}
-budgets: {{steps: {STEPS}, prompts_per_step: 4, max_new_tokens: 1}}
+budgets: {{steps: {STEPS}, prompts_per_step: 4, max_new_tokens: 2}}
 task: {{name: "turn_log.py:TurnLogGuess", options: {{max_turns: {TURNS}}}}}
 roles:
   controller: {{place_with: trainer}}
@@ -180,6 +180,8 @@ def test_a_cut_run_resumes_its_trajectories_and_trains_nothing_twice(tmp_path: P
     for trajectory in consumed:
         assert sum(1 for s in trajectory.segments if s.kind == "observation") == TURNS - 1, trajectory.id
         assert sum(1 for s in trajectory.segments if s.generated) >= TURNS, trajectory.id
+        assert trajectory.history_mismatches == 0, trajectory.id  # every reply on the branch, as sampled
+    assert all(len(reply) == 2 for t in consumed for reply, _ in t.replies())
 
     # Slurm may requeue a finished job: resuming a complete run changes nothing.
     listing = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

@@ -12,11 +12,14 @@ from __future__ import annotations
 import datetime
 import re
 import socket
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from sfhpc.data.store import open_store
+from sfhpc.rl.checkpoints import RunCheckpoints
 from sfhpc.runtime.fault_injection import FAULTS_ENV
 from sfhpc.runtime.liveness import INTERVAL_S
 from sfhpc.runtime.step_marks import MARKS_ENV, read_marks
@@ -32,7 +35,7 @@ seed: 2
 engine: {{name: test}}
 model: {{layers: 1, hidden_size: 64, heads: 1}}
 algorithm: {{group_size: 2}}
-budgets: {{steps: 3, prompts_per_step: 2, heartbeat_timeout_s: {heartbeat}}}
+budgets: {{steps: {steps}, prompts_per_step: 2, heartbeat_timeout_s: {heartbeat}}}
 task: {{name: next-letter}}
 roles:
   controller: {{place_with: trainer}}
@@ -43,11 +46,11 @@ output_dir: {runs}
 NODE = r"node [^)]+"
 
 
-def run(tmp_path: Path, faults: str | None = None, extra: str = "") -> tuple[int, str, Path, float]:
+def run(tmp_path: Path, faults: str | None = None, extra: str = "", steps: int = 3) -> tuple[int, str, Path, float]:
     """`sfhpc run` of the recipe (rank 0 builds its small model); returns its exit code, its stderr, the run
     folder and when it ended. The ranks leave step-guard marks in tmp_path/marks, as under the guard."""
     recipe = tmp_path / "faulty.yaml"
-    recipe.write_text(RECIPE.format(heartbeat=HEARTBEAT_S, runs=tmp_path / "runs") + extra)
+    recipe.write_text(RECIPE.format(heartbeat=HEARTBEAT_S, runs=tmp_path / "runs", steps=steps) + extra)
     (tmp_path / "marks").mkdir()
     env = {MARKS_ENV: str(tmp_path / "marks"), **({FAULTS_ENV: faults} if faults else {})}
     done = run_sfhpc("run", str(recipe), env=env, timeout=180)
@@ -169,3 +172,31 @@ def test_a_rank_killed_without_a_word_is_still_one_line(tmp_path: Path) -> None:
                     f"log is in {run_dir / 'logs'}; `sfhpc run --verbose` has mpiexec name the rank"), line
     assert ended - logged_at(run_dir, 2, "rank 2: kill injected at play") < FAULT_BOUND_S
     assert_every_rank_gone(run_dir)
+
+
+DISK_BYTES = 6 << 20  # the model, a few checkpoints, then no space
+
+
+def test_a_full_disk_stops_the_run_with_one_line_keeping_the_store_and_the_newest_checkpoint(tmp_path: Path) -> None:
+    """The run folder on a small tmpfs, a checkpoint every step: the disk fills while the run writes (a
+    checkpoint, the store, a log), and the run stops with one line naming it, its store readable with what it
+    had flushed, and its newest complete checkpoint sound (a resume would start there)."""
+    disk = tmp_path / "runs"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={DISK_BYTES}", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a small file system cannot be mounted here: {mounted.stderr.strip()}")
+    try:
+        code, stderr, run_dir, _ = run(tmp_path, extra="training: {checkpoint_every: 1}\n", steps=500)
+        assert code == 2, stderr  # a user error: a requeued job would find the disk as full
+        line = console_line(stderr)
+        assert re.fullmatch(rf"sfhpc: error: rank \d \(\w+(,\w+)*, {NODE}\): .*No space left on device.*", line), line
+        checkpoint = RunCheckpoints(run_dir).latest()  # checksums verified
+        assert checkpoint is not None and checkpoint.step >= 1
+        with open_store(run_dir / "trajectories.h5") as store:
+            trained = [t for t in store.trajectories() if t.status == "consumed"]
+        assert len(trained) >= checkpoint.step * 2 * 2  # every step's groups, up to the checkpoint's
+        assert_every_rank_gone(run_dir)
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
