@@ -305,6 +305,35 @@ def cmd_traj_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_traj_trace(args: argparse.Namespace) -> int:
+    import json
+
+    from sfhpc.analysis import locate_store, open_run
+    from sfhpc.analysis.trace import parse_steps, run_trace
+
+    try:
+        steps = parse_steps(args.steps) if args.steps else None
+        ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else None
+    except ValueError:
+        raise SfhpcError(f"--steps takes A:B and --ranks 0,2,...; found {args.steps!r}, {args.ranks!r}") from None
+    path = locate_store(args.store)
+    out = _new_file(Path(args.out) if args.out else path.parent / "trace.json")
+    with open_run(path) as run:
+        if not run.store.records_timeline:
+            raise SfhpcError(f"{path}: this store records no timeline (written by an earlier sfhpc)")
+        trace = run_trace(path.parent, run.timeline(), steps=steps, ranks=ranks)
+    try:
+        with out.open("x", encoding="utf-8") as handle:  # "x": never overwrite, even a file that appeared meanwhile
+            json.dump(trace, handle)
+    except BaseException:
+        out.unlink(missing_ok=True)
+        raise
+    tracks = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    print(f"wrote {out}: {len(trace['traceEvents']):,} events, {len(tracks)} rank track(s); open it in "
+          "https://ui.perfetto.dev or chrome://tracing")
+    return 0
+
+
 def cmd_traj_compare(args: argparse.Namespace) -> int:
     from sfhpc.analysis import open_run
     from sfhpc.analysis.compare import compare, plot_rewards
@@ -463,6 +492,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
     p.add_argument("-o", "--out", help="HTML file to create (default: report.html beside the store)")
     p.set_defaults(func=cmd_traj_report)
+    p = traj.add_parser("trace", help="the ranks' timeline as a Chrome trace (Perfetto, chrome://tracing)",
+                        description="the ranks' timeline as a Chrome trace event file that Perfetto and "
+                        "chrome://tracing open: a track per rank (generating, training, syncing, lent, idle), "
+                        "weight versions, reclaims and checkpoints as events, per-step counters")
+    p.add_argument("store", help="a run folder, or its trajectories.h5 (may still be written)")
+    p.add_argument("--out", help="JSON file to create (default: trace.json beside the store; never overwritten)")
+    p.add_argument("--steps", help="only these steps, A:B inclusive (A: or :B open on one side)")
+    p.add_argument("--ranks", help="only these ranks, comma-separated")
+    p.set_defaults(func=cmd_traj_trace)
     p = traj.add_parser("compare", help="two runs side by side: throughput, bubble fraction, reward curves",
                         description="two runs side by side: throughput, bubble fraction, reward curves")
     p.add_argument("a", help="a run folder, or its trajectories.h5")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import html
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from sfhpc.analysis.conversation import format_conversation
 from sfhpc.analysis.plots import PlotData, png_bytes
 from sfhpc.analysis.run import Run
 from sfhpc.analysis.summary import Summary, summarize
+from sfhpc.analysis.trace import run_trace
 from sfhpc.data.store import ConsumptionMark
 from sfhpc.errors import SfhpcError
 
@@ -86,7 +88,20 @@ def _plots(run: Run, title: str) -> str:
     except SfhpcError as exc:  # nothing trained yet: the report says so instead
         return f"<p>{_e(str(exc))}</p>"
     data = base64.b64encode(png).decode("ascii")
-    return f'<img alt="{_e(", ".join(panels))}" src="data:image/png;base64,{data}">'
+    return f'<img alt="{_e(", ".join(panels))}" src="data:image/png;base64,{data}">' + _trace_link(run)
+
+
+def _trace_link(run: Run) -> str:
+    """The rank timeline as a Chrome trace, inside the report (a download link), to open in Perfetto."""
+    timeline = run.timeline()
+    if not len(timeline):
+        return ""
+    trace = run_trace(run.path.parent, timeline)
+    data = base64.b64encode(json.dumps(trace).encode("utf-8")).decode("ascii")
+    return (f'<p><a download="{_e(run.path.parent.name)}-trace.json" href="data:application/json;base64,{data}">'
+            "the rank timeline as a trace</a> (save it, then open it in "
+            '<a href="https://ui.perfetto.dev">Perfetto</a> or chrome://tracing; '
+            "<code>sfhpc traj trace</code> writes one for a range of steps or ranks)</p>")
 
 
 def _steps_table(steps: pd.DataFrame) -> str:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 import gzip
+import json
 import re
 import shutil
 from pathlib import Path
@@ -116,3 +118,39 @@ def test_compare_fills_its_bubble_column(timed_run: Path, v1_run: Path) -> None:
     assert done.returncode == 0, done.stderr
     row = next(line for line in done.stdout.splitlines() if line.startswith("bubble fraction"))
     assert re.split(r"\s{2,}", row.strip())[1:] == ["37.5% (trainer 50.0%, rollout 25.0%)", "not recorded"]
+
+
+def test_trace_holds_the_schedule_as_spans_with_counters(timed_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "trace.json"
+    done = run_sfhpc("traj", "trace", str(timed_run), "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    assert "2 rank track(s)" in done.stdout
+    trace = json.loads(out.read_text())["traceEvents"]
+    spans = sorted((e["pid"], e["name"], e["ts"] / 1e6, e["dur"] / 1e6, e["args"]["step"]) for e in trace
+                   if e["ph"] == "X")
+    assert spans == [(1, "idle", 0.0, 4.0, 1), (1, "syncing", 7.0, 1.0, 1), (1, "training", 4.0, 3.0, 1),
+                     (2, "generating", 0.0, 4.0, 1), (2, "generating", 6.0, 1.0, 2), (2, "idle", 4.0, 2.0, 1),
+                     (2, "syncing", 7.0, 1.0, 2)]
+    # Step 1 (whose metrics row says it made version 3) ended with its training, at 7 s; its bubble: 6 waiting
+    # of the 14 rank-seconds stamped step 1.
+    (version,) = [e for e in trace if e["ph"] == "i" and e["name"].startswith("version")]
+    assert (version["name"], version["ts"], version["args"]["step"]) == ("version 3", 7e6, 1)
+    counters = {e["name"]: e["args"][e["name"]] for e in trace if e["ph"] == "C"}
+    assert counters["bubble"] == round(6 / 14, 4) and "reward" in counters
+    again = run_sfhpc("traj", "trace", str(timed_run), "--out", str(out))  # never overwritten
+    assert again.returncode == 2 and "exists" in again.stderr
+    cut = tmp_path / "cut.json"
+    done = run_sfhpc("traj", "trace", str(timed_run), "--out", str(cut), "--steps", "2:2", "--ranks", "2")
+    assert done.returncode == 0, done.stderr
+    shown = [e["name"] for e in json.loads(cut.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert shown == ["generating", "syncing"]
+
+
+def test_the_report_carries_the_trace(timed_run: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    assert run_sfhpc("traj", "report", str(timed_run), "-o", str(out)).returncode == 0
+    found = re.search(r'download="timed-trace\.json" href="data:application/json;base64,([A-Za-z0-9+/=]+)"',
+                      out.read_text())
+    assert found, "no trace link in the report"
+    trace = json.loads(base64.b64decode(found.group(1)))["traceEvents"]
+    assert sum(1 for e in trace if e["ph"] == "X") == sum(len(rows) for rows in SCHEDULE.values())

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from sfhpc.analysis import open_run
 from sfhpc.data.store import open_store
 from sfhpc.engine.tokenizer import load_tokenizer
 from tests.conftest import run_sfhpc
@@ -128,6 +129,28 @@ def test_a_lent_trainer_is_reclaimed_every_step_and_its_generations_finish_elsew
         assert text in judged  # the task judged exactly the stored prefix + continuation
     assert moved >= 1, "no reply was cut on the lent rank and finished on another engine"
     assert {s.engine for t in trajectories for s in t.segments if s.generated} == {"test-r1", "test-r2"}
+
+    # The trace anyone can open holds what the run's own timeline and event log hold.
+    trace_file = tmp_path / "trace.json"
+    done = run_sfhpc("traj", "trace", str(run_dir), "--out", str(trace_file))
+    assert done.returncode == 0, done.stderr
+    trace = json.loads(trace_file.read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    with open_run(run_dir) as analysed:
+        timeline = analysed.timeline()
+    assert len(spans) == len(timeline) and {e["pid"] for e in spans} == {1, 2}  # a track per rank, every interval
+    assert sorted((e["pid"], e["name"], e["args"]["step"]) for e in spans) == sorted(
+        (r, "idle" if state == "waiting" else state, step)
+        for r, state, step in zip(timeline["rank"], timeline["state"], timeline["step"]))
+    assert sum(e["dur"] for e in spans if e["pid"] == 1 and e["name"] == "lent") == pytest.approx(
+        1e6 * timeline.loc[timeline["state"] == "lent", "seconds"].sum(), rel=1e-3)
+    assert {e["args"]["step"] for e in spans if e["name"] == "lent"} == set(range(1, STEPS + 1))  # lent every step
+    assert [e["args"]["step"] for e in trace if e["name"] == "reclaimed"] == list(range(1, STEPS + 1))
+    assert [e["name"] for e in trace if e["ph"] == "i" and e["name"].startswith("version")] == \
+        [f"version {v}" for v in range(1, STEPS + 1)]
+    assert all(e["ts"] >= 0 and {"name", "ph", "ts", "pid", "tid"} <= set(e) for e in trace)  # the format's rules
+    names = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
+    assert names == {0: "rank 0 (controller)", 1: "rank 1 (trainer)", 2: "rank 2 (rollout)"}
 
 
 def test_seamless_without_lendable_ranks_runs_as_async_and_says_so(tmp_path: Path, model_dir: Path) -> None:
