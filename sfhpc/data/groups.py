@@ -19,6 +19,7 @@ thread-safe: the `sfhpc.data.manager.TrajectoryManager` holds the lock over both
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 from sfhpc.data import layout
@@ -52,6 +53,9 @@ class Batch:
         return sum(t.num_generated for t in self.trajectories)
 
 
+DROP_CAUSES = ("stale", "aborted", "failed", "off-branch")  # why policy tokens were never trained on
+
+
 class GroupBook:
     """Groups, the book of those in flight, and batches (see the module); not thread-safe."""
 
@@ -67,6 +71,9 @@ class GroupBook:
         self._in_flight: set[str] = set()  # the book: groups handed out, not yet trained on or dropped
         self._keys: set[str] = set()  # every group key the run used (store included): never booked again
         self._next_step = 0
+        # Policy tokens never trained on, by cause: a trajectory closed stale, aborted or failed (all its
+        # tokens), or trained with tokens off its branch (a fork left them behind). Counted as they happen.
+        self.dropped_tokens: Counter[str] = Counter()
 
     def restore(self, view: StoreView, failed: Sequence[Trajectory]) -> None:
         """After `TrajectoryRegistry.restore` of `view`: the groups of the live trajectories, the `failed`
@@ -92,6 +99,11 @@ class GroupBook:
         """`live` leaves the live set (with `status`, if given) and its group."""
         if status is not None:
             self.registry.set_status(live, status)
+            every, on_branch = live.generated_tokens()
+            if status is Status.CONSUMED:
+                self.dropped_tokens["off-branch"] += every - on_branch
+            else:
+                self.dropped_tokens[status.value] += every
         self.registry.close(live)
         members = self._members[live.group_key]
         members.remove(live.id)

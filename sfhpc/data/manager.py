@@ -266,6 +266,13 @@ class TrajectoryManager:
         with self._lock:
             self._groups.book(group, again=again)
 
+    def dropped_tokens(self) -> dict[str, int]:
+        """Policy tokens never trained on since this manager started, by cause: ``stale``, ``aborted``,
+        ``failed`` (every token of such a trajectory), ``off-branch`` (tokens a fork left behind on a trained
+        trajectory)."""
+        with self._lock:
+            return dict(self._groups.dropped_tokens)
+
     def groups_in_flight(self) -> int:
         """How many booked groups are neither trained on nor dropped yet."""
         with self._lock:

@@ -79,6 +79,12 @@ class LiveTrajectory:
                     if self.segments[i].generated and used]
         return max(versions) if versions else None
 
+    def generated_tokens(self) -> tuple[int, int]:
+        """(the policy's tokens on every branch, those of them on the current branch)."""
+        every = sum(len(s.tokens) for s in self.segments if s.generated)
+        on_branch = sum(used for i, used in branch_of(self.segments) if self.segments[i].generated)
+        return every, on_branch
+
     def tokens_newer_than(self, version: int) -> int:
         """How many of the current branch's generated tokens a policy newer than `version` produced."""
         return sum(int((self.segments[i].versions[:used] > version).sum()) for i, used in branch_of(self.segments)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sfhpc.config.recipe import Recipe
+from sfhpc.data.groups import DROP_CAUSES
 from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fraction, from the timeline
 from sfhpc.data.run_log import read_log, repair_log
@@ -97,6 +98,7 @@ class Controller:
         self.hopeless_groups = 0  # groups dropped as stale while they still played, this run (for metrics)
         self.next_group = 0
         self._state_checked = False
+        self._dropped_before: dict[str, int] = {}
         # The episodes of the groups in flight, for the checkpoint (the manager's book says which are).
         self.open_groups: dict[str, tuple[msg.EpisodeTicket, ...]] = {}
         # The event log of a folder opened again: a crash may have cut its last line, which is set aside
@@ -317,7 +319,17 @@ class Controller:
                                                           "max_staleness") if k in metrics},
             "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out,
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
+            **self._dropped_metrics(),
         })
+
+    def _dropped_metrics(self) -> dict[str, int]:
+        """The policy tokens dropped since the last step's row, by cause (``dropped_tokens_stale``, ...), so
+        that the rows of a run add up to every token it generated and never trained on."""
+        now = self.manager.dropped_tokens()
+        row = {f"dropped_tokens_{cause.replace('-', '_')}": now.get(cause, 0) - self._dropped_before.get(cause, 0)
+               for cause in DROP_CAUSES}
+        self._dropped_before = now
+        return row
 
     def _lending_metrics(self) -> dict[str, float | int]:
         """seamless with lendable ranks: the step's reclaim (0 when nothing was lent) and the run's counts."""

@@ -63,6 +63,15 @@ def test_summary_counts_what_the_run_recorded(run_dir: Path) -> None:
     done = run_sfhpc("traj", "summary", str(run_dir))
     assert done.returncode == 0, done.stderr
     assert ["consumed", str(STEPS * PROMPTS * GROUP)] in [line.split() for line in done.stdout.splitlines()]
+    # Every step's row counts the policy tokens dropped since the one before, by cause; what the rows count
+    # was dropped in the store (a drop after the last row is in the store only).
+    with open_store(run_dir / "trajectories.h5") as store:
+        generated = {status: sum(t.num_generated for t in store.trajectories(status))
+                     for status in ("stale", "aborted", "failed")}
+    for cause in ("stale", "aborted", "failed", "off_branch"):
+        assert all(m[f"dropped_tokens_{cause}"] >= 0 for m in metrics)
+        if cause in generated:
+            assert sum(m[f"dropped_tokens_{cause}"] for m in metrics) <= generated[cause]
 
 
 def test_the_run_wrote_its_metrics_for_tensorboard(run_dir: Path) -> None:

@@ -141,6 +141,28 @@ def test_too_stale_groups_are_marked_and_never_trained_on(store_path):
         assert {m.trajectory_id for m in reader.marks()} == set(fresh)
 
 
+def test_every_policy_token_never_trained_on_is_counted_by_cause(store_path):
+    """Stale groups, a group a failed member spoiled (its failed member, its finished one given up) and a
+    fork's tokens left behind on a trained trajectory: each cause counts its tokens; trained ones do not."""
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    for key in ("old", "fresh", "spoilt"):
+        manager.book_group(key)
+    _group(manager, "old", 2, version=0)  # 2 x 2 tokens, too stale at version 2
+    fresh = _group(manager, "fresh", 2, version=2, finish=False)
+    manager.observe(fresh[0], [1, 2, 9])  # a history that forks: 3, 4 stay behind on the old branch
+    manager.add_generated(fresh[0], [5, 6, 7], [-0.5] * 3, 2)
+    for tid in fresh:
+        manager.finish(tid, reward=float(tid == fresh[0]))
+    done, broken = _group(manager, "spoilt", 2, version=2, finish=False)
+    manager.finish(done, reward=1.0)
+    manager.add_generated(broken, [8], [-0.1], 2)
+    manager.fail(broken, "ValueError: the agent crashed")
+    batch = manager.take_batch(policy_version=2, num_groups=1)
+    assert batch is not None and [t.id for t in batch.trajectories] == fresh
+    assert manager.dropped_tokens() == {"stale": 4, "aborted": 2, "failed": 3, "off-branch": 2}
+    manager.close()
+
+
 def test_a_group_that_can_no_longer_be_fresh_is_dropped_while_it_plays(store_path):
     manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
     for key in ("doomed", "late", "waiting"):
