@@ -16,10 +16,11 @@ Scales:
 * ``small``: the recipe ``--recipe`` (default ``recipes/bench-pipeline.yaml``: the ``repeat-letter`` task,
   whose reply lengths are long-tailed) with real vLLM engines and real torch training. Measured.
 * ``timing``: ``--ranks`` ranks (16-64) with the test engine and trainer as timing models: decode steps,
-  prompts, weight loads and training steps *sleep* the time that `sfhpc.sim.cost_model` gives, calibrated
-  on the small scale's ``async`` run (or, without one, the published figures of a 7B model on an L40S
-  engine and an H100 trainer). The scheduler, trajectory manager, store, endpoint, agents, weight
-  broadcast and MPI are the real ones; only compute is modelled, and the output says so.
+  prompts, weight loads and training steps *sleep* the time that `sfhpc.sim.cost_model` gives: by default
+  the published figures of a 7B model on an L40S engine and an H100 trainer (the simulator's), with
+  ``--calibrate`` those of the small scale's ``async`` run (vLLM on this machine's CPU), with
+  ``--calibrate-from`` an earlier run's. The scheduler, trajectory manager, store, endpoint, agents, weight
+  broadcast and MPI are the real ones; only compute is modelled, and the output says so, and which costs.
 
 Modes on the same ranks: ``async`` runs the recipe as written (trainer and rollout on ranks of their own);
 ``seamless`` is the same with the trainer's nodes tagged ``rollout`` so that idle trainer ranks are lent to
@@ -56,9 +57,10 @@ MODES = ("sync", "async", "seamless")
 SCALES = ("small", "timing")
 DEFAULT_RECIPE = Path("recipes/bench-pipeline.yaml")
 MIN_TIMING_RANKS = 4  # controller, one trainer, two rollout ranks
-# The timing scale's default pace: three times the cost model's. Calibrated on vLLM on 2 CPU cores, a long
-# reply's decode takes about 30 s at the model's own pace, and sync's 8 steps alone would take 4-5 minutes;
-# a modelled decode step of ~90 ms still dwarfs the real per-token overheads (about a millisecond).
+# The timing scale's default pace: three times the cost model's, so that the benchmark ends in minutes on
+# 2 cores. With the published GPU figures a decode step is 23 ms, 7.7 ms at this pace: still several times
+# the real per-token overheads (about a millisecond). Calibrated on vLLM on CPU (--calibrate) a step is about
+# 230 ms and a long reply's decode 30 s at the model's own pace.
 DEFAULT_SPEEDUP = 3.0
 # Statuses whose generated tokens were thrown away (never trained on).
 DISCARDED_STATUSES = ("stale", "aborted", "failed")
@@ -77,9 +79,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timing-speedup", type=float, default=DEFAULT_SPEEDUP, metavar="K",
                    help="the timing scale models a machine K times as fast as its cost model: every modelled "
                         f"duration divided by K (default {DEFAULT_SPEEDUP:g}; 1: the cost model's own pace)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="calibrate the timing scale on this invocation's small async run (default: the published "
+                        "GPU figures of a 7B model, an L40S engine and an H100 trainer)")
     p.add_argument("--calibrate-from", type=Path, default=None, metavar="RUN_DIR",
-                   help="an async run's folder to calibrate the timing scale on (default: this invocation's small "
-                        "async run; without either, published GPU figures)")
+                   help="an async run's folder to calibrate the timing scale on (default: published GPU figures)")
     p.add_argument("--sync-layout", choices=("disaggregated", "colocated"), default="disaggregated",
                    help="sync on the async run's roles, or every rank training and generating")
     p.add_argument("--out", type=Path, default=Path("runs/bench/pipeline.json"), help="JSON result file")
@@ -88,6 +92,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.scales = _choices(args.scales, SCALES, "--scales")
     if args.steps < 2 or (args.timing_steps is not None and args.timing_steps < 2):
         raise SfhpcError("--steps must be at least 2 (the first step is left out)")
+    if args.calibrate and "small" not in args.scales:
+        raise SfhpcError("--calibrate calibrates on the small scale's async run: add small to --scales, or use "
+                         "--calibrate-from RUN_DIR")
     if args.calibrate_from is not None and not RunPaths(args.calibrate_from).metrics.is_file():
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if not args.timing_speedup > 0:
@@ -493,7 +500,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           sync_layout=args.sync_layout)
         results += small
         calibrating = next((r for r in small if r["mode"] == "async" and r.get("available")), None)
-        if calibrating is not None and args.calibrate_from is None:
+        if calibrating is not None and args.calibrate and args.calibrate_from is None:
             calibration = calibration_of(Path(calibrating["run_dir"]), Path(calibrating["model"]))
             model_path = calibrating["model"]
     if args.calibrate_from is not None:
