@@ -44,6 +44,10 @@ def set_up(path: Path, rank: int, *, verbose: bool = False) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    # multiprocessing's resource tracker (a process of its own, which reads its warning filters from the
+    # environment) warns on the console at exit about a shared-memory block vLLM's engine leaves to it.
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"),
+                                                          "ignore::UserWarning:multiprocessing.resource_tracker")))
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         return
     os.environ[RANK_LOG_ENV] = str(path)
