@@ -112,7 +112,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(recipe.output_dir, recipe.name)
         print(plan.describe())
         print(f"run folder {run_dir}", flush=True)
-        return run_local(plan, args.recipe, None, run_dir, probe=True)
+        return run_local(plan, args.recipe, None, run_dir, probe=True, plan_shown=True)
     from sfhpc.launch.slurm_launch import executor_for, submit
 
     recipe, cluster, plan = _load(args)
@@ -168,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(recipe.output_dir, recipe.name)
     print(plan.describe())
     print(f"run folder {run_dir}", flush=True)
-    code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose)
+    code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose, plan_shown=True)
     return _run_outcome(run_dir, code, verbose=args.verbose)
 
 

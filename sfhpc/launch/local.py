@@ -14,7 +14,7 @@ from typing import IO
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.local_map import LOCAL_MAP_NAME
 from sfhpc.plan.resolve import LaunchPlan
-from sfhpc.runtime.slurm_env import TASKS_PER_COMPONENT_VAR
+from sfhpc.runtime.slurm_env import PLAN_SHOWN_VAR, TASKS_PER_COMPONENT_VAR
 
 
 def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
@@ -38,12 +38,16 @@ def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None
 
 
 def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
-              probe: bool = False, output: IO[str] | None = None, verbose: bool = False) -> int:
+              probe: bool = False, output: IO[str] | None = None, verbose: bool = False,
+              plan_shown: bool = False) -> int:
     """Start every rank with mpiexec and wait; returns mpiexec's exit code: a failed rank's own (its
     `MPI_Abort` code: 2 for a user error, 1 for a fault), or 128 + N for a rank ended by signal N. The
-    ranks' output goes to this process's, or to `output` (a file) when given."""
+    ranks' output goes to this process's, or to `output` (a file) when given. `plan_shown`: the caller printed
+    the plan already, so rank 0 does not."""
     env = dict(os.environ)
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
+    if plan_shown:
+        env[PLAN_SHOWN_VAR] = "1"
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     stderr = None if output is None else subprocess.STDOUT

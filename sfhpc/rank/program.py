@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 import time
 import traceback
@@ -29,7 +30,7 @@ from sfhpc.runtime import fault, fault_injection, liveness, preemption, rank_log
 from sfhpc.runtime.gpu_binding import bind_one_gpu
 from sfhpc.runtime.identity import RankIdentity, identify
 from sfhpc.runtime.report import launch_report
-from sfhpc.runtime.slurm_env import read_rank_environment
+from sfhpc.runtime.slurm_env import PLAN_SHOWN_VAR, read_rank_environment
 
 log = logging.getLogger("sfhpc")
 
@@ -80,7 +81,7 @@ class RankProgram:
                 f"{identity.rank} of {identity.env.world_size}: start ranks with srun --mpi=pmix or mpiexec")
         log.info("rank %d: component %d, node %s, roles %s, tags %s", identity.rank, identity.env.component,
                  identity.env.node, ",".join(identity.roles), ",".join(identity.tags))
-        if identity.rank == 0:
+        if identity.rank == 0 and not os.environ.get(PLAN_SHOWN_VAR):  # the job's log; `sfhpc run` printed it
             print(self.plan.describe(), flush=True)
         # Every run starts with the launch report: who runs where, proven by one Allgather over the world.
         ranks = launch_report(identity, comm, self.run_dir)

@@ -20,6 +20,8 @@ from typing import Literal
 from sfhpc.errors import SfhpcError
 
 TASKS_PER_COMPONENT_VAR = "SFHPC_TASKS_PER_COMPONENT"
+# Set by a launcher that printed the plan on the console itself (`sfhpc run`): rank 0 does not print it again.
+PLAN_SHOWN_VAR = "SFHPC_PLAN_SHOWN"
 
 
 @dataclasses.dataclass(frozen=True)
