@@ -162,7 +162,9 @@ class VllmEngine(RolloutEngine):
                                enforce_eager=knobs.enforce_eager, dtype=dtype, seed=seed,
                                logprobs_mode="processed_logprobs", enable_chunked_prefill=False if on_cpu else None,
                                tensor_parallel_size=knobs.tensor_parallel_size,
-                               gpu_memory_utilization=knobs.gpu_memory_utilization, **optional)
+                               gpu_memory_utilization=knobs.gpu_memory_utilization,
+                               use_tqdm_on_load=False,  # a progress bar on the console at every start
+                               **optional)
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
         with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)

@@ -10,7 +10,8 @@ starts, from its environment: so `set_up` points ``VLLM_LOGGING_CONFIG_PATH`` at
 variables and append to the same file) and copies only its errors to stderr, and applies it
 here at once, for what vLLM logs before an engine starts. (An engine process's own first lines, before
 vLLM configures it, still take Python's default: warnings on stderr.)
-Hugging Face progress bars (a model written, a tokenizer trained) are off for the same reason.
+Hugging Face progress bars (a model written, a tokenizer trained), vLLM's at a weight load, FutureWarnings
+and torch's C++ warnings are off for the same reason.
 
 ``sfhpc run --verbose`` (`set_up(..., verbose=True)`) leaves all of it as the libraries set it up, on
 the console. A user who configured vLLM's logging themselves (``VLLM_LOGGING_CONFIG_PATH``, or
@@ -44,10 +45,13 @@ def set_up(path: Path, rank: int, *, verbose: bool = False) -> None:
     if verbose:
         return
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    # multiprocessing's resource tracker (a process of its own, which reads its warning filters from the
-    # environment) warns on the console at exit about a shared-memory block vLLM's engine leaves to it.
-    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"),
-                                                          "ignore::UserWarning:multiprocessing.resource_tracker")))
+    # Warnings for the libraries' developers, on the console of every engine process vLLM starts (which read
+    # their filters from the environment): FutureWarnings of vLLM's own imports, and multiprocessing's
+    # resource tracker at exit about a shared-memory block vLLM's engine leaves to it; torch's C++ warnings
+    # (NUMA binding on CPU).
+    quiet = ("ignore::FutureWarning", "ignore::UserWarning:multiprocessing.resource_tracker")
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, (os.environ.get("PYTHONWARNINGS"), *quiet)))
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING") == "0":
         return
     os.environ[RANK_LOG_ENV] = str(path)
