@@ -30,7 +30,8 @@ every one of those ranks both trains and generates. A mode this version cannot r
 available.
 
 Results: ``runs/bench/pipeline.json``, the table on stdout, one timeline chart per scale and mode
-(``pipeline-SCALE-MODE.png``: every rank's states over time) and a throughput chart (``pipeline.png``);
+(``pipeline-SCALE-MODE.png``: every rank's states over time) with its Chrome trace
+(``pipeline-SCALE-MODE.trace.json``, for Perfetto) and a throughput chart (``pipeline.png``);
 each run's folder and log are under ``runs/bench/pipeline/SCALE/``.
 """
 
@@ -380,6 +381,20 @@ def table(results: list[dict[str, Any]]) -> str:
                          "reclaim s mean/max", "wall s"], rows)
 
 
+def write_run_trace(run_dir: Path, out: Path) -> Path | None:
+    """The run's timeline as a Chrome trace (`sfhpc.analysis.trace`), to zoom into one step of one rank;
+    None when its store keeps no timeline."""
+    from sfhpc.analysis import open_run
+    from sfhpc.analysis.trace import run_trace
+
+    with open_run(run_dir) as run:
+        timeline = run.timeline()
+        if not len(timeline):
+            return None
+        out.write_text(json.dumps(run_trace(run_dir, timeline)), encoding="utf-8")
+    return out
+
+
 def timeline_chart(result: dict[str, Any], out: Path) -> Path | None:
     """Every rank's states over time (one row per rank), or the controller's step phases without a timeline."""
     try:
@@ -529,6 +544,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if chart is not None:
                 charts.append(str(chart))
                 r["chart"] = str(chart)
+            trace = write_run_trace(Path(r["run_dir"]), args.out.with_name(f"{args.out.stem}-{r['scale']}-{r['mode']}"
+                                                                             ".trace.json"))
+            if trace is not None:
+                charts.append(str(trace))
+                r["trace"] = str(trace)
     summary_chart = throughput_chart(results, args.out.with_suffix(".png"))
     if summary_chart is not None:
         charts.append(str(summary_chart))

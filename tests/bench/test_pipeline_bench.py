@@ -146,11 +146,14 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     results = {r["mode"]: r for r in report["results"]}
     assert list(results) == ["sync", "async", "seamless"]
     assert "modelled" in report["modelled"]["timing"] and "real: the scheduler" in report["modelled"]["timing"]
+    assert "published figures" in report["modelled"]["timing"]  # the GPU costs, the default
     for mode in ("sync", "async"):
         r = results[mode]
         assert r["available"] and r["ranks"] == 4 and r["steps"] == 2, r
         assert r["trained_tokens_per_s"] > 0 and r["tokens_discarded"] >= 0
         assert Path(r["chart"]).stat().st_size > 0 and r["timeline"]
+        spans = [e for e in json.loads(Path(r["trace"]).read_text())["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == {1, 2, 3}  # a track per rank of the timeline (the controller has none)
     seamless = results["seamless"]
     assert not seamless["available"] or Path(seamless["chart"]).exists()
     # The long tail leaves the synchronous pipeline waiting; overlapping rollout with training waits less.
