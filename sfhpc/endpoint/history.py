@@ -53,7 +53,11 @@ class RecordedContexts:
         if prompt[:len(before)] != before:  # a fork: what the new branch holds of earlier replies is unknown here
             generated = ()
         generated = generated + (False,) * (len(prompt) - len(generated)) + (True,) * len(reply)
-        self._contexts[trajectory_id] = (prompt + reply, generated)
+        self._keep(trajectory_id, prompt + reply, generated)
+
+    def _keep(self, trajectory_id: str, tokens: tuple[int, ...], generated: tuple[bool, ...]) -> None:
+        """Hold `trajectory_id`'s context as the newest, dropping the oldest beyond `kept`."""
+        self._contexts[trajectory_id] = (tokens, generated)
         self._contexts.move_to_end(trajectory_id)
         while len(self._contexts) > self.kept:
             self._contexts.popitem(last=False)
@@ -62,10 +66,7 @@ class RecordedContexts:
         """Take the recorded context of a trajectory that moved here (a restart continues it on this rank):
         its tokens and which of them the policy generated, so that its next turn, whose history repeats
         the earlier replies as text, continues the recorded tokens as a turn of this endpoint's own would."""
-        self._contexts[trajectory_id] = (tuple(tokens), tuple(generated))
-        self._contexts.move_to_end(trajectory_id)
-        while len(self._contexts) > self.kept:
-            self._contexts.popitem(last=False)
+        self._keep(trajectory_id, tuple(tokens), tuple(generated))
 
     def prompt(self, trajectory_id: str, prompt: tuple[int, ...]) -> tuple[int, ...]:
         """The prompt a new turn of `trajectory_id` continues with: `prompt` itself, or the recorded

@@ -40,6 +40,7 @@ from sfhpc.tasks.base import Problem, Task
 
 CONTROLLER_STATE_FORMAT = "sfhpc-controller-state"
 CONTROLLER_STATE_VERSION = 1
+PICKLED_STATE_FILE = "controller.pt"  # what earlier versions wrote instead; never read
 
 
 @dataclasses.dataclass
@@ -78,7 +79,7 @@ class ControllerState:
     @classmethod
     def load(cls, path: Path, task: Task) -> ControllerState:
         if not path.is_file():
-            if (path.parent / "controller.pt").is_file():
+            if (path.parent / PICKLED_STATE_FILE).is_file():
                 raise ControllerStateError(f"{path.parent}: written by an earlier sfhpc, whose controller state "
                                            "is a pickle; resume reads plain data only: start a new run")
             raise ControllerStateError(f"{path}: no such file")
