@@ -492,7 +492,7 @@ def run_scale(scale: str, base: dict[str, Any], modes: Sequence[str], steps: int
         model = base.setdefault("model", {})
         if figures["available"] and not model.get("path"):
             model["path"] = str(RunPaths(Path(figures["run_dir"]).resolve()).model)
-            model.pop("warm_start_steps", None)
+            model.pop("build", None)  # the built model's shape and warm start: refused beside a path
         result["model"] = model.get("path")
         results.append(result)
     return results

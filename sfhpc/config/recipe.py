@@ -89,35 +89,25 @@ class Role:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The policy model: a Hugging Face folder (``path``), or, without one, a small one sfhpc builds in the
-    run folder (`sfhpc.model.tiny`: a BPE tokenizer trained on generated text and the task's, a chat
-    template, random weights of ``architecture``); the fields below ``path`` shape that built model."""
+class BuildSpec:
+    """The tiny model sfhpc builds in the run folder when ``model.path`` is null (`sfhpc.model.tiny`: a BPE
+    tokenizer trained on generated text and the task's, a chat template, random weights of
+    ``architecture``), and its supervised warm start on the task's reply format. A model folder of your own
+    is taken as it is: none of these applies to it."""
 
-    name: str = setting("tiny-llama", "the model name agents send (\"model\" in a request) and /v1/models lists")
-    path: str | None = setting(None, "a Hugging Face causal-LM folder (config.json, safetensors weights, tokenizer, "
-                                     "chat template); null: sfhpc builds a tiny model in the run folder")
-    architecture: Literal["llama", "qwen2"] = setting("llama", "the built model's architecture (without path)")
-    layers: int = setting(4, "the built model's transformer layers (without path)")
+    architecture: Literal["llama", "qwen2"] = setting("llama", "the built model's architecture")
+    layers: int = setting(4, "the built model's transformer layers")
     hidden_size: int = setting(256, "the built model's hidden size: heads x 64 (vLLM's CPU attention needs 64-wide "
                                     "heads)")
-    heads: int = setting(4, "the built model's attention heads (without path)")
-    max_seq_len: int = setting(256, "the longest sequence, prompt and reply together: vLLM's max_model_len for any "
-                                    "model, and the built model's positions")
+    heads: int = setting(4, "the built model's attention heads")
     tokenizer_vocab: int = setting(512, "the built tokenizer's size: 256 bytes, the chat's special tokens, then merges "
                                         "(264 to 65536; 264: no merges)")
-    dtype: Literal["bfloat16", "float32"] = setting("bfloat16", "the engines' dtype, in which the trainer publishes "
-                                                                "the weights (it keeps float32 master weights)")
     chat_format: Literal["brief", "brief_tools", "qwen2", "llama", "qwen2_tools", "llama_tools"] = setting(
         "brief", "the built model's chat template: brief (one token per role, the quickest to learn), brief_tools "
                  "(brief with Hermes-style tool calls), qwen2 (ChatML), llama (Llama 3), qwen2_tools (Qwen2.5's, "
-                 "with tool calls), llama_tools (Llama 3.1's, with tool calls) (without path)")
-    warm_start_steps: int = setting(0, "supervised steps on the task's reply format before RL (built model only; 0: "
-                                       "none)")
+                 "with tool calls), llama_tools (Llama 3.1's, with tool calls)")
+    warm_start_steps: int = setting(0, "supervised steps on the task's reply format before RL (0: none)")
     warm_start_learning_rate: float = setting(1e-3, "the learning rate of the warm start")
-    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = setting(
-        None, "the format the model writes tool calls in (hermes: Qwen2.5/Qwen3's <tool_call>; llama3_json: Llama "
-              "3.1's JSON; mistral: [TOOL_CALLS]); null: read from its chat template")
 
     def validate(self, where: Where) -> None:
         if self.hidden_size != self.heads * 64:
@@ -128,6 +118,30 @@ class ModelSpec:
             raise where.child("tokenizer_vocab").error(
                 f"must be between 264 (the 256 bytes and the chat's special tokens) and 65536, found "
                 f"{self.tokenizer_vocab}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The policy model: a Hugging Face folder (``path``), or, without one, a small one sfhpc builds in the
+    run folder as ``build`` says."""
+
+    name: str = setting("tiny-llama", "the model name agents send (\"model\" in a request) and /v1/models lists")
+    path: str | None = setting(None, "a Hugging Face causal-LM folder (config.json, safetensors weights, tokenizer, "
+                                     "chat template); null: sfhpc builds a tiny model in the run folder (build)")
+    max_seq_len: int = setting(256, "the longest sequence, prompt and reply together: vLLM's max_model_len for any "
+                                    "model, and the built model's positions")
+    dtype: Literal["bfloat16", "float32"] = setting("bfloat16", "the engines' dtype, in which the trainer publishes "
+                                                                "the weights (it keeps float32 master weights)")
+    tool_parser: Literal["hermes", "llama3_json", "mistral"] | None = setting(
+        None, "the format the model writes tool calls in (hermes: Qwen2.5/Qwen3's <tool_call>; llama3_json: Llama "
+              "3.1's JSON; mistral: [TOOL_CALLS]); null: read from its chat template")
+    build: BuildSpec = setting(BuildSpec(), "the tiny model sfhpc builds when path is null, and its warm start "
+                                            "(refused beside path)")
+
+    def validate(self, where: Where) -> None:
+        if self.path is not None and self.build != BuildSpec():
+            raise where.child("build").error(
+                "shapes the model sfhpc builds when path is null; leave it out with a model folder of your own")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -692,6 +706,15 @@ RENAMED_KEYS: Mapping[str, str] = {
     "engine.weight_load_s": "timing_model.weight_load_s",
     "training.timing_step_s": "timing_model.train_step_s",
     "training.timing_per_token_s": "timing_model.train_per_token_s",
+    # The built model's shape and warm start left the keys that a model folder of one's own uses.
+    "model.architecture": "model.build.architecture",
+    "model.layers": "model.build.layers",
+    "model.hidden_size": "model.build.hidden_size",
+    "model.heads": "model.build.heads",
+    "model.tokenizer_vocab": "model.build.tokenizer_vocab",
+    "model.chat_format": "model.build.chat_format",
+    "model.warm_start_steps": "model.build.warm_start_steps",
+    "model.warm_start_learning_rate": "model.build.warm_start_learning_rate",
 }
 
 

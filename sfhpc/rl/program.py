@@ -62,11 +62,11 @@ def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
     """A task that offers tools needs a built model whose chat template renders them."""
     from sfhpc.model.hf_folder import FORMATS
 
-    chat_format = recipe.model.chat_format
+    chat_format = recipe.model.build.chat_format
     if not task.tools or recipe.model.path is not None or FORMATS[chat_format].renders_tools:
         return []
-    return [f"{recipe.source}: model.chat_format: task '{recipe.task.name}' offers tools, which the '{chat_format}' "
-            "template does not render: use brief_tools, qwen2_tools or llama_tools"]
+    return [f"{recipe.source}: model.build.chat_format: task '{recipe.task.name}' offers tools, which the "
+            f"'{chat_format}' template does not render: use brief_tools, qwen2_tools or llama_tools"]
 
 
 def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path:
@@ -95,14 +95,15 @@ def _build_model(recipe: Recipe, task: Task, path: Path) -> None:
         from sfhpc.model.warm_start import warm_start
 
         build_tiny_model(recipe.model, folder, seed=recipe.seed, task=task)
-        if recipe.model.warm_start_steps:
-            loss = warm_start(folder, task, steps=recipe.model.warm_start_steps,
-                              learning_rate=recipe.model.warm_start_learning_rate, seed=recipe.seed)
-            print(f"warm start: {recipe.model.warm_start_steps} steps on the reply format, loss {loss:.3f}",
+        shape = recipe.model.build
+        if shape.warm_start_steps:
+            loss = warm_start(folder, task, steps=shape.warm_start_steps,
+                              learning_rate=shape.warm_start_learning_rate, seed=recipe.seed)
+            print(f"warm start: {shape.warm_start_steps} steps on the reply format, loss {loss:.3f}",
                   flush=True)
 
     def key() -> str:
-        return build_key(recipe.model, recipe.seed, task_texts(task, recipe.seed, recipe.model.chat_format))
+        return build_key(recipe.model, recipe.seed, task_texts(task, recipe.seed, recipe.model.build.chat_format))
 
     if build_or_copy(path, key, build):
         print(f"model: the same build as before, from the cache ({path})", flush=True)

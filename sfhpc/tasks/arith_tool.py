@@ -17,7 +17,7 @@ Each problem is told with a verb that decides its operator (``found`` or ``got``
 ``used``: subtract; ``bags of``: multiply), the question first and the facts last, as in ``arith-word``.
 The choice of tool is the reply's first free token, a few tokens after that verb.
 
-The format warm start (``model.warm_start_steps``) teaches the call and the answer from a sloppy
+The format warm start (``model.build.warm_start_steps``) teaches the call and the answer from a sloppy
 demonstrator: each example calls the right tool one time in ``len(operators)`` and otherwise the next
 operator's (``multiply`` for a ``lost``, say), with the question's own numbers; the tool's (right) result follows,
 and the answer restates it. So the reward starts near one in ``len(operators)``, the reply already reads

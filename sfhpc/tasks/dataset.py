@@ -12,7 +12,7 @@
         max_reply_tokens: 32
         warm_start: number         # the format warm start's replies: answer | number | worked (see below)
 
-The format warm start (``model.warm_start_steps``) pairs each prompt with a reply of the right form whose
+The format warm start (``model.build.warm_start_steps``) pairs each prompt with a reply of the right form whose
 result is another row's, so it is right only by chance: ``answer`` (the default with the ``exact`` reward)
 is another row's whole answer; ``number`` (the default with ``numeric``) is another row's final number
 alone; ``worked`` is the row's *own* worked solution (its answer before ``####``) with its last number, the

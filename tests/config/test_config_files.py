@@ -88,10 +88,15 @@ def test_config_objects_are_immutable() -> None:
         (GOOD_RECIPE.replace("  rollout:", "  reward: {tags: [reward], nodes: 1}\n  rollout:"),
          ["roles.reward", "is not built", "remove this role"]),
         (GOOD_RECIPE + "training: {keep_checkpoints: 0}\n", ["training.keep_checkpoints", "at least 1"]),
+        (GOOD_RECIPE + "model: {path: /m, build: {layers: 2}}\n", ["r.yaml:6", "model.build", "shapes the model sfhpc "
+                                                                   "builds", "leave it out with a model folder"]),
+        (GOOD_RECIPE + "model: {warm_start_steps: 10}\n", ["r.yaml:6", "model.warm_start_steps: renamed to "
+                                                            "'model.build.warm_start_steps'"]),
+        (GOOD_RECIPE + "model: {build: {hidden_size: 100}}\n", ["model.build.hidden_size", "heads x 64 = 256"]),
     ],
     ids=["malformed", "unknown-nested-key", "unknown-top-key", "missing-field", "wrong-type", "bad-choice",
          "missing-role", "duplicate-key", "empty", "bad-reference", "zero-nodes", "no-tags", "async-colocated",
-         "reward-role", "keep-no-checkpoint"],
+         "reward-role", "keep-no-checkpoint", "build-beside-path", "build-key-renamed", "build-shape"],
 )
 def test_bad_recipe_names_file_line_and_key(tmp_path: Path, text: str, fragments: list[str]) -> None:
     path = write(tmp_path, text)

@@ -59,7 +59,7 @@ GROUPS, GROUP_SIZE = 2, 4
 RECIPE = f"""\
 name: outlive
 seed: 11
-model: {{warm_start_steps: 5}}
+model: {{build: {{warm_start_steps: 5}}}}
 algorithm: {{group_size: {GROUP_SIZE}}}
 pipeline: {{mode: async, max_staleness: 0}}
 budgets: {{steps: {STEPS}, prompts_per_step: {GROUPS}}}

@@ -21,7 +21,7 @@ RECIPE = f"""\
 name: seamless-on-slurm
 seed: 3
 engine: {{name: test, token_delay_s: 0.02}}
-model: {{layers: 1, hidden_size: 64, heads: 1, max_seq_len: 192}}
+model: {{max_seq_len: 192, build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: 2}}
 pipeline: {{mode: seamless, max_staleness: 1}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: 64}}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.config.recipe import ModelSpec
+from sfhpc.config.recipe import BuildSpec, ModelSpec
 from sfhpc.model.build_cache import ENV, build_key, build_or_copy
 
 
@@ -46,7 +46,7 @@ def test_the_key_changes_with_every_input() -> None:
     base = build_key(ModelSpec(), 1, ["abc", "def"])
     assert base == build_key(ModelSpec(), 1, ["abc", "def"])
     assert base != build_key(ModelSpec(), 2, ["abc", "def"])
-    assert base != build_key(ModelSpec(layers=3), 1, ["abc", "def"])
-    assert base != build_key(ModelSpec(warm_start_steps=7), 1, ["abc", "def"])
+    assert base != build_key(ModelSpec(build=BuildSpec(layers=3)), 1, ["abc", "def"])
+    assert base != build_key(ModelSpec(build=BuildSpec(warm_start_steps=7)), 1, ["abc", "def"])
     assert base != build_key(ModelSpec(), 1, ["abc", "deg"])
     assert base != build_key(ModelSpec(), 1, ["ab", "cdef"])  # texts are delimited

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.config.recipe import ModelSpec
+from sfhpc.config.recipe import BuildSpec, ModelSpec
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.engine.hf_tokenizer import HFTokenizer
 from sfhpc.engine.tokenizer import ByteTokenizer, load_tokenizer, run_tokenizer, tokenizer_kind
@@ -154,7 +154,7 @@ def test_the_default_model_is_a_hugging_face_folder_with_its_tasks_text_in_the_t
     from sfhpc.model.tiny import build_tiny_model
     from sfhpc.tasks import get_task
 
-    spec = ModelSpec(layers=1, hidden_size=64, heads=1)
+    spec = ModelSpec(build=BuildSpec(layers=1, hidden_size=64, heads=1))
     folder = build_tiny_model(spec, tmp_path / "tiny", task=get_task(TaskSpec("guess-number")))
     assert model_folder_problem(folder) is None and tokenizer_kind(folder) == "hf"
     tokenizer = load_tokenizer(folder)

@@ -42,7 +42,7 @@ RECIPE = f"""\
 name: crash
 seed: 4
 engine: {{name: test}}
-model: {{layers: 1, hidden_size: 64, heads: 1}}
+model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: {GROUP}}}
 pipeline: {{mode: async, max_staleness: {STALENESS}}}
 budgets: {{steps: 6, prompts_per_step: {PROMPTS}}}

@@ -23,7 +23,7 @@ FLAKY = """\
 name: flaky
 seed: 2
 engine: {name: test}
-model: {layers: 1, hidden_size: 64, heads: 1}
+model: {build: {layers: 1, hidden_size: 64, heads: 1}}
 pipeline: {mode: sync}
 budgets: {steps: 3, prompts_per_step: 2, max_failed_fraction: 0.9}
 algorithm: {group_size: 2}

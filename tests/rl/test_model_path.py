@@ -5,6 +5,7 @@ transformers, vLLM or the training backend cannot take."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,8 @@ from tests.conftest import RECIPES, assert_one_line_error, run_sfhpc
 
 def _recipe(tmp_path: Path, model_path: Path, extra: str = "") -> Path:
     recipe = tmp_path / "demo.yaml"
-    text = (RECIPES / "demo.yaml").read_text().replace("  warm_start_steps: 60\n", f"  path: {model_path}\n")
+    # The demo's model section shapes the model sfhpc builds: a folder of one's own takes its place.
+    text = re.sub(r"\nmodel:\n(  .*\n)+", f"\nmodel:\n  path: {model_path}\n", (RECIPES / "demo.yaml").read_text())
     recipe.write_text(text + extra + f"output_dir: {tmp_path / 'runs'}\n")
     return recipe
 

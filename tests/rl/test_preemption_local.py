@@ -60,7 +60,7 @@ MULTI_TURN = f"""\
 name: cut
 seed: 5
 engine: {{name: test, token_delay_s: 0.2, writes_to_budget: true}}
-model: {{layers: 1, hidden_size: 64, heads: 1}}
+model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: 4}}
 pipeline: {{mode: async, max_staleness: 1}}
 budgets: {{steps: {STEPS}, prompts_per_step: 4, max_new_tokens: 2}}

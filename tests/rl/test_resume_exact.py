@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 SYNC = """\
 name: cut
 seed: 21
-model: {warm_start_steps: 20}
+model: {build: {warm_start_steps: 20}}
 algorithm: {group_size: 4, learning_rate: 5.0e-4}
 pipeline: {mode: sync}
 budgets: {steps: 5, prompts_per_step: 4}

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 LEARN = """\
 name: learn
 seed: 3
-model: {warm_start_steps: 40}
+model: {build: {warm_start_steps: 40}}
 algorithm: {name: grpo, group_size: 8, learning_rate: 5.0e-4}
 pipeline: {mode: async, max_staleness: 1}
 budgets: {steps: STEPS, prompts_per_step: 8}

@@ -72,12 +72,12 @@ pools:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small policy folder for both runs (as a run builds its own, with the task's text)."""
-    from sfhpc.config.recipe import ModelSpec
+    from sfhpc.config.recipe import BuildSpec, ModelSpec
     from sfhpc.model.tiny import build_tiny_model
     from sfhpc.tasks.long_tail import RepeatLetterTask
 
     path = tmp_path_factory.mktemp("model") / "tiny"
-    return build_tiny_model(ModelSpec(layers=1, hidden_size=64, heads=1), path, seed=3,
+    return build_tiny_model(ModelSpec(build=BuildSpec(layers=1, hidden_size=64, heads=1)), path, seed=3,
                             task=RepeatLetterTask(min_count=8, max_count=120))
 
 

@@ -28,7 +28,7 @@ NEEDED = {"found": "add", "got": "add", "lost": "subtract", "used": "subtract", 
 def test_the_tool_use_recipe_learns_which_tool_to_call(tmp_path: Path) -> None:
     text = (RECIPES / "arith-tool.yaml").read_text()
     text = re.sub(r"\nbudgets:\n(  .*\n)+", f"\nbudgets: {{steps: {STEPS}, prompts_per_step: 8}}\n", text)
-    text = text.replace("model:\n", "model:\n  layers: 2\n  hidden_size: 128\n  heads: 2\n", 1)
+    text = text.replace("  build:\n", "  build:\n    layers: 2\n    hidden_size: 128\n    heads: 2\n", 1)
     text = re.sub(r"learning_rate: \S+", "learning_rate: 6.0e-4", text)  # the short run learns sooner
     assert f"steps: {STEPS}" in text and "layers: 2" in text and "learning_rate: 6.0e-4" in text
     run_dir, rows = run_recipe(tmp_path, text + "seed: 1\n")

@@ -20,7 +20,7 @@ RECIPE = """\
 name: cut
 seed: 3
 engine: {{name: test}}
-model: {{layers: 1, hidden_size: 64, heads: 1}}
+model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: 2}}
 pipeline: {{mode: sync}}
 budgets: {{steps: 4, prompts_per_step: 2}}

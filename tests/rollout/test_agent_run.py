@@ -43,8 +43,8 @@ roles:
 
 
 # The policy the program talks to: a warm-started model on vLLM, or the test engine (a one-layer model).
-VLLM = "model: {warm_start_steps: 10}"
-TEST_ENGINE = "engine: {name: test}\nmodel: {layers: 1, hidden_size: 64, heads: 1}"
+VLLM = "model: {build: {warm_start_steps: 10}}"
+TEST_ENGINE = "engine: {name: test}\nmodel: {build: {layers: 1, hidden_size: 64, heads: 1}}"
 
 
 def agent_recipe(tmp_path: Path, *, engine: str = VLLM, timeout_s: int = 30) -> Path:

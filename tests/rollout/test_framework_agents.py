@@ -103,7 +103,7 @@ def test_a_framework_agent_calls_the_tool_and_answers(
 RUN = """\
 name: frameworks
 seed: 1
-model: {{chat_format: brief_tools, warm_start_steps: 300, layers: 2, hidden_size: 128, heads: 2}}
+model: {{build: {{chat_format: brief_tools, warm_start_steps: 300, layers: 2, hidden_size: 128, heads: 2}}}}
 pipeline: {{mode: sync}}
 algorithm: {{group_size: 4, temperature: 0.5}}   # the warm-started format, rarely a call cut short
 budgets: {{steps: 1, prompts_per_step: 4, max_failed_fraction: 0.5}}

@@ -33,7 +33,7 @@ RECIPE = """\
 name: faulty
 seed: 2
 engine: {{name: test}}
-model: {{layers: 1, hidden_size: 64, heads: 1}}
+model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: 2}}
 budgets: {{steps: {steps}, prompts_per_step: 2, heartbeat_timeout_s: {heartbeat}}}
 task: {{name: next-letter}}

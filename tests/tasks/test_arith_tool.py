@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.config.recipe import ModelSpec, TaskSpec
+from sfhpc.config.recipe import BuildSpec, ModelSpec, TaskSpec
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, OpenAIApi
 from sfhpc.endpoint.client import AsyncLocalClient
@@ -106,7 +106,7 @@ def test_the_warm_start_calls_the_right_tool_one_time_in_three_and_reads_the_ver
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(ModelSpec(layers=1, hidden_size=64, heads=1, chat_format="brief_tools"),
+    return build_tiny_model(ModelSpec(build=BuildSpec(layers=1, hidden_size=64, heads=1, chat_format="brief_tools")),
                             tmp_path_factory.mktemp("brief-tools"), task=ArithToolTask())
 
 

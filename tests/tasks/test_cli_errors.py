@@ -27,8 +27,8 @@ TASKS = {
                          "reward: \"signatures.py:score\"}}",
                          "'signatures.py:score' has the signature (reply=''); it must take (reply, answer)"),
     "task is not a task": ("{name: \"signatures.py:score\"}", "'signatures.py:score' returned an object of type"),
-    "tools the template does not render": ("{name: arith-tool}", "model.chat_format: task 'arith-tool' offers tools, "
-                                           "which the 'brief' template does not render: use brief_tools"),
+    "tools the template does not render": ("{name: arith-tool}", "model.build.chat_format: task 'arith-tool' offers "
+                                           "tools, which the 'brief' template does not render: use brief_tools"),
 }
 
 

@@ -224,7 +224,8 @@ def test_the_verl_recipe_runs_as_shipped(tmp_path: Path) -> None:
 
     text = (ROOT / "recipes" / "gsm8k-verl.yaml").read_text().replace("../data/", f"{ROOT}/data/")
     text = re.sub(r"\nbudgets:\n(  .*\n)+", "\nbudgets: {steps: 2, prompts_per_step: 2}\n", text)
-    text = text.replace("  warm_start_steps: 100\n", "  warm_start_steps: 0\n  layers: 1\n") + "engine: {name: test}\n"
+    text = text.replace("    warm_start_steps: 100\n", "    warm_start_steps: 0\n    layers: 1\n")
+    text += "engine: {name: test}\n"
     run_dir, rows = run_recipe(tmp_path, text)
     assert [r["version"] for r in rows] == [1, 2]
     with open_store(run_dir / "trajectories.h5") as store:

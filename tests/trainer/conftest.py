@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from sfhpc.config.recipe import ModelSpec
+from sfhpc.config.recipe import BuildSpec, ModelSpec
 from sfhpc.engine.tokenizer import ByteTokenizer
 from sfhpc.trainer.batch import TrainBatch, TrainRow
 
-TINY = ModelSpec(layers=2, hidden_size=64, heads=1, max_seq_len=64, dtype="float32")
+TINY = ModelSpec(build=BuildSpec(layers=2, hidden_size=64, heads=1), max_seq_len=64, dtype="float32")
 
 
 @pytest.fixture(scope="session")

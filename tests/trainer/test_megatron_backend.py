@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfhpc.config.recipe import AlgorithmSpec, ModelSpec, TrainingSpec, load_recipe
+from sfhpc.config.recipe import AlgorithmSpec, BuildSpec, ModelSpec, TrainingSpec, load_recipe
 from sfhpc.trainer.errors import CheckpointError, TrainerError
 from sfhpc.trainer.losses import token_logprobs
 from sfhpc.trainer.torch_trainer import TorchTrainer
@@ -141,7 +141,7 @@ def test_model_folder_problems_are_one_line_errors(tmp_path: Path) -> None:
         mb.read_hf_config(tmp_path)
     from sfhpc.model.tiny import llama_config
 
-    cfg = {**llama_config(ModelSpec(layers=1, hidden_size=64, heads=1)), "attention_bias": True}
+    cfg = {**llama_config(ModelSpec(build=BuildSpec(layers=1, hidden_size=64, heads=1))), "attention_bias": True}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(TrainerError, match="Llama linear biases"):
         mb.read_hf_config(tmp_path)

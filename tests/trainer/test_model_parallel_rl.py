@@ -59,7 +59,7 @@ name: megatron-{name}
 seed: 1
 engine: {{name: test}}
 training: {{backend: {backend}, tensor_parallel: {tp}, pipeline_parallel: {pp}}}
-model: {{layers: 2}}
+model: {{build: {{layers: 2}}}}
 algorithm: {{group_size: 2}}
 pipeline: {{mode: sync}}
 budgets: {{steps: 2, prompts_per_step: 2}}

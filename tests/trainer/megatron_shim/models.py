@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sfhpc.config.recipe import ModelSpec
+from sfhpc.config.recipe import BuildSpec, ModelSpec
 
-GQA = ModelSpec(layers=2, hidden_size=256, heads=4, max_seq_len=64, dtype="float32")
+GQA = ModelSpec(build=BuildSpec(layers=2, hidden_size=256, heads=4), max_seq_len=64, dtype="float32")
 KV_HEADS = 2
 
 
