@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
 # ... and those the tests need besides: a headless browser opens the HTML report (tests/analysis), ~80 MB.
 TEST_SYSTEM_PACKAGES := chromium
 
-.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast bench lint docs cluster-up cluster-down cluster-status clean
+.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast gpu-check bench lint docs cluster-up cluster-down cluster-status clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -68,6 +68,11 @@ test: setup test-system-packages cluster-up
 # The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15
+
+# The GPU machine's check (scripts/gpu_check.py, docs/gpus.md): needs a CUDA device and the machine's own torch
+# and transformers, no vLLM; `make gpu-check ARGS=--dry-run` runs the same flow on the CPU.
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(PYTHON) scripts/gpu_check.py $(ARGS)
 
 bench: setup
 	$(VENV)/bin/sfhpc bench all

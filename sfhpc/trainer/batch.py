@@ -144,6 +144,12 @@ class TrainBatch:
     def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
         return dataclasses.replace(self, advantages=advantages)
 
+    def to(self, device: torch.device | str) -> TrainBatch:
+        """The same batch with its tensors on `device` (the trainer's)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return dataclasses.replace(self, **moved)
+
     def rows(self, index: Sequence[int]) -> TrainBatch:
         """The sub-batch of the given row indices (advantages follow their rows)."""
         idx = torch.as_tensor(list(index), dtype=torch.int64)

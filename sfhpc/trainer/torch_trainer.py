@@ -80,7 +80,8 @@ class TorchTrainer:
     `AlgorithmSpec` says (loss settings and AdamW's)."""
 
     def __init__(self, model_dir: str | Path, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM, *,
-                 dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0) -> None:
+                 dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0,
+                 device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
         self.algorithm = algorithm = check_algorithm(algorithm)
@@ -90,7 +91,10 @@ class TorchTrainer:
             raise TrainerError(f"{self.model_dir}: no config.json; build the model first (sfhpc.model.tiny) "
                                "or point model.path at a Hugging Face folder")
         torch.manual_seed(seed)
+        # float32 master weights wherever it trains; on CUDA the forward and backward run under bf16 autocast.
+        self.device = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        torch.nn.Module.to(model, self.device)  # in place; transformers types its own .to for dtypes only
         model.config.use_cache = False
         self.model = model.train()
         self.reference = None
@@ -115,7 +119,9 @@ class TorchTrainer:
         """Per-token log-probabilities of the batch under the current weights (or `model`), ``[B, T]``, each
         at the temperature its token was sampled with (``batch.temperatures``)."""
         net = model if model is not None else self._forward_model
-        logits = net(input_ids=batch.tokens, attention_mask=batch.attention_mask, use_cache=False).logits
+        batch = batch.to(self.device)
+        with torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            logits = net(input_ids=batch.tokens, attention_mask=batch.attention_mask, use_cache=False).logits
         return token_logprobs(logits, batch.tokens, batch.temperatures)
 
     def train_step(self, batch: TrainBatch, *, sharded: bool = False) -> StepMetrics:
@@ -128,7 +134,7 @@ class TorchTrainer:
         cfg, rank, world = self.algorithm, self.dist.rank, self.dist.world_size
         if sharded and batch.advantages is None and cfg.name == "grpo" and world > 1:
             raise BatchError("a sharded GRPO batch must carry advantages computed over the global batch")
-        local = batch.with_advantages(self.advantages(batch))
+        local = batch.with_advantages(self.advantages(batch)).to(self.device)
         if world > 1 and not sharded:
             if batch.size < world:
                 raise BatchError(f"a batch of {batch.size} rows cannot feed {world} trainer ranks")
