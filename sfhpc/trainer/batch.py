@@ -145,7 +145,9 @@ class TrainBatch:
         return dataclasses.replace(self, advantages=advantages)
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        """The same batch with its tensors on `device` (the trainer's)."""
+        """The same batch with its tensors on `device` (the trainer's); itself when they are there already."""
+        if self.tokens.device == torch.device(device):
+            return self
         moved = {f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
                  if isinstance(getattr(self, f.name), torch.Tensor)}
         return dataclasses.replace(self, **moved)

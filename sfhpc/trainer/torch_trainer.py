@@ -134,11 +134,12 @@ class TorchTrainer:
         cfg, rank, world = self.algorithm, self.dist.rank, self.dist.world_size
         if sharded and batch.advantages is None and cfg.name == "grpo" and world > 1:
             raise BatchError("a sharded GRPO batch must carry advantages computed over the global batch")
-        local = batch.with_advantages(self.advantages(batch)).to(self.device)
+        local = batch.with_advantages(self.advantages(batch))
         if world > 1 and not sharded:
             if batch.size < world:
                 raise BatchError(f"a batch of {batch.size} rows cannot feed {world} trainer ranks")
             local = local.rows(range(rank, batch.size, world))
+        local = local.to(self.device)  # this rank's rows only
 
         self.model.train()
         new_logprobs = self.logprobs(local)
