@@ -10,7 +10,7 @@ What the file holds:
   syncing, lent, and waiting shown as ``idle``), with the training step it worked towards;
 - instant events (``"ph": "i"``) on the controller's track: each weight version the trainers produced
   (``version N``, when the step's training ended), and what the run's ``events.jsonl`` records at a moment:
-  reclaims of lent ranks, checkpoints, stops, resumes, faults;
+  reclaims of lent ranks, rebalances, checkpoints, stops, resumes, faults;
 - counters (``"ph": "C"``) per step, at the step's end: the bubble (waiting rank-seconds over all, in the
   intervals stamped with the step) and, from ``metrics.jsonl``, the reward, the mean staleness of its
   tokens, the groups in flight, the generated tokens.
@@ -32,7 +32,7 @@ from sfhpc.data.run_log import read_log
 from sfhpc.rundir import RunPaths
 
 STATE_NAMES = {"waiting": "idle"}  # the rest keep the timeline's own names
-MOMENTS = ("reclaimed", "checkpoint", "stop-requested", "stopped", "resumed", "fault")
+MOMENTS = ("reclaimed", "rebalanced", "checkpoint", "stop-requested", "stopped", "resumed", "fault")
 COUNTERS = {"reward": "reward_mean", "staleness": "mean_staleness", "groups in flight": "groups_in_flight",
             "generated tokens": "generated_tokens"}
 CONTROLLER_PID = 0

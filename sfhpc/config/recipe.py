@@ -273,8 +273,14 @@ class PipelineSpec:
                                                                  "training within max_staleness) or seamless (async, "
                                                                  "and idle trainer ranks tagged rollout are lent to "
                                                                  "rollout)")
-    max_staleness: int = setting(1, "the most policy versions a trained token may lag the policy being trained; a "
-                                    "group with an older token is dropped")
+    max_staleness: int = setting(1, "how far rollout runs ahead of training: groups are handed out while those that "
+                                    "can still be trained within this many versions of their first token are fewer "
+                                    "than (max_staleness + 1) steps' worth; a reply that crosses weight updates "
+                                    "continues and each token is importance-corrected by the version that sampled it")
+    max_token_lag: int | None = setting(None, "drop a group holding a token that lags the policy being trained by more "
+                                              "than this many versions; null: no group is dropped for its age")
+    rebalance: bool = setting(True, "seamless: a lent rank that runs out of episodes while the trainer waits takes "
+                                    "half the running episodes of the most loaded rollout rank, oldest groups first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,6 +667,8 @@ class Recipe:
                 f"{trainer.num_tasks} trainer ranks cannot be split into tensor x pipeline = {parallel} groups")
         if self.pipeline.max_staleness < 0:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
+        if self.pipeline.max_token_lag is not None and self.pipeline.max_token_lag < 0:
+            raise where.child("pipeline").child("max_token_lag").error("must be 0 or more (or null: no bound)")
         tp = self.engine.tensor_parallel_size
         engine_role = self.role("trainer") if self.colocated else self.role("rollout")
         assert engine_role is not None

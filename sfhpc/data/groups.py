@@ -7,10 +7,11 @@ controller hands out work (`groups_in_flight`), so no count of its own can drift
 key the run ever used (in this process or in the store), never booked again, so the members of two
 hand-outs can never meet in one group, also after a crash lost the controller's state.
 
-`take_batch` hands the trainer whole groups whose tokens are fresh enough, oldest first, and records in the
-store which step consumed them, so nothing is trained on twice, also across a restart. Fresh means neither
-more than ``max_staleness`` versions older than the policy being trained, nor newer than it (a token newer
-than the policy came from weights a restart lost).
+`take_batch` hands the trainer whole groups that may train the policy, oldest first, and records in the
+store which step consumed them, so nothing is trained on twice, also across a restart. A group may train a
+policy version when none of its tokens is newer than it (a token newer than the policy came from weights a
+restart lost) and, under a ``max_token_lag``, none lags it by more than that many versions (`trainable`;
+the pipeline policy, `sfhpc.rl.pipeline_policy`, says why there is no age bound by default).
 
 The book changes the trajectories' statuses through the `TrajectoryRegistry` it is given; neither is
 thread-safe: the `sfhpc.data.manager.TrajectoryManager` holds the lock over both.
@@ -56,13 +57,29 @@ class Batch:
 DROP_CAUSES = ("stale", "aborted", "failed", "off-branch")  # why policy tokens were never trained on
 
 
+def trainable(policy_version: int, oldest: int | None, newest: int | None, max_token_lag: int | None) -> bool:
+    """Whether tokens sampled by versions `oldest`..`newest` (None: no token) may train `policy_version`: none
+    newer than it, and none more than `max_token_lag` versions older (None: no bound)."""
+    if oldest is None or newest is None:
+        return True
+    if newest > policy_version:
+        return False
+    return max_token_lag is None or policy_version - oldest <= max_token_lag
+
+
+def hopeless(policy_version: int, oldest: int | None, max_token_lag: int | None) -> bool:
+    """Whether a group whose oldest token is of version `oldest` can never train a policy from
+    `policy_version` on (versions only grow): it lags more than `max_token_lag` already."""
+    return max_token_lag is not None and oldest is not None and policy_version - oldest > max_token_lag
+
+
 class GroupBook:
     """Groups, the book of those in flight, and batches (see the module); not thread-safe."""
 
-    def __init__(self, registry: TrajectoryRegistry, *, max_staleness: int = 1) -> None:
-        if max_staleness < 0:
-            raise InvalidRequest(f"max_staleness must be 0 or more, found {max_staleness}")
-        self.registry, self.max_staleness = registry, max_staleness
+    def __init__(self, registry: TrajectoryRegistry, *, max_token_lag: int | None = None) -> None:
+        if max_token_lag is not None and max_token_lag < 0:
+            raise InvalidRequest(f"max_token_lag must be 0 or more, found {max_token_lag}")
+        self.registry, self.max_token_lag = registry, max_token_lag
         self._members: dict[str, list[str]] = {}  # group key -> live member ids, oldest group first
         # Groups a failed member spoiled, still holding (or expecting) members: key -> how many of the group's
         # episodes have ended (finish or fail). Once all have, members left open are orphans (a first turn
@@ -167,39 +184,54 @@ class GroupBook:
             episodes = {episode_of(live.id, live.metadata_json) for live in finished}
             if not finished or (group_size is not None and len(episodes) < group_size):
                 continue
-            if not self._fresh(finished, policy_version):
+            if not self._trainable(finished, policy_version):
                 for live in finished:
                     self.close(live, Status.STALE)
                 self._in_flight.discard(key)
                 continue
             yield finished
 
-    def _fresh(self, lives: Sequence[LiveTrajectory], policy_version: int) -> bool:
-        """Whether a group may train `policy_version`: no token more than ``max_staleness`` versions older,
-        and none newer (such a token came from weights a restart lost: its staleness would be negative)."""
+    def _trainable(self, lives: Sequence[LiveTrajectory], policy_version: int) -> bool:
         oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
         newest = [v for v in (live.newest_version() for live in lives) if v is not None]
-        return not oldest or (policy_version - min(oldest) <= self.max_staleness and max(newest) <= policy_version)
+        return trainable(policy_version, min(oldest, default=None), max(newest, default=None), self.max_token_lag)
+
+    def overdue(self, policy_version: int, lag: int) -> int:
+        """How many groups in flight still play (a member running or interrupted) with their oldest token
+        `lag` or more versions older than `policy_version`."""
+        count = 0
+        for key in self._in_flight:
+            lives = self._lives(key)
+            if not any(live.status.is_open for live in lives):
+                continue
+            oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
+            count += bool(oldest) and policy_version - min(oldest) >= lag
+        return count
 
     def drop_hopeless(self, policy_version: int) -> list[str]:
         """Drop, as stale, every group that can no longer be trained on: one of its members (finished or
-        still playing) holds a token more than ``max_staleness`` versions older than `policy_version`.
+        still playing) holds a token more than ``max_token_lag`` versions older than `policy_version` (none
+        without that bound).
         Versions only grow, so such a group would be dropped when complete anyway; dropped now, its members
         stop taking engine time from fresh groups (late records of theirs are ignored). Returns the groups'
         keys, for the controller to cancel their episodes; they leave the book (the controller hands out
         others)."""
-        hopeless = []
+        dropped = []
         for key in list(self._members):
             if key in self._spoiled:
                 continue
             lives = self._lives(key)
             oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
-            if oldest and policy_version - min(oldest) > self.max_staleness:
+            if hopeless(policy_version, min(oldest, default=None), self.max_token_lag):
                 for live in lives:
                     self.close(live, Status.STALE)
                 self._in_flight.discard(key)
-                hopeless.append(key)
-        return hopeless
+                dropped.append(key)
+        return dropped
+
+    def complete(self, policy_version: int, group_size: int | None = None) -> int:
+        """How many complete groups may train `policy_version` now (groups found too stale are dropped)."""
+        return sum(1 for _ in self._ready_groups(policy_version, group_size))
 
     def take_batch(self, policy_version: int, num_groups: int, group_size: int | None = None,
                    step: int | None = None) -> Batch | None:

@@ -58,13 +58,13 @@ class Continuation:
 class TrajectoryManager:
     """Thread-safe registry of trajectories and book of groups; see the module docstring for the life of one."""
 
-    def __init__(self, store: TrajectoryStore | None = None, *, max_staleness: int = 1,
+    def __init__(self, store: TrajectoryStore | None = None, *, max_token_lag: int | None = None,
                  flush_every: int = 64) -> None:
         if flush_every < 1:
             raise InvalidRequest(f"flush_every must be at least 1, found {flush_every}")
         self._records = TrajectoryRegistry(store)
-        self._groups = GroupBook(self._records, max_staleness=max_staleness)
-        self.store, self.max_staleness, self.flush_every = store, max_staleness, flush_every
+        self._groups = GroupBook(self._records, max_token_lag=max_token_lag)
+        self.store, self.max_token_lag, self.flush_every = store, max_token_lag, flush_every
         self._lock = threading.RLock()
         self._timeline_drain: Callable[[], Sequence[RankInterval]] | None = None  # see follow_timeline
         self._fail_reasons: list[str] = []  # the first FIRST_REASONS distinct ones, for the message that stops a run
@@ -250,9 +250,14 @@ class TrajectoryManager:
         with self._lock:
             return self._groups.drop_hopeless(policy_version)
 
+    def complete_groups(self, policy_version: int, group_size: int | None = None) -> int:
+        """How many complete groups could train `policy_version` now (`GroupBook.complete`); nothing is taken."""
+        with self._lock:
+            return self._groups.complete(policy_version, group_size)
+
     def take_batch(self, policy_version: int, num_groups: int, group_size: int | None = None,
                    step: int | None = None) -> Batch | None:
-        """The oldest `num_groups` complete, fresh groups for one training step, or None if not enough are
+        """The oldest `num_groups` complete, trainable groups for one training step, or None if not enough are
         ready (then nothing is consumed). The step's consumption is recorded and flushed to the store."""
         with self._lock:
             batch = self._groups.take_batch(policy_version, num_groups, group_size, step)
@@ -277,6 +282,12 @@ class TrajectoryManager:
         """How many booked groups are neither trained on nor dropped yet."""
         with self._lock:
             return len(self._groups.in_flight())
+
+    def overdue_groups(self, policy_version: int, lag: int) -> int:
+        """Groups in flight that still play with their oldest token `lag` or more versions behind
+        `policy_version` (`GroupBook.overdue`): the pipeline policy's admission leaves them out."""
+        with self._lock:
+            return self._groups.overdue(policy_version, lag)
 
     def in_flight(self, group: str) -> bool:
         """Whether `group` is booked and neither trained on nor dropped yet."""

@@ -214,6 +214,11 @@ class AgentEndpoint:
             task.cancel()
         return len(tasks)
 
+    def turn_trajectory(self, task: asyncio.Task[Any]) -> str | None:
+        """The trajectory whose turn `task` runs now (None: it runs none), before its agent may have heard the
+        id (that comes with the reply)."""
+        return next((tid for tid, tasks in self._turn_tasks.items() if task in tasks), None)
+
     async def replace_engine(self, engine: RolloutEngine) -> RolloutEngine:
         """Move to `engine`: the old one is paused (and returned, still paused) and every in-flight turn
         continues on the new one from where it stopped."""

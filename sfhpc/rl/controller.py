@@ -7,8 +7,8 @@ one training step on the trainer ranks, bringing every engine to the new weights
 Modes. ``sync`` hands out exactly one step's episodes and waits for them before training (colocated,
 generate-then-train). ``async`` keeps up to ``(max_staleness + 1)`` steps of episodes out, so rollout
 ranks keep generating while the trainer trains; a weight update pauses the engines, and interrupted
-generations continue with the new weights (partial rollout). The manager drops groups whose oldest
-token is more than ``max_staleness`` versions behind the policy being trained. ``seamless`` is ``async``
+generations continue with the new weights (partial rollout); what is admitted, trained and dropped is the
+pipeline policy's (`sfhpc.rl.pipeline_policy`), which the simulator asks too. ``seamless`` is ``async``
 plus lending: trainer ranks whose nodes carry the ``rollout`` tag hold an engine too, play episodes while
 the trainer waits for its batch, and are reclaimed the moment it is ready: their generations are cut at a
 token boundary and continue from their prefix on the rollout ranks, then training starts.
@@ -37,6 +37,7 @@ from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.live_status import LiveStatus
+from sfhpc.rl.pipeline_policy import PipelinePolicy
 from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
@@ -55,6 +56,7 @@ HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every t
 # and a seeded run then resumes exactly) unless that takes longer than this.
 SYNC_STOP_WAIT_S = 10.0
 QUIESCE_TIMEOUT_S = 20.0  # a rollout rank that does not answer by then is being ended by Slurm
+REBALANCE_EVERY_S = 1.0  # seamless: how often a wait looks for lent ranks that ran dry
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class Controller:
         self.store = TrajectoryStore.open(self.store_path,
                                           run_metadata={"recipe": recipe.name, "source": recipe.source,
                                                         "model": str(model_dir)})  # its tokenizer
-        self.manager = TrajectoryManager(self.store, max_staleness=recipe.pipeline.max_staleness)
+        self.policy = PipelinePolicy.of(recipe)
+        self.manager = TrajectoryManager(self.store, max_token_lag=self.policy.max_token_lag)
         # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
         self.server = ManagerServer(self.manager, layout.manager_link,
                                     clients=self.scheduler.rollout_ranks + self.scheduler.lendable_ranks)
@@ -114,6 +117,7 @@ class Controller:
         self._stop_noticed = 0.0
         self.started = time.monotonic()
         self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
+        self.rebalanced = 0  # episodes moved onto lent ranks that ran dry, this step (for its metrics row)
         self._announce_lending()
 
     # -- the steps of the loop ---------------------------------------------------------------------
@@ -123,18 +127,19 @@ class Controller:
         count of them (every path that ends a group ends it there)."""
         return self.manager.groups_in_flight()
 
-    def groups_wanted(self) -> int:
-        """Groups to keep in flight: one step's worth (sync), or up to the staleness bound (async)."""
-        ahead = 1 if self.recipe.pipeline.mode == "sync" else self.recipe.pipeline.max_staleness + 1
-        return self.recipe.budgets.prompts_per_step * ahead
+    def groups_to_admit(self) -> int:
+        """New groups to hand out now (`PipelinePolicy.admit`): one step's worth in flight (sync), or up to
+        the staleness bound's, not counting groups overdue for it (async)."""
+        overdue = self.manager.overdue_groups(self.version, self.policy.overdue_lag)
+        return self.policy.admit(self.groups_out, overdue)
 
     def keep_rollouts_busy(self) -> None:
-        """Hand out episodes: one step's worth (sync), or up to the staleness bound (async), in place of the
-        groups trained on, dropped as stale or spoiled by a failed member."""
+        """Hand out episodes as the pipeline policy admits them, also in place of the groups trained on,
+        dropped as stale or spoiled by a failed member."""
         self.drop_hopeless_groups()
         self.open_groups = {g: e for g, e in self.open_groups.items() if self.manager.in_flight(g)}
         episodes: list[msg.EpisodeTicket] = []
-        for _ in range(max(0, self.groups_wanted() - self.groups_out)):
+        for _ in range(self.groups_to_admit()):
             problem = self.task.sample(self.rng)
             # The store's writer session makes the key unique across allocations: a restart restores
             # `next_group` from its checkpoint, and the lost allocation's later keys may be in the store.
@@ -152,7 +157,7 @@ class Controller:
 
     def drop_hopeless_groups(self) -> int:
         """Once per new policy version: the groups that can no longer be trained on (a member's token is
-        older than ``max_staleness`` allows) are dropped now, and their episodes stopped wherever they play,
+        older than ``pipeline.max_token_lag`` allows) are dropped now, and their episodes stopped wherever they play,
         instead of running on to the end to be dropped then: a long reply of a doomed group would otherwise
         hold engine time and a place among the groups in flight. Returns how many were dropped."""
         if self.version <= self.hopeless_checked:
@@ -170,19 +175,25 @@ class Controller:
         self.hopeless_groups += len(groups)
         return len(groups)
 
-    def lend_idle_trainers(self) -> None:
-        """seamless: the trainer ranks that may be lent serve rollouts until the batch is ready (they take
-        episodes from the next `hand_out` on, by load like any rollout rank)."""
-        self.scheduler.lend(self.scheduler.lendable_ranks)
+    def lend_idle_trainers(self, step: int) -> None:
+        """Step `step` begins (the timeline's intervals from now on belong to it). seamless: the trainer ranks
+        that may be lent serve rollouts until the batch is ready; none when it is ready already. The step's new
+        episodes went out before (to the rollout ranks), so a lent rank starts with none and takes over
+        running episodes of the oldest groups (`rebalance_lent`), those that hold the batch back; episodes
+        handed out later go to it by load like to any rollout rank."""
+        self.scheduler.begin_step(step)
+        ready = self.policy.batch_ready(self.manager.complete_groups(self.version, self.recipe.algorithm.group_size))
+        self.scheduler.lend(self.policy.to_lend(self.scheduler.lendable_ranks, self.scheduler.lent_ranks,
+                                                batch_ready=ready))
 
     def reclaim_lent(self, step: int) -> None:
         """The batch is ready: every lent rank goes back to training. Its generations are cut at a token
         boundary (recorded as partial rollouts) and its unfinished episodes continue on the rollout ranks
         from their prefix; then training can start. The time this takes is the step's ``reclaim_s``."""
         started = time.monotonic()
-        ranks = self.scheduler.reclaim()
-        if not ranks:
+        if not self.policy.reclaim_now(self.scheduler.lent_ranks, batch_ready=True):
             return
+        ranks = self.scheduler.reclaim()
         for rank in ranks:
             msg.send(self.layout.world, msg.Reclaim(), rank)
         replies = [msg.receive_reply(self.layout.world, rank, msg.Reclaimed, idle=self.stop_requested)
@@ -197,6 +208,33 @@ class Controller:
                              "reclaim_moved": len(moved), "continued": sum(e.resume_id is not None for e in moved)}
         self.event("reclaimed", step=step, ranks=list(ranks), seconds=round(seconds, 4), interrupted=interrupted,
                    moved=len(moved), continued=self.last_reclaim["continued"])
+
+    def rebalance_lent(self, step: int) -> int:
+        """seamless, while the trainer waits: lent ranks that ran out of episodes take running ones of the
+        most loaded rollout ranks (`PipelinePolicy.rebalance_counts`); each donor cuts those of its oldest
+        groups at a token boundary and they continue from their prefix here, by load. Returns how many moved."""
+        lent = self.scheduler.lent_ranks
+        if not lent:
+            return 0
+        ended = self.server.episodes_ended
+        drained = [r for r in lent if self.scheduler.in_flight(r, ended) <= 0]
+        loads = {r: self.scheduler.in_flight(r, ended) for r in self.scheduler.rollout_ranks}
+        counts = self.policy.rebalance_counts(drained, loads, trainer_waits=True)
+        if not counts:
+            return 0
+        for rank, count in counts.items():
+            msg.send(self.layout.world, msg.Release(count), rank)
+        replies = [msg.receive_reply(self.layout.world, rank, msg.Released, idle=self.stop_requested)
+                   for rank in counts]
+        moved = [episode for reply in replies for episode in reply.episodes]
+        for reply in replies:
+            self.scheduler.withdraw(reply.rank, len(reply.episodes))
+        self.hand_out(moved)
+        self.rebalanced += len(moved)
+        if moved:
+            self.event("rebalanced", step=step, drained=drained, donors={str(r.rank): len(r.episodes) for r in replies},
+                       moved=len(moved))
+        return len(moved)
 
     def _announce_lending(self) -> None:
         if self.recipe.pipeline.mode != "seamless":
@@ -224,8 +262,7 @@ class Controller:
         step's batch is done soon) or ``budgets.wall_minutes`` runs out; a fault raises (`check_health`)."""
         per_step, size = self.recipe.budgets.prompts_per_step, self.recipe.algorithm.group_size
         self.live.enter("rollout", step)
-        self.scheduler.begin_step(step)  # the timeline's intervals from now on belong to this step
-        waiting_since = next_check = time.monotonic()
+        waiting_since = next_check = next_rebalance = time.monotonic()
         while True:
             batch = self.manager.take_batch(self.version, per_step, size, step)
             if batch is not None:
@@ -238,8 +275,11 @@ class Controller:
                 next_check = time.monotonic() + HEALTH_EVERY_S
             # Complete groups found too stale, and groups a failed member spoiled, are never trained on:
             # they left the manager's book, and others replace them.
-            if self.groups_out < self.groups_wanted():
+            if self.groups_to_admit():
                 self.keep_rollouts_busy()
+            if self.policy.rebalances and time.monotonic() >= next_rebalance:
+                self.rebalance_lent(step)
+                next_rebalance = time.monotonic() + REBALANCE_EVERY_S
             time.sleep(0.005)
 
     def check_health(self, waiting_since: float) -> bool:
@@ -337,7 +377,8 @@ class Controller:
             return {}
         row = {"reclaim_s": 0.0, "reclaim_interrupted": 0, "reclaim_moved": 0} | {
             k: v for k, v in self.last_reclaim.items() if k in ("reclaim_s", "reclaim_interrupted", "reclaim_moved")}
-        self.last_reclaim = {}
+        row["rebalanced"] = self.rebalanced
+        self.last_reclaim, self.rebalanced = {}, 0
         return row | {"lends": self.scheduler.lends, "reclaims": self.scheduler.reclaims}
 
     def checkpoint_if_due(self, step: int) -> None:
@@ -461,7 +502,7 @@ class Controller:
         started = time.monotonic()
         if self.version > 0:
             self.sync_weights(self.version)  # engines start from the checkpoint's weights, not the model's
-        plan = plan_resume(state, self.manager, max_staleness=self.recipe.pipeline.max_staleness,
+        plan = plan_resume(state, self.manager, max_token_lag=self.policy.max_token_lag,
                            group_size=self.recipe.algorithm.group_size)
         self.open_groups = plan.groups
         self.hand_out(plan.episodes)
@@ -521,8 +562,8 @@ def run_loop(ctl: Controller) -> RunSummary:
     """The RL loop: episodes -> batch -> train step -> new weights everywhere, until the budget is spent."""
     for step in range(ctl.resume(), ctl.recipe.budgets.steps + 1):  # step 1, or the checkpoint's next one
         started = time.monotonic()
-        ctl.lend_idle_trainers()                  # seamless: trainer ranks tagged rollout play episodes too
         ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
+        ctl.lend_idle_trainers(step)              # seamless: idle trainer ranks take over running episodes
         batch = ctl.wait_for_batch(step)          # whole GRPO groups within the staleness bound
         if batch is None:                         # a stop request came first: checkpoint now
             break

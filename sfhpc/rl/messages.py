@@ -117,6 +117,20 @@ class Reclaimed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Release:
+    """Controller -> a loaded rollout rank while a lent rank ran dry (``seamless`` rebalancing): cut up to
+    `episodes` of its episodes now generating, those handed out first (the oldest groups), at a token
+    boundary (recorded as partial rollouts) and answer `Released` with them, to continue elsewhere."""
+    episodes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    rank: int
+    episodes: tuple[EpisodeTicket, ...]  # each with ``resume_id``: the trajectory to continue from its prefix
+
+
+@dataclasses.dataclass(frozen=True)
 class Cancel:
     """Controller -> every rank that plays episodes: these groups were dropped as stale while they still
     played (`TrajectoryManager.drop_hopeless`); stop their episodes and answer `Cancelled`."""
@@ -137,7 +151,7 @@ class Stop:
 # Each command's reply, from the ranks that answer it (None: no rank answers).
 REPLIES: dict[type, type | None] = {
     Play: None, Train: Trained, SyncWeights: Synced, Checkpoint: CheckpointWritten, Quiesce: Quiesced,
-    Reclaim: Reclaimed, Cancel: Cancelled, Stop: None,
+    Reclaim: Reclaimed, Release: Released, Cancel: Cancelled, Stop: None,
 }
 
 

@@ -6,7 +6,7 @@ A rank plays one of four parts:
 * a **trainer** (`TrainerWorker`): Train, SyncWeights (the first trainer publishes the weights),
   Checkpoint, Stop;
 * a **rollout** rank (`RolloutWorker`): Play, SyncWeights (its engine takes the broadcast), Quiesce,
-  Cancel, Stop;
+  Cancel, Release (some of its episodes move to a lent rank that ran dry), Stop;
 * **colocated**, trainer and rollout at once: the trainer's Train and Checkpoint, the rollout's commands;
   its engine loads the weights from this very trainer, so the trainer publishes nothing;
 * a trainer **lent** to rollout (``seamless``): the trainer's commands, then, on the same rank, the
@@ -66,6 +66,8 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
         on(msg.Cancel, lambda command: msg.Cancelled(r.rank, r.cancel(command.groups)))
         if lent:
             on(msg.Reclaim, lambda _command: msg.Reclaimed(r.rank, *r.reclaim()))
+        else:
+            on(msg.Release, lambda command: msg.Released(r.rank, r.release(command.episodes)))
         on(msg.Stop, stop)
     return {kind: tuple(handlers) for kind, handlers in table.items()}
 

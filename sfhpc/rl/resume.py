@@ -8,8 +8,8 @@ store holds (the manager reloaded them; running ones came back interrupted):
 - first, every trajectory with tokens of a policy newer than the restored one is aborted and counted:
   those weights died with the crash (a periodic checkpoint, then more steps), so the tokens can be
   neither trained on nor continued;
-- a group whose oldest generated token is more than ``max_staleness`` versions behind the restored
-  policy is dropped whole, as stale (GRPO needs whole groups), and counted;
+- under ``pipeline.max_token_lag``, a group whose oldest generated token is more than that many versions
+  behind the restored policy is dropped whole, as stale (GRPO needs whole groups), and counted;
 - otherwise each member trajectory that is still open is *continued* from its recorded prefix on a
   new engine (an `EpisodeTicket` with ``resume_id``), finished members wait for a batch as they are, and
   episodes without a trajectory held (never started, aborted above, or trained on by the lost steps)
@@ -31,6 +31,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from sfhpc.data.groups import hopeless
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Status
 from sfhpc.errors import SfhpcError
@@ -137,7 +138,7 @@ class ResumePlan:
         return {k: v for k, v in dataclasses.asdict(self).items() if isinstance(v, int)}
 
 
-def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_staleness: int,
+def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_token_lag: int | None,
                 group_size: int) -> ResumePlan:
     """What to do with every group of the checkpoint and every trajectory the store holds (module docstring);
     books the groups kept in `manager`."""
@@ -146,7 +147,7 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_stale
     for group, episodes in state.open_groups.items():
         members = manager.group_members(group)
         oldest = [v for _, _, v in members if v is not None]
-        if oldest and state.version - min(oldest) > max_staleness:
+        if hopeless(state.version, min(oldest, default=None), max_token_lag):
             plan.dropped_stale += manager.drop_group(group, Status.STALE)
             continue
         # Members are alike (one problem, seeds of their own): the held trajectories take the first episodes.
@@ -167,7 +168,7 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_stale
         members = manager.group_members(group)
         whole = len(members) >= group_size and all(status is Status.FINISHED for _, status, _ in members)
         oldest = [v for _, _, v in members if v is not None]
-        if whole and oldest and state.version - min(oldest) > max_staleness:
+        if whole and hopeless(state.version, min(oldest, default=None), max_token_lag):
             plan.dropped_stale += manager.drop_group(group, Status.STALE)
         elif whole:
             manager.book_group(group, again=True)

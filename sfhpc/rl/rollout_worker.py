@@ -105,6 +105,7 @@ class RolloutWorker:
         # reclaim hands back. The flag keeps the cut episodes from counting as failed.
         self.held: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
         self.reclaiming = False
+        self.releasing: set[asyncio.Task[Any]] = set()  # episodes being cut to move elsewhere (`release`)
         self.refusing_turns = False
 
     # -- commands ----------------------------------------------------------------------------------
@@ -142,7 +143,8 @@ class RolloutWorker:
                                       resume=resume, on_trajectory=on_trajectory)
 
         return await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
-                                  timeout_s=self.recipe.budgets.episode_timeout_s, stopping=self._stopping)
+                                  timeout_s=self.recipe.budgets.episode_timeout_s,
+                                  stopping=lambda: self._stopping() or asyncio.current_task() in self.releasing)
 
     async def _play_program(self, episode: EpisodeTicket, programs: AgentPrograms,
                             noted: Callable[[str], None]) -> EpisodeOutcome | None:
@@ -284,6 +286,35 @@ class RolloutWorker:
         self.refusing_turns = True
         self.manager.counts()  # a round trip: the cut segments' one-way records have reached the manager
         return cut, moved
+
+    def release(self, count: int) -> tuple[EpisodeTicket, ...]:
+        """Cut up to `count` episodes now playing here, those handed out first (the oldest groups: they hold
+        the batch back), at a token boundary: each records what it generated as a partial rollout and leaves
+        this rank without counting as failed; the engine runs on for the others. Only episodes of the task's
+        own agent whose trajectory started are released (an agent program's state cannot move: its turns run
+        in the program, not in the episode's task). Returns them,
+        each naming its trajectory (``resume_id``), for the controller to continue elsewhere."""
+        if count < 1 or self.programs is not None:
+            return ()
+        return self.server.call(self._release(count), timeout=60)
+
+    async def _release(self, count: int) -> tuple[EpisodeTicket, ...]:
+        chosen: list[tuple[asyncio.Task[Any], EpisodeTicket, str]] = []
+        for task, (episode, started) in self.held.items():
+            # An episode's trajectory: the one its agent heard of, or the one its first turn runs now.
+            trajectory = started[0] if started else self.endpoint.turn_trajectory(task)
+            if trajectory is not None and not task.done() and len(chosen) < count:
+                chosen.append((task, episode, trajectory))
+        self.releasing.update(task for task, _, _ in chosen)
+        try:
+            for task, _, _ in chosen:
+                task.cancel()
+            outcomes = await asyncio.gather(*(task for task, _, _ in chosen), return_exceptions=True)
+        finally:
+            self.releasing.clear()
+        return tuple(dataclasses.replace(episode, resume_id=trajectory)
+                     for (_, episode, trajectory), outcome in zip(chosen, outcomes)
+                     if not isinstance(outcome, EpisodeOutcome))
 
     async def _reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
         cut = await self.endpoint.quiesce()

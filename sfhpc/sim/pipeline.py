@@ -1,10 +1,11 @@
 """The RL loop of the controller on a simulated clock, per pipeline mode, and the figures it measures.
 
-The loop is the controller's (`sfhpc.rl.controller.run_loop`): hand out episodes (one step's groups in
-``sync``, up to ``max_staleness + 1`` steps of them otherwise), wait for the oldest complete, fresh
-groups, train, bring every engine to the new weights. The `Scheduler` is the real one, built from the
-plan of a scaled tag map: it picks the least loaded engine for every episode, owns every rank's state,
-and in ``seamless`` lends and reclaims the trainer's ranks. What is modelled is compute only: how long
+The loop is the controller's (`sfhpc.rl.controller.run_loop`): hand out episodes as the pipeline policy
+admits them, wait for the oldest complete, trainable groups, train, bring every engine to the new weights.
+What to admit, what is too stale, when to lend, reclaim and rebalance is the controller's own
+`PipelinePolicy` (`sfhpc.rl.pipeline_policy`): nothing of it is written twice. The `Scheduler` is the real
+one, built from the plan of a scaled tag map: it picks the least loaded engine for every episode, owns every
+rank's state, and in ``seamless`` lends and reclaims the trainer's ranks. What is modelled is compute only: how long
 decoding, prefill, a training step, a weight broadcast and a lend or reclaim take (`CostModel`).
 
 Modes:
@@ -13,15 +14,15 @@ Modes:
   batch they put the engine to sleep and load the trainer (the reclaim cost), after the weight update
   they wake it again (the lend cost). The rollout GPUs wait while the trainer trains.
 * ``async``: the trainer's GPUs only train; rollout GPUs keep generating; a weight update pauses the
-  engines and interrupted generations continue with the new weights (partial rollout). Groups whose
-  oldest token is more than ``max_staleness`` versions behind the policy are dropped (tokens discarded).
+  engines and interrupted generations continue with the new weights (partial rollout). A group is dropped
+  (its tokens discarded) only under `SimConfig.max_token_lag`, as in a run.
 * ``seamless``: ``async``, and while the trainer waits for its batch the scheduler lends the trainer's
   ranks (their pool tagged ``rollout``) to rollout; new episodes go to them by load. When the batch is
   ready they are reclaimed: their unfinished generations continue on rollout ranks from their prefix
   (prefilled there), and training starts once the trainer's state is back. Without lendable ranks it
-  runs as ``async`` (and says so in `SimResult.note`). With `SimConfig.rebalance` (a policy the controller
-  does not have), a lent rank that runs out of episodes while the trainer still waits takes half the running
-  sequences of the most loaded rollout ranks, oldest groups first; they continue from their prefix.
+  runs as ``async`` (and says so in `SimResult.note`). With `SimConfig.rebalance`, a lent rank that runs out
+  of episodes while the trainer still waits takes half the running sequences of the most loaded rollout
+  ranks, oldest groups first (`PipelinePolicy.rebalance_moves`); they continue from their prefix.
 
 Time accounting per rank, over the measured steps (after `warmup_steps`): generating (an engine with a
 sequence in its batch), training, syncing (weight update), switching (an engine woken or put to sleep on
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from sfhpc.rl.messages import EpisodeTicket
+from sfhpc.rl.pipeline_policy import PipelinePolicy
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.sim.clock import EventQueue
 from sfhpc.sim.cluster import SimCluster
@@ -48,7 +50,6 @@ from sfhpc.sim.engine import SimEngine
 from sfhpc.sim.workload import Group, Sample, Workload
 from sfhpc.tasks.base import Problem
 
-MODES = ("sync", "async", "seamless")
 REPLACE_EVERY_S = 1.0
 
 
@@ -60,15 +61,19 @@ class SimConfig:
     steps: int = 6
     warmup_steps: int = 2      # left out of the figures (the pipeline filling up)
     max_staleness: int = 2
+    max_token_lag: int | None = None  # drop groups holding an older token (None: none dropped for its age)
     seed: int = 0
     timeline: bool = False     # record busy-rank counts over time (for a chart)
-    rebalance: bool = False    # seamless: a lent rank that runs dry takes half the batch of a loaded rollout rank
+    rebalance: bool = True     # seamless: a lent rank that runs dry takes half the batch of a loaded rollout rank
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r}: choose from {', '.join(MODES)}")
+        self.policy()  # refuses a mode or bound it does not know
         if self.steps <= self.warmup_steps:
             raise ValueError(f"steps ({self.steps}) must be more than warmup_steps ({self.warmup_steps})")
+
+    def policy(self) -> PipelinePolicy:
+        return PipelinePolicy(self.mode, self.prompts_per_step, self.max_staleness, self.max_token_lag,
+                              rebalance=self.rebalance)
 
 
 @dataclasses.dataclass
@@ -112,6 +117,7 @@ class PipelineSim:
     def __init__(self, cluster: SimCluster, cost: CostModel, config: SimConfig) -> None:
         self.cluster, self.cost, self.config = cluster, cost, config
         self.mode = config.mode
+        self.policy = config.policy()
         self.clock = EventQueue()
         lending = self.mode == "seamless" and cluster.lending_allowed
         # The real scheduler, its timeline on the simulated clock (sums only: no interval is kept).
@@ -132,10 +138,10 @@ class PipelineSim:
                                            available=not (rank in self.trainer_set and self.mode != "sync"),
                                            on_busy_change=self._busy_changed if config.timeline else None)
         self.rng = np.random.default_rng(config.seed)
-        self.ahead = 1 if self.mode == "sync" else config.max_staleness + 1
         self.version = 0
         self.step = 0
         self.groups_out = 0
+        self.playing: dict[Group, None] = {}  # groups handed out with a member still playing
         self.next_group = 0
         self.next_sample = 0
         self.samples: dict[int, Sample] = {}      # in flight, by id (the EpisodeTicket's seed)
@@ -202,15 +208,21 @@ class PipelineSim:
         self.scheduler.begin_step(self.step)
         self.phases.append({"step": self.step, "start": self.clock.now})
         self.waiting_for_batch = True
-        if self.scheduler.lendable_ranks and len(self.ready) < self.config.prompts_per_step:
-            self._lend()
+        # As the controller's loop: new episodes first (to the rollout ranks), then the lent ranks, which take
+        # over running episodes of the oldest groups (rebalancing) once their engines are awake.
         self._keep_rollouts_busy()
+        if lend := self.policy.to_lend(self.scheduler.lendable_ranks, self.lent,
+                                       batch_ready=self.policy.batch_ready(len(self.ready))):
+            self._lend(lend)
         self._try_take_batch()
 
     def _keep_rollouts_busy(self) -> None:
-        """The controller's hand-out: top the groups out up to `ahead` steps' worth, by load."""
+        """The controller's hand-out: the groups the policy admits, by load."""
         cfg = self.config
-        new = max(0, cfg.prompts_per_step * self.ahead - self.groups_out)
+        lag = self.policy.overdue_lag
+        overdue = sum(1 for g in self.playing
+                      if g.oldest_version is not None and self.version - g.oldest_version >= lag)
+        new = self.policy.admit(self.groups_out, overdue)
         if not new:
             return
         episodes = []
@@ -228,6 +240,7 @@ class PipelineSim:
                                 workload.observation_tokens)
                 self.next_sample += 1
                 group.members.append(sample)
+                self.playing[group] = None
                 samples[sample.id] = sample
                 episodes.append(EpisodeTicket(problem, key, sample.id))
         self.groups_out += new
@@ -246,7 +259,7 @@ class PipelineSim:
         self.ended[rank] += 1
         if self.scheduler.in_flight(rank, self.ended) == 0:  # (before that, its state on the timeline holds)
             self.scheduler.observe(self.ended, (rank,))
-            if self.config.rebalance and self.lent and rank in self.trainer_set and self.waiting_for_batch:
+            if self.policy.rebalance and self.lent and rank in self.trainer_set and self.waiting_for_batch:
                 self.drained[rank] = None
                 if not self.rebalance_pending:
                     self.rebalance_pending = True
@@ -255,6 +268,7 @@ class PipelineSim:
         group = sample.group
         group.finished += 1
         if group.finished == len(group.members):
+            self.playing.pop(group, None)
             self._group_complete(group)
 
     def _env_answered(self, sample: Sample) -> None:
@@ -264,8 +278,7 @@ class PipelineSim:
         self.engines[sample.rank].admit((sample,))
 
     def _stale(self, group: Group) -> bool:
-        oldest = group.oldest_version if group.oldest_version is not None else self.version
-        return self.version - oldest > self.config.max_staleness
+        return not self.policy.trainable(self.version, group.oldest_version, group.oldest_version)
 
     def _group_complete(self, group: Group) -> None:
         if self._stale(group):
@@ -299,14 +312,12 @@ class PipelineSim:
         self.drained.clear()
         if not drained or not self.waiting_for_batch:
             return
-        donors = sorted((e for r, e in self.engines.items() if r not in self.trainer_set and e.running),
-                        key=lambda e: -len(e.running))[:len(drained)]
+        running = {r: [(entry[2].group.index, entry[1]) for entry in e.running]
+                   for r, e in self.engines.items() if r not in self.trainer_set and e.running}
         moved: list[Sample] = []
-        for donor in donors:
-            running = sorted(donor.running, key=lambda entry: entry[2].group.index)
-            wanted = {entry[1] for entry in running[:len(running) // 2]}
-            out = donor.take(wanted)
-            self.scheduler.withdraw(donor.rank, len(out))
+        for donor, wanted in self.policy.rebalance_moves(drained, running, trainer_waits=True).items():
+            out = self.engines[donor].take(set(wanted))
+            self.scheduler.withdraw(donor, len(out))
             moved.extend(out)
         if moved:
             if self.measuring:
@@ -315,7 +326,7 @@ class PipelineSim:
 
     def _try_take_batch(self) -> None:
         per_step = self.config.prompts_per_step
-        if not self.waiting_for_batch or len(self.ready) < per_step:
+        if not self.waiting_for_batch or not self.policy.batch_ready(len(self.ready)):
             return
         self.waiting_for_batch = False
         groups = [heapq.heappop(self.ready)[1] for _ in range(per_step)]
@@ -331,10 +342,11 @@ class PipelineSim:
         self.batch_ready_at = self.clock.now
         self.phases[-1]["batch_ready"] = self.clock.now
         n = len(self.trainer_ranks)
-        if self.mode == "async" or (self.mode == "seamless" and not self.lent):
+        reclaim = self.policy.reclaim_now(self.lent, batch_ready=True)
+        if self.mode != "sync" and not reclaim:
             self.clock.after(0.0, self._train)
             return
-        if self.mode == "seamless":
+        if reclaim:
             self._reclaim()
         else:
             for rank in self.trainer_ranks:  # colocated: every trainer GPU's engine to sleep
@@ -343,8 +355,8 @@ class PipelineSim:
         self._account_trainer("switching", switch)
         self.clock.after(switch, self._train)
 
-    def _lend(self) -> None:
-        self.lent = self.scheduler.lend(self.scheduler.lendable_ranks)
+    def _lend(self, ranks: tuple[int, ...]) -> None:
+        self.lent = self.scheduler.lend(ranks)
         self.lent_at = self.clock.now
         self.lend_s = self.cost.lend_s(self.trainer_gpu, len(self.trainer_ranks))
         self.clock.after(self.lend_s, self._lent_engines_awake, self.step)
@@ -354,6 +366,11 @@ class PipelineSim:
             return  # reclaimed before it woke
         for rank in self.lent:
             self.engines[rank].resume()
+        if self.policy.rebalances and self.waiting_for_batch:  # awake with nothing to do: drained at once
+            self.drained.update((r, None) for r in self.lent if self.scheduler.in_flight(r, self.ended) == 0)
+            if self.drained and not self.rebalance_pending:
+                self.rebalance_pending = True
+                self.clock.after(0.0, self._rebalance)
 
     def _reclaim(self) -> None:
         """Batch ready: the lent ranks back to the trainer; their unfinished generations continue on rollout

@@ -28,7 +28,7 @@ def reply(text: str) -> list[int]:
 
 def write_run(folder: Path, *, metrics: bool = True) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    manager = TrajectoryManager(TrajectoryStore.create(folder / "trajectories.h5"), max_staleness=4)
+    manager = TrajectoryManager(TrajectoryStore.create(folder / "trajectories.h5"), max_token_lag=4)
     prompt = TOKENIZER.apply_chat_template(QUESTION)
 
     plain = manager.start(prompt, task="arith", group="g", trajectory_id="plain")

@@ -14,7 +14,7 @@ def _run_folder(tmp_path: Path) -> Path:
     """Two groups trained at steps 0 and 1 (one of them partly stale), one trajectory still running."""
     run = tmp_path / "run"
     run.mkdir()
-    manager = TrajectoryManager(TrajectoryStore.create(run / "trajectories.h5"), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(run / "trajectories.h5"), max_token_lag=1)
     # Each group is trained by the policy version after its newest token (no token is newer than its policy).
     for name, versions, policy in (("a", (2, 2), 2), ("b", (2, 3), 3)):
         for j in range(2):

@@ -130,13 +130,15 @@ def test_seamless_lends_reclaims_and_waits_less_than_sync_on_a_long_tail() -> No
     assert per_token["seamless"] < per_token["async"] < per_token["sync"]
     assert seamless.bubble["all"] < sync.bubble["all"] / 2
     assert seamless.trained_tokens_per_s > results["async"].trained_tokens_per_s > sync.trained_tokens_per_s
-    assert sync.staleness_max == 0 and seamless.staleness_max <= 2
-    # Lent ranks run dry before the batch is ready (they get only new episodes); moving work onto them
-    # leaves the trainer's ranks less waiting, and trains faster.
-    rebalanced = simulate(cluster, cost, SimConfig("seamless", WORKLOADS["long-tail"], prompts_per_step=16,
-                                                   steps=4, warmup_steps=1, rebalance=True))
-    assert rebalanced.bubble["trainer"] < seamless.bubble["trainer"]
-    assert rebalanced.migrated_samples > seamless.migrated_samples
+    # Nothing is thrown away: the group with a long reply trains when complete, some versions late.
+    assert seamless.tokens_discarded == results["async"].tokens_discarded == 0
+    assert sync.staleness_max == 0 and seamless.staleness_max > 2  # the default max_staleness is 2
+    # Lent ranks run dry before the batch is ready (they get only new episodes): without moving work onto
+    # them (the default rebalancing), the trainer's ranks wait more.
+    alone = simulate(cluster, cost, SimConfig("seamless", WORKLOADS["long-tail"], prompts_per_step=16,
+                                              steps=4, warmup_steps=1, rebalance=False))
+    assert alone.bubble["trainer"] > seamless.bubble["trainer"]
+    assert alone.migrated_samples < seamless.migrated_samples
 
 
 def test_tag_map_scales_in_its_proportion_and_refuses_what_it_cannot_simulate() -> None:

@@ -19,7 +19,7 @@ from sfhpc.data.store import TrajectoryStore, open_store
 
 
 def controller(comm, out: Path) -> dict:
-    manager = TrajectoryManager(TrajectoryStore.create(out / "run.h5"), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(out / "run.h5"), max_token_lag=1)
     server = ManagerServer(manager, comm)
     began, wall = time.process_time(), time.monotonic()
     server.serve()

@@ -89,7 +89,7 @@ def _group(manager: TrajectoryManager, name: str, size: int, version: int, *, fi
 
 
 def test_batches_are_whole_complete_groups_oldest_first(store_path):
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=1)
     _group(manager, "a", 4, version=3)
     open_b = _group(manager, "b", 4, version=3, finish=False)
     _group(manager, "c", 3, version=3)  # short of the group size
@@ -121,7 +121,7 @@ def test_batches_are_whole_complete_groups_oldest_first(store_path):
 
 
 def test_too_stale_groups_are_marked_and_never_trained_on(store_path):
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=1)
     for key in ("old", "fresh", "mixed", "playing"):
         manager.book_group(key)
     old = _group(manager, "old", 2, version=0)
@@ -144,7 +144,7 @@ def test_too_stale_groups_are_marked_and_never_trained_on(store_path):
 def test_every_policy_token_never_trained_on_is_counted_by_cause(store_path):
     """Stale groups, a group a failed member spoiled (its failed member, its finished one given up) and a
     fork's tokens left behind on a trained trajectory: each cause counts its tokens; trained ones do not."""
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=1)
     for key in ("old", "fresh", "spoilt"):
         manager.book_group(key)
     _group(manager, "old", 2, version=0)  # 2 x 2 tokens, too stale at version 2
@@ -164,7 +164,7 @@ def test_every_policy_token_never_trained_on_is_counted_by_cause(store_path):
 
 
 def test_a_group_that_can_no_longer_be_fresh_is_dropped_while_it_plays(store_path):
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=1)
     for key in ("doomed", "late", "waiting"):
         manager.book_group(key)
     doomed = _group(manager, "doomed", 2, version=0, finish=False)  # still generating, from version 0 on
@@ -215,7 +215,7 @@ def test_a_group_key_the_run_used_is_never_booked_again(store_path):
 
 
 def test_tokens_newer_than_the_policy_are_never_fresh(store_path):
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=2)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=2)
     manager.book_group("lost")
     lost = _group(manager, "lost", 2, version=6)  # by the weights of a step after the checkpoint
     manager.add_generated(manager.start([1], group="cut"), [2, 3, 4], [-0.1] * 3, [5, 6, 6])
@@ -229,7 +229,7 @@ def test_tokens_newer_than_the_policy_are_never_fresh(store_path):
 
 
 def test_restart_continues_the_run(store_path):
-    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_staleness=10)
+    manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=10)
     _group(manager, "a", 2, version=0)
     assert manager.take_batch(policy_version=0, num_groups=1).step == 0
     _group(manager, "b", 2, version=1)  # finished, not consumed
@@ -241,7 +241,7 @@ def test_restart_continues_the_run(store_path):
     manager.flush()
     manager.store.close()  # the process ends without closing the manager (a preemption)
 
-    again = TrajectoryManager(TrajectoryStore.reopen(store_path), max_staleness=10)
+    again = TrajectoryManager(TrajectoryStore.reopen(store_path), max_token_lag=10)
     assert again.counts()["consumed"] == 2 and again.status("a-0") == "consumed"
     assert again.status("b-1") == "finished"
     assert again.status("c-0") == "interrupted"  # its engine died with the old process

