@@ -56,7 +56,7 @@ HEALTH_EVERY_S = 0.25  # between health checks while waiting: they count every t
 # and a seeded run then resumes exactly) unless that takes longer than this.
 SYNC_STOP_WAIT_S = 10.0
 QUIESCE_TIMEOUT_S = 20.0  # a rollout rank that does not answer by then is being ended by Slurm
-REBALANCE_EVERY_S = 1.0  # seamless: how often a wait looks for lent ranks that ran dry
+REBALANCE_EVERY_S = 0.25  # seamless: how often a wait looks for lent ranks that ran dry (steps may last a second)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Controller:
             if not self._state_checked:  # a task whose problems no checkpoint could hold stops now, not then
                 self._state().to_json(self.task)
                 self._state_checked = True
-        self.hand_out(episodes)
+        self.hand_out(episodes, new=True)
 
     def drop_hopeless_groups(self) -> int:
         """Once per new policy version: the groups that can no longer be trained on (a member's token is
@@ -177,10 +177,9 @@ class Controller:
 
     def lend_idle_trainers(self, step: int) -> None:
         """Step `step` begins (the timeline's intervals from now on belong to it). seamless: the trainer ranks
-        that may be lent serve rollouts until the batch is ready; none when it is ready already. The step's new
-        episodes went out before (to the rollout ranks), so a lent rank starts with none and takes over
-        running episodes of the oldest groups (`rebalance_lent`), those that hold the batch back; episodes
-        handed out later go to it by load like to any rollout rank."""
+        that may be lent serve rollouts until the batch is ready; none when it is ready already. With
+        rebalancing a lent rank takes over running episodes of the oldest groups (`rebalance_lent`), those that
+        hold the batch back, and new episodes go to the rollout ranks; without, new ones go to it by load."""
         self.scheduler.begin_step(step)
         ready = self.policy.batch_ready(self.manager.complete_groups(self.version, self.recipe.algorithm.group_size))
         self.scheduler.lend(self.policy.to_lend(self.scheduler.lendable_ranks, self.scheduler.lent_ranks,
@@ -252,8 +251,10 @@ class Controller:
         self.event("pipeline", mode="seamless" if lendable else "async", requested="seamless",
                    lendable=list(lendable))
 
-    def hand_out(self, episodes: list[msg.EpisodeTicket]) -> None:
-        for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended).items():
+    def hand_out(self, episodes: list[msg.EpisodeTicket], *, new: bool = False) -> None:
+        """Episodes to ranks by load; `new` ones (just admitted) to lent ranks only as the policy says."""
+        to_lent = not new or self.policy.new_episodes_to_lent
+        for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended, to_lent=to_lent).items():
             msg.send(self.layout.world, msg.Play(tuple(share)), rank)
 
     def wait_for_batch(self, step: int) -> Batch | None:
@@ -562,8 +563,8 @@ def run_loop(ctl: Controller) -> RunSummary:
     """The RL loop: episodes -> batch -> train step -> new weights everywhere, until the budget is spent."""
     for step in range(ctl.resume(), ctl.recipe.budgets.steps + 1):  # step 1, or the checkpoint's next one
         started = time.monotonic()
-        ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
         ctl.lend_idle_trainers(step)              # seamless: idle trainer ranks take over running episodes
+        ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
         batch = ctl.wait_for_batch(step)          # whole GRPO groups within the staleness bound
         if batch is None:                         # a stop request came first: checkpoint now
             break

@@ -128,17 +128,18 @@ class Scheduler:
         reported their end, finished or failed, as the trajectory manager's server counts them)."""
         return self._handed[rank] - ended.get(rank, 0)
 
-    def assign(self, episodes: Iterable[EpisodeTicket],
-               ended: Mapping[int, int] | None = None) -> dict[int, list[EpisodeTicket]]:
-        """Spread episodes over the rollout ranks (and the ranks lent to rollout), each to the rank with the
-        fewest episodes in flight (ties: the lower rank). A rank whose episodes run long (long replies, many
-        turns) gets fewer new ones."""
+    def assign(self, episodes: Iterable[EpisodeTicket], ended: Mapping[int, int] | None = None, *,
+               to_lent: bool = True) -> dict[int, list[EpisodeTicket]]:
+        """Spread episodes over the rollout ranks (and the ranks lent to rollout, unless not `to_lent`), each
+        to the rank with the fewest episodes in flight (ties: the lower rank). A rank whose episodes run long
+        (long replies, many turns) gets fewer new ones."""
         with self._lock:  # (the manager's thread reads the counts in `observe`)
             ended = self._ended if ended is None else ended
             plan: dict[int, list[EpisodeTicket]] = {}
             # (episodes in flight, rank) in a heap: the least loaded rank, ties to the lower one, in log time, so
             # a step's many thousand episodes over thousands of ranks go out in milliseconds.
-            loads = [(self.in_flight(r, ended), r) for r in self.assignable_ranks]
+            ranks = self.assignable_ranks if to_lent else self.rollout_ranks
+            loads = [(self.in_flight(r, ended), r) for r in ranks]
             heapq.heapify(loads)
             for episode in episodes:
                 if not loads:

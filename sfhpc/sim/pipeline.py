@@ -208,12 +208,10 @@ class PipelineSim:
         self.scheduler.begin_step(self.step)
         self.phases.append({"step": self.step, "start": self.clock.now})
         self.waiting_for_batch = True
-        # As the controller's loop: new episodes first (to the rollout ranks), then the lent ranks, which take
-        # over running episodes of the oldest groups (rebalancing) once their engines are awake.
-        self._keep_rollouts_busy()
         if lend := self.policy.to_lend(self.scheduler.lendable_ranks, self.lent,
                                        batch_ready=self.policy.batch_ready(len(self.ready))):
             self._lend(lend)
+        self._keep_rollouts_busy()
         self._try_take_batch()
 
     def _keep_rollouts_busy(self) -> None:
@@ -244,10 +242,11 @@ class PipelineSim:
                 samples[sample.id] = sample
                 episodes.append(EpisodeTicket(problem, key, sample.id))
         self.groups_out += new
-        self._hand_out(episodes)
+        self._hand_out(episodes, new=True)
 
-    def _hand_out(self, episodes: list[EpisodeTicket]) -> None:
-        for rank, share in self.scheduler.assign(episodes, ended=self.ended).items():
+    def _hand_out(self, episodes: list[EpisodeTicket], *, new: bool = False) -> None:
+        to_lent = not new or self.policy.new_episodes_to_lent
+        for rank, share in self.scheduler.assign(episodes, ended=self.ended, to_lent=to_lent).items():
             self.engines[rank].admit(self.samples[e.seed] for e in share)
 
     def _turn_ended(self, sample: Sample, engine: SimEngine) -> None:

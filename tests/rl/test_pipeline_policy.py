@@ -49,6 +49,17 @@ def test_staleness_drops_a_group_only_under_a_token_lag_bound(max_token_lag: int
     assert policy.hopeless(version, oldest) is hopeless
 
 
+@pytest.mark.parametrize("mode, rebalance, rebalances, to_lent", [
+    ("seamless", True, True, False),    # lent ranks take the oldest groups' running episodes, new ones go elsewhere
+    ("seamless", False, False, True),   # without rebalancing, new episodes are what lent ranks play
+    ("async", True, False, True),       # nothing is lent
+])
+def test_new_episodes_go_to_lent_ranks_only_without_rebalancing(mode: str, rebalance: bool, rebalances: bool,
+                                                                 to_lent: bool) -> None:
+    policy = PipelinePolicy(mode, 4, 1, rebalance=rebalance)
+    assert (policy.rebalances, policy.new_episodes_to_lent) == (rebalances, to_lent)
+
+
 @pytest.mark.parametrize("complete, ready", [(0, False), (3, False), (4, True), (9, True)])
 def test_a_batch_is_ready_with_a_steps_worth_of_complete_groups(complete: int, ready: bool) -> None:
     assert PipelinePolicy("async", 4, 1).batch_ready(complete) is ready

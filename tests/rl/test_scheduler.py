@@ -69,6 +69,8 @@ def test_lent_ranks_take_episodes_until_reclaimed() -> None:
     assert s.entries[1].state.value == "lent" and s.lent_ranks == (1,)
     first = s.assign(episodes(6))
     assert {r: len(e) for r, e in first.items()} == {1: 2, 2: 2, 3: 2}  # the lent trainer is a rollout rank now
+    kept = s.assign(episodes(2), to_lent=False)  # new episodes while lent ranks take over running ones instead
+    assert {r: len(e) for r, e in kept.items()} == {2: 1, 3: 1} and s.in_flight(1, {}) == 2
     assert s.entries[1].state.value == "lent" and s.entries[2].state.value == "generating"
     assert s.reclaim() == (1,)
     assert s.entries[1].state.value == "waiting" and s.lent_ranks == ()
