@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.data.groups import DROP_CAUSES
@@ -48,6 +48,7 @@ from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
 
 log = logging.getLogger("sfhpc")
+Moved = TypeVar("Moved", msg.Reclaimed, msg.Released)  # replies that give episodes up to continue elsewhere
 
 STOP_GRACE_S = 120.0  # how long rollout ranks get to wind down their episodes after Stop
 FAULT_STOP_GRACE_S = 10.0  # the same after a fault, which must end every rank within seconds
@@ -193,14 +194,8 @@ class Controller:
         if not self.policy.reclaim_now(self.scheduler.lent_ranks, batch_ready=True):
             return
         ranks = self.scheduler.reclaim()
-        for rank in ranks:
-            msg.send(self.layout.world, msg.Reclaim(), rank)
-        replies = [msg.receive_reply(self.layout.world, rank, msg.Reclaimed, idle=self.stop_requested)
-                   for rank in ranks]
+        replies = self._move_episodes({rank: msg.Reclaim() for rank in ranks}, msg.Reclaimed)
         moved = [episode for reply in replies for episode in reply.episodes]
-        for reply in replies:
-            self.scheduler.withdraw(reply.rank, len(reply.episodes))
-        self.hand_out(moved)
         seconds = time.monotonic() - started
         interrupted = sum(r.interrupted for r in replies)
         self.last_reclaim = {"reclaim_s": seconds, "reclaimed_ranks": len(ranks), "reclaim_interrupted": interrupted,
@@ -221,19 +216,25 @@ class Controller:
         counts = self.policy.rebalance_counts(drained, loads, trainer_waits=True)
         if not counts:
             return 0
-        for rank, count in counts.items():
-            msg.send(self.layout.world, msg.Release(count), rank)
-        replies = [msg.receive_reply(self.layout.world, rank, msg.Released, idle=self.stop_requested)
-                   for rank in counts]
+        replies = self._move_episodes({rank: msg.Release(count) for rank, count in counts.items()}, msg.Released)
         moved = [episode for reply in replies for episode in reply.episodes]
-        for reply in replies:
-            self.scheduler.withdraw(reply.rank, len(reply.episodes))
-        self.hand_out(moved)
         self.rebalanced += len(moved)
         if moved:
             self.event("rebalanced", step=step, drained=drained, donors={str(r.rank): len(r.episodes) for r in replies},
                        moved=len(moved))
         return len(moved)
+
+    def _move_episodes(self, commands: dict[int, object], reply_type: type[Moved]) -> list[Moved]:
+        """Send each rank its command (Reclaim, Release); the episodes their replies give up leave those ranks'
+        counts and go to other ranks by load, to continue from their prefix. Returns the replies."""
+        for rank, command in commands.items():
+            msg.send(self.layout.world, command, rank)
+        replies = [msg.receive_reply(self.layout.world, rank, reply_type, idle=self.stop_requested)
+                   for rank in commands]
+        for reply in replies:
+            self.scheduler.withdraw(reply.rank, len(reply.episodes))
+        self.hand_out([episode for reply in replies for episode in reply.episodes])
+        return replies
 
     def _announce_lending(self) -> None:
         if self.recipe.pipeline.mode != "seamless":
