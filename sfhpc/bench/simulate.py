@@ -10,8 +10,8 @@ go out through the project's `Scheduler` (by load, lending and reclaiming in ``s
 prefill, training, weight sync and lend/reclaim take the times of `sfhpc.sim.cost_model` (published
 H100/L40S figures, cited there). Per mode and size: trained tokens/s, bubble fraction per role (from the
 scheduler's timeline, as a run reports it), tokens dropped as stale, staleness, lend and reclaim counts,
-reclaim latency (batch ready -> training started). Writes ``simulate.json``, ``simulate.txt`` (the table)
-and ``simulate.png`` into ``--out``.
+reclaim latency (batch ready -> training started). Writes ``simulate.json``, ``simulate.txt`` (the table),
+``simulate.png`` and, for the smallest size, ``simulate-<mode>.trace.json`` (a Chrome trace) into ``--out``.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _run_task(cluster_map: ClusterMap, cost: CostModel, args: argparse.Namespace
     config = SimConfig(task.mode, workload, prompts_per_step=prompts, steps=args.steps,
                        warmup_steps=args.warmup_steps, max_staleness=args.max_staleness,
                        max_token_lag=args.max_token_lag, seed=args.seed, timeline=task.timeline,
-                       rebalance=args.rebalance)
+                       intervals=task.timeline, rebalance=args.rebalance)
     started = time.process_time()
     result = simulate(cluster, cost, config)
     return {"workload": task.workload, "prompts_per_step": prompts, "cpu_s": time.process_time() - started,
@@ -282,6 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gpu_types = (sample.trainer_pool.gpu_type or "", sample.rollout_pool.gpu_type or "")
     cost = CostModel.published(args.model, tuple(dict.fromkeys(gpu_types)))
     smallest = min(args.sizes)
+    # The smallest size's runs record the busy GPUs over time (the chart) and every rank's intervals (a trace).
     tasks = [Task(args.workload, size, mode, timeline=size == smallest) for size in args.sizes for mode in args.modes]
     tasks += [Task("multi-turn", size, mode, timeline=False) for size in args.multi_turn_sizes for mode in args.modes]
     print(f"sfhpc bench simulate: {MODELLED}", flush=True)
@@ -319,7 +320,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     chart = plot(rows, runs, args.out / "simulate.png")
     if chart is not None:
         print(f"chart: {chart}")
+    traces = write_traces(runs, args.out)
+    if traces:
+        print(f"traces (Perfetto, chrome://tracing): {', '.join(str(p) for p in traces)}")
     return 0
+
+
+def write_traces(runs: list[dict[str, Any]], out: Path) -> list[Path]:
+    """`simulate-<mode>.trace.json` per mode of the runs that kept their intervals (the smallest size): one
+    track per rank, as `sfhpc traj trace` writes for a run, on the simulated clock (from 0)."""
+    import pandas as pd
+
+    from sfhpc.analysis.trace import chrome_trace
+
+    written = []
+    for run in runs:
+        result: SimResult = run["result"]
+        if not result.intervals:
+            continue
+        frame = pd.DataFrame([dataclasses.asdict(i) for i in result.intervals])
+        path = out / f"simulate-{result.mode}.trace.json"
+        path.write_text(json.dumps(chrome_trace(frame, [], [])))
+        written.append(path)
+    return written
 
 
 if __name__ == "__main__":

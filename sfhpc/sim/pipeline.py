@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from sfhpc.data.rank_intervals import RankInterval
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.pipeline_policy import PipelinePolicy
 from sfhpc.rl.scheduler import RankState, Scheduler
@@ -64,6 +65,7 @@ class SimConfig:
     max_token_lag: int | None = None  # drop groups holding an older token (None: none dropped for its age)
     seed: int = 0
     timeline: bool = False     # record busy-rank counts over time (for a chart)
+    intervals: bool = False    # keep every rank's state intervals, as a run's store does (for a trace)
     rebalance: bool = True     # seamless: a lent rank that runs dry takes half the batch of a loaded rollout rank
 
     def __post_init__(self) -> None:
@@ -105,12 +107,11 @@ class SimResult:
     note: str = ""
     timeline: dict[str, list[tuple[float, float]]] = dataclasses.field(default_factory=dict)
     phases: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    intervals: list[RankInterval] = dataclasses.field(default_factory=list)  # with `SimConfig.intervals`
 
     def as_json(self) -> dict[str, Any]:
-        data = dataclasses.asdict(self)
-        data.pop("timeline")
-        data.pop("phases")
-        return data
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name not in ("timeline", "phases", "intervals")}
 
 
 class PipelineSim:
@@ -122,7 +123,7 @@ class PipelineSim:
         lending = self.mode == "seamless" and cluster.lending_allowed
         # The real scheduler, its timeline on the simulated clock (sums only: no interval is kept).
         self.scheduler = Scheduler(cluster.plan(colocated=self.mode == "sync"), lending=lending,
-                                   clock=lambda: self.clock.now, keep_intervals=False)
+                                   clock=lambda: self.clock.now, keep_intervals=config.intervals)
         self.note = ""
         if self.mode == "seamless" and not self.scheduler.lendable_ranks:
             self.note = "no lendable ranks (the trainer's pool is not tagged rollout): ran as async"
@@ -529,7 +530,14 @@ class PipelineSim:
             lends=self.scheduler.lends - self.lends_at_start, reclaims=self.scheduler.reclaims - self.reclaims_at_start,
             reclaim_latency_mean_s=sum(latency) / len(latency), reclaim_latency_max_s=max(latency),
             migrated_samples=self.migrated, events=self.clock.events, note=self.note,
-            timeline=self.timeline, phases=self.phases)
+            timeline=self.timeline, phases=self.phases, intervals=self._intervals())
+
+    def _intervals(self) -> list[RankInterval]:
+        """Every rank's state intervals over the run (empty unless `SimConfig.intervals`)."""
+        if not self.config.intervals:
+            return []
+        self.scheduler.timeline.close()
+        return self.scheduler.timeline.drain()
 
 
 def simulate(cluster: SimCluster, cost: CostModel, config: SimConfig) -> SimResult:

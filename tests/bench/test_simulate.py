@@ -188,6 +188,14 @@ def test_bench_simulate_writes_table_json_and_chart(tmp_path: Path) -> None:
     table = (out / "simulate.txt").read_text()
     assert "trained tok/s" in table and "seamless, long-tail, 32 GPUs: bubble" in table
     assert (out / "simulate.png").read_bytes()[:4] == b"\x89PNG"
+    # A trace per mode at the smallest size: a track per rank, states as a run's trace names them.
+    for mode in ("sync", "async", "seamless"):
+        trace = json.loads((out / f"simulate-{mode}.trace.json").read_text())["traceEvents"]
+        spans = [e for e in trace if e["ph"] == "X"]
+        assert {e["pid"] for e in spans} == set(range(16)), mode  # 16 GPUs, each a rank of the scaled plan
+        assert all({"name", "ph", "ts", "pid", "tid"} <= set(e) for e in trace) and all(e["dur"] >= 0 for e in spans)
+        states = {e["name"] for e in spans}
+        assert {"training", "generating", "syncing"} <= states and ("lent" in states) == (mode == "seamless")
 
 
 def test_bench_simulate_bad_tag_map_is_one_line(tmp_path: Path) -> None:
