@@ -17,12 +17,13 @@ Modes:
   engines and interrupted generations continue with the new weights (partial rollout). A group is dropped
   (its tokens discarded) only under `SimConfig.max_token_lag`, as in a run.
 * ``seamless``: ``async``, and while the trainer waits for its batch the scheduler lends the trainer's
-  ranks (their pool tagged ``rollout``) to rollout; new episodes go to them by load. When the batch is
-  ready they are reclaimed: their unfinished generations continue on rollout ranks from their prefix
-  (prefilled there), and training starts once the trainer's state is back. Without lendable ranks it
-  runs as ``async`` (and says so in `SimResult.note`). With `SimConfig.rebalance`, a lent rank that runs out
-  of episodes while the trainer still waits takes half the running sequences of the most loaded rollout
-  ranks, oldest groups first (`PipelinePolicy.rebalance_moves`); they continue from their prefix.
+  ranks (their pool tagged ``rollout``) to rollout. With `SimConfig.rebalance` (the default, as in a run) a
+  lent rank with nothing to do takes half the running sequences of the most loaded rollout ranks, oldest
+  groups first (`PipelinePolicy.rebalance_moves`), which continue from their prefix, and new episodes go
+  to the rollout ranks; without, new episodes go to the lent ranks by load. When the batch is ready they
+  are reclaimed: their unfinished generations continue on rollout ranks from their prefix (prefilled
+  there), and training starts once the trainer's state is back. Without lendable ranks it runs as
+  ``async`` (and says so in `SimResult.note`).
 
 Time accounting per rank, over the measured steps (after `warmup_steps`): generating (an engine with a
 sequence in its batch), training, syncing (weight update), switching (an engine woken or put to sleep on
