@@ -34,6 +34,7 @@ from sfhpc.plan.resolve import LaunchPlan, resolve
 from sfhpc.rundir import RunPaths
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
+FOLLOW_TICK_S = 0.05  # traj summary --follow: how soon a Ctrl-C ends the wait between reads
 
 
 def _default_map() -> str:
@@ -235,16 +236,25 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
         if not args.follow:
             return 0
         print(f"following {run.path} every {args.interval:g} s (Ctrl-C ends)", flush=True)
+        # Ctrl-C sets a flag, checked between reads: raised inside an HDF5 read, KeyboardInterrupt could leave
+        # h5py's lock held and the file's close waiting on it for good.
+        stopped: list[int] = []
+        earlier = signal.signal(signal.SIGINT, lambda signum, _frame: stopped.append(signum))
         try:
-            while not run_finished(run.folder):
-                time.sleep(args.interval)
-                if run.refresh():
+            while not stopped and not run_finished(run.folder):
+                wake = time.monotonic() + args.interval
+                while not stopped and time.monotonic() < wake:
+                    time.sleep(min(FOLLOW_TICK_S, max(0.0, wake - time.monotonic())))
+                if not stopped and run.refresh():
                     summary, previous = summarize(run), summary
                     print(update_line(run, previous, summary), flush=True)
-            run.refresh()
-            print(f"the run finished\n\n{summarize(run).format()}", flush=True)
-        except KeyboardInterrupt:
+        finally:
+            signal.signal(signal.SIGINT, earlier)
+        if stopped:
             print("stopped following", flush=True)
+            return 0
+        run.refresh()
+        print(f"the run finished\n\n{summarize(run).format()}", flush=True)
     return 0
 
 
