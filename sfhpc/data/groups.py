@@ -73,6 +73,11 @@ def hopeless(policy_version: int, oldest: int | None, max_token_lag: int | None)
     return max_token_lag is not None and oldest is not None and policy_version - oldest > max_token_lag
 
 
+def _oldest(lives: Sequence[LiveTrajectory]) -> int | None:
+    """The oldest policy version among the members' generated tokens (None: no token yet)."""
+    return min((v for v in (live.oldest_version() for live in lives) if v is not None), default=None)
+
+
 class GroupBook:
     """Groups, the book of those in flight, and batches (see the module); not thread-safe."""
 
@@ -192,9 +197,8 @@ class GroupBook:
             yield finished
 
     def _trainable(self, lives: Sequence[LiveTrajectory], policy_version: int) -> bool:
-        oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
         newest = [v for v in (live.newest_version() for live in lives) if v is not None]
-        return trainable(policy_version, min(oldest, default=None), max(newest, default=None), self.max_token_lag)
+        return trainable(policy_version, _oldest(lives), max(newest, default=None), self.max_token_lag)
 
     def overdue(self, policy_version: int, lag: int) -> int:
         """How many groups in flight still play (a member running or interrupted) with their oldest token
@@ -202,10 +206,8 @@ class GroupBook:
         count = 0
         for key in self._in_flight:
             lives = self._lives(key)
-            if not any(live.status.is_open for live in lives):
-                continue
-            oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
-            count += bool(oldest) and policy_version - min(oldest) >= lag
+            if any(live.status.is_open for live in lives) and (oldest := _oldest(lives)) is not None:
+                count += policy_version - oldest >= lag
         return count
 
     def drop_hopeless(self, policy_version: int) -> list[str]:
@@ -221,8 +223,7 @@ class GroupBook:
             if key in self._spoiled:
                 continue
             lives = self._lives(key)
-            oldest = [v for v in (live.oldest_version() for live in lives) if v is not None]
-            if hopeless(policy_version, min(oldest, default=None), self.max_token_lag):
+            if hopeless(policy_version, _oldest(lives), self.max_token_lag):
                 for live in lives:
                     self.close(live, Status.STALE)
                 self._in_flight.discard(key)

@@ -119,6 +119,7 @@ class Controller:
         self.started = time.monotonic()
         self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
         self.rebalanced = 0  # episodes moved onto lent ranks that ran dry, this step (for its metrics row)
+        self._overdue, self._overdue_at = 0, (-1, -1, -1)  # overdue groups, and (version, ended, out) then
         self._announce_lending()
 
     # -- the steps of the loop ---------------------------------------------------------------------
@@ -131,8 +132,14 @@ class Controller:
     def groups_to_admit(self) -> int:
         """New groups to hand out now (`PipelinePolicy.admit`): one step's worth in flight (sync), or up to
         the staleness bound's, not counting groups overdue for it (async)."""
-        overdue = self.manager.overdue_groups(self.version, self.policy.overdue_lag)
-        return self.policy.admit(self.groups_out, overdue)
+        # The wait asks this every few milliseconds, and counting overdue groups reads every member's token
+        # versions: counted again only when it can change (a new version, an episode's end, a group handed
+        # out or leaving the book).
+        key = (self.version, sum(self.server.episodes_ended.values()), self.groups_out)
+        if key != self._overdue_at:
+            self._overdue_at = key
+            self._overdue = self.manager.overdue_groups(self.version, self.policy.overdue_lag)
+        return self.policy.admit(self.groups_out, self._overdue)
 
     def keep_rollouts_busy(self) -> None:
         """Hand out episodes as the pipeline policy admits them, also in place of the groups trained on,

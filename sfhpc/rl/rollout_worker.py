@@ -292,8 +292,8 @@ class RolloutWorker:
         the batch back), at a token boundary: each records what it generated as a partial rollout and leaves
         this rank without counting as failed; the engine runs on for the others. Only episodes of the task's
         own agent whose trajectory started are released (an agent program's state cannot move: its turns run
-        in the program, not in the episode's task). Returns them,
-        each naming its trajectory (``resume_id``), for the controller to continue elsewhere."""
+        in the program, not in the episode's task). Returns them, each naming its trajectory (``resume_id``),
+        for the controller to continue elsewhere."""
         if count < 1 or self.programs is not None:
             return ()
         return self.server.call(self._release(count), timeout=60)
@@ -301,9 +301,11 @@ class RolloutWorker:
     async def _release(self, count: int) -> tuple[EpisodeTicket, ...]:
         chosen: list[tuple[asyncio.Task[Any], EpisodeTicket, str]] = []
         for task, (episode, started) in self.held.items():
+            if len(chosen) == count:
+                break
             # An episode's trajectory: the one its agent heard of, or the one its first turn runs now.
             trajectory = started[0] if started else self.endpoint.turn_trajectory(task)
-            if trajectory is not None and not task.done() and len(chosen) < count:
+            if trajectory is not None and not task.done():
                 chosen.append((task, episode, trajectory))
         self.releasing.update(task for task, _, _ in chosen)
         try:

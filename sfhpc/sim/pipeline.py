@@ -122,7 +122,7 @@ class PipelineSim:
         self.policy = config.policy()
         self.clock = EventQueue()
         lending = self.mode == "seamless" and cluster.lending_allowed
-        # The real scheduler, its timeline on the simulated clock (sums only: no interval is kept).
+        # The real scheduler, its timeline on the simulated clock (sums only, unless `SimConfig.intervals`).
         self.scheduler = Scheduler(cluster.plan(colocated=self.mode == "sync"), lending=lending,
                                    clock=lambda: self.clock.now, keep_intervals=config.intervals)
         self.note = ""

@@ -63,11 +63,13 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0, max_token_lag: int |
     values = {
         "recipe": recipe, "policy": PipelinePolicy.of(recipe), "run_dir": tmp_path,
         "manager": TrajectoryManager(max_token_lag=max_token_lag), "version": 0,
-        "layout": _Attributes(world=world), "server": _Attributes(first_one_way_failure=None, last_seen={}),
+        "layout": _Attributes(world=world),
+        "server": _Attributes(first_one_way_failure=None, last_seen={}, episodes_ended={}),
         "scheduler": _Attributes(rollout_ranks=(1, 2), begin_step=lambda step: None, timeline=Timeline()),
         "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
-        "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0,
+        "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0, "_overdue": 0,
+        "_overdue_at": (-1, -1, -1),
         "started": time.monotonic(),
         "live": LiveStatus(tmp_path, restart=0, job_id=None),
     }
