@@ -1,8 +1,12 @@
-"""Weight-broadcast bandwidth: the publisher against a raw ``MPI_Bcast`` of the same bytes, in one run.
+"""Weight-broadcast bandwidth: the publisher over each transport against a raw ``MPI_Bcast`` of the same
+bytes, in one run.
 
     python -m sfhpc.bench.broadcast [--ranks 3] [--repeats 9] [--bucket-mb 32] [--synthetic-mb 200]
+                                    [--transports mpi,torch]
 
-Rank 0 publishes, every other rank receives (as the engines would). Two weight sets, both held as
+Rank 0 publishes, every other rank receives (as the engines would), over each transport in turn: ``mpi``
+(host memory, ``MPI_Ibcast``) and ``torch`` (a `torch.distributed` group: gloo on CPUs, NCCL where CUDA is;
+here the receiving ranks join it themselves, as ranks whose engine cannot). Two weight sets, both held as
 float32 master weights and published in bf16, as the trainer does: the project's tiny Llama, and a
 synthetic set of Llama-shaped tensors of about ``--synthetic-mb`` on the wire. Three methods alternate
 in each repetition, every one timed from a common barrier to the last rank done:
@@ -64,8 +68,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=32.0)
     p.add_argument("--synthetic-mb", type=float, default=200.0, help="size of the synthetic set (0: skip it)")
+    p.add_argument("--transports", default="mpi,torch", help="comma-separated: mpi, torch")
     p.add_argument("--out", type=Path, default=Path("runs/bench/broadcast.json"), help="JSON result file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = sorted(set(args.transports) - {"mpi", "torch"})
+    if unknown or not args.transports:
+        p.error(f"--transports: name mpi, torch or both (found {args.transports})")
+    return args
 
 
 def tiny_weights() -> list[tuple[str, torch.Tensor]]:
@@ -113,14 +123,14 @@ def _timed(comm: Any, fn: Any) -> float:
     return float(comm.allreduce(elapsed, op=MPI.MAX))  # the broadcast is done when the last rank has it
 
 
-def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict[str, Any]:
+def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace, transport_name: str) -> dict[str, Any]:
     import numpy as np
 
-    from sfhpc.weights import IncomingWeights, MPITransport, WeightPublisher, WeightReceiver
+    from sfhpc.weights import IncomingWeights, WeightPublisher, WeightReceiver, connect
     from sfhpc.weights.manifest import plan_buckets
 
     wire = torch.bfloat16
-    transport = MPITransport(comm.Dup(), root=0)  # its own communicator: barriers and raw Bcasts use `comm`
+    transport = connect(comm.Dup(), transport_name, root=0)  # its own communicator: barriers and raw Bcasts use `comm`
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     source = transport.is_source
     named = make() if source else None  # the receivers only learn the layout from the manifest
@@ -206,7 +216,8 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace) -> dict
     raw_s, send_s, pub_s = (statistics.median(times[k]) for k in ("raw", "send", "publish"))
     stage_s = statistics.median(s.stage_seconds for s in timed_publish) if source else None
     last = timed_publish[0] if source else None
-    return {"set": name, "tensors": len(named) if named is not None else None, "bytes": total, "repeats": repeats,
+    return {"set": name, "transport": transport_name, "tensors": len(named) if named is not None else None,
+            "bytes": total, "repeats": repeats,
             "messages": last.messages if last else None, "buckets": last.buckets if last else None,
             "raw_median_s": raw_s, "send_median_s": send_s, "publish_median_s": pub_s,
             "stage_median_s": stage_s, "first_publish_s": first,
@@ -225,13 +236,13 @@ def run_ranks(args: argparse.Namespace) -> int:
     sets = [("tiny-llama", tiny_weights)]
     if args.synthetic_mb > 0:
         sets.append((f"synthetic-{args.synthetic_mb:g}MB", lambda: synthetic_weights(args.synthetic_mb)))
-    results = [bench_set(comm, name, make, args) for name, make in sets]
+    results = [bench_set(comm, name, make, args, transport) for name, make in sets for transport in args.transports]
     if comm.Get_rank() != 0:
         return 0
     report = {"bench": "weight-broadcast", "ranks": comm.Get_size(), "receivers": comm.Get_size() - 1,
               "repeats": args.repeats, "bucket_bytes": int(args.bucket_mb * (1 << 20)), "host": socket.gethostname(),
               "mpi": MPI.Get_library_version().splitlines()[0].strip(), "torch_threads": 1, "results": results}
-    rows = [[r["set"], f"{r['bytes'] / 1e6:.1f}", str(r["messages"]), str(r["repeats"]),
+    rows = [[r["set"], r["transport"], f"{r['bytes'] / 1e6:.1f}", str(r["messages"]), str(r["repeats"]),
              f"{r['raw_median_s'] * 1e3:.2f}", f"{r['send_median_s'] * 1e3:.2f}", f"{r['send_ratio'] * 100:.0f}%",
              f"{r['raw_GBps'] * 1e3:.0f}", f"{r['send_GBps'] * 1e3:.0f}", f"{r['stage_median_s'] * 1e3:.2f}",
              f"{r['publish_median_s'] * 1e3:.2f}", f"{r['publish_ratio'] * 100:.0f}%",
@@ -239,10 +250,11 @@ def run_ranks(args: argparse.Namespace) -> int:
             for r in results]
     print(f"weight broadcast, 1 source -> {comm.Get_size() - 1} receivers, float32 master -> bf16 wire, "
           f"buckets {args.bucket_mb:g} MB, medians")
-    print(format_table(["set", "MB", "msgs", "reps", "raw ms", "send ms", "send/raw", "raw MB/s", "send MB/s",
-                        "stage ms", "publish ms", "publish/raw", "first ms", "bit-identical"], rows))
+    print(format_table(["set", "transport", "MB", "msgs", "reps", "raw ms", "send ms", "send/raw", "raw MB/s",
+                        "send MB/s", "stage ms", "publish ms", "publish/raw", "first ms", "bit-identical"], rows))
     print("raw: one Bcast of an already-packed buffer of the same bytes. send: header + every bucket into the "
-          "receivers' buffers (engines wait for this). stage: the trainer's cast into staging (engines keep "
+          "receivers' buffers (engines wait for this), over the transport named. stage: the trainer's cast into "
+          "staging (engines keep "
           "generating). publish: stage + send in one call. first: the first publish, which also sends the "
           "manifest and allocates the persistent buffers (not in the medians).")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -307,6 +307,10 @@ class EngineSpec:
     max_num_seqs: int | None = setting(None, "vLLM: the most sequences one engine step holds (null: vLLM's default)")
     enforce_eager: bool = setting(True, "vLLM: no CUDA graphs (false on GPUs: faster decoding, slower start; CPUs "
                                         "ignore it)")
+    weight_transport: Literal["auto", "mpi", "torch"] = setting(
+        "auto", "how new weights reach the engines: mpi (host memory, MPI broadcast), torch (a torch.distributed "
+                "group: NCCL between GPUs, gloo on CPUs; vLLM's workers receive into their own memory), or auto "
+                "(torch where the first trainer has CUDA, else mpi)")
 
     def validate(self, where: Where) -> None:
         if not self.token_delay_s >= 0:

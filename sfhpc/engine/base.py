@@ -23,9 +23,13 @@ import abc
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from sfhpc.errors import SfhpcError
+
+if TYPE_CHECKING:
+    from sfhpc.weights.group import WeightGroup
+    from sfhpc.weights.manifest import WeightManifest
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -132,6 +136,22 @@ class RolloutEngine(abc.ABC):
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Replace the model weights (called only while paused)."""
 
+    # -- what a backend may implement: receiving weights in its own processes ---------------------------
+    @property
+    def weight_group_members(self) -> int:
+        """How many of the engine's processes join a weight group to receive weights themselves (vLLM: its
+        tensor-parallel workers); 0: the rank receives them and calls `load_weights`."""
+        return 0
+
+    async def join_weight_group(self, group: WeightGroup, first_member: int) -> None:
+        """Have the engine's processes join `group` as members ``first_member, first_member + 1, ...``;
+        returns once every member of the group has joined."""
+        raise EngineStateError(f"engine '{self.name}' cannot receive weights in its own processes")
+
+    async def _receive_weights(self, manifest: WeightManifest, *, load: bool) -> None:
+        """Receive every bucket of `manifest` from the joined group and load it (or only receive it)."""
+        raise EngineStateError(f"engine '{self.name}' never joined a weight group")
+
     # -- the interface -------------------------------------------------------------------------
     @property
     def version(self) -> int:
@@ -182,3 +202,18 @@ class RolloutEngine(abc.ABC):
         await self._load_weights(weights)
         self._version = new_version
         return new_version
+
+    async def receive_weights(self, manifest: WeightManifest, *, version: int, load: bool = True) -> int:
+        """Receive a version from the weight group the engine joined (`join_weight_group`) and, with `load`,
+        load it as `version` (paused only, and newer only, as `load_weights`); without, only take its
+        buckets off the wire (the broadcast is collective) and keep the weights. Returns the engine's version."""
+        if load:
+            if not self._paused:
+                raise EngineStateError(f"engine '{self.name}' is generating: pause() it before receive_weights()")
+            if version <= self._version:
+                raise EngineStateError(f"engine '{self.name}' holds version {self._version}; a weight load must "
+                                       f"bring a higher one, found {version}")
+        await self._receive_weights(manifest, load=load)
+        if load:
+            self._version = version
+        return self._version

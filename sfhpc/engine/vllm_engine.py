@@ -11,7 +11,9 @@ A thin adapter from `RolloutEngine` to vLLM's ``AsyncLLM``:
   last output holds the partial tokens, which the caller continues later (partial rollout);
 * ``load_weights`` ships raw bytes plus a table of names, dtypes and shapes to the engine's worker
   through ``collective_rpc`` and reloads them with ``model_runner.reload_weights`` (the in-place
-  reload path; ``model.load_weights`` fails after the CPU backend has post-processed the layers).
+  reload path; ``model.load_weights`` fails after the CPU backend has post-processed the layers). With the
+  torch weight transport the workers instead join the weight group themselves and receive each version
+  into their own memory (`sfhpc.engine.vllm_worker`): only the manifest goes through ``collective_rpc``.
   Pausing clears the KV and prefix caches, so nothing computed by old weights is reused.
 
 Every token of one vLLM request comes from one weight version: weights only change while paused, and a
@@ -29,19 +31,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
 import multiprocessing
 import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from sfhpc.config.recipe import EngineSpec
 from sfhpc.engine.base import FinishReason, GenerationChunk, GenerationRequest, RolloutEngine
+from sfhpc.engine.vllm_worker import EXTENSION as WORKER_EXTENSION
 
-RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
+if TYPE_CHECKING:
+    from sfhpc.weights.group import WeightGroup
+    from sfhpc.weights.manifest import WeightManifest
+
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
 # The engine's watchdog (see `_watch_engine`): it waits for its pipe to close, and kills the engine's core
@@ -105,27 +110,16 @@ def pack_weights(weights: Iterable[tuple[str, Any]]) -> tuple[list[tuple[str, st
     return table, blob
 
 
-class _QuietRotaryReload(logging.Filter):
-    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, logged on every in-place reload:
-    the rotary embedding holds a computed cos/sin cache that no checkpoint carries, and vLLM puts it back
-    as it was. One such line per weight update would bury a run's progress; other layers still warn."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
-
-
 def _reload_in_worker(worker: Any, table: list[tuple[str, str, tuple[int, ...], int, int]], blob: bytes) -> int:
     """Runs inside vLLM's worker process (through collective_rpc): rebuild tensors, reload in place."""
     import torch
 
-    reload_log = logging.getLogger(RELOAD_LOGGER)
-    if not any(isinstance(f, _QuietRotaryReload) for f in reload_log.filters):
-        reload_log.addFilter(_QuietRotaryReload())
+    from sfhpc.engine.vllm_worker import reload_in_place
 
     raw = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     weights = [(name, raw[offset:offset + nbytes].view(getattr(torch, dtype)).view(shape))
                for name, dtype, shape, offset, nbytes in table]
-    worker.model_runner.reload_weights(weights_iterator=iter(weights))
+    reload_in_place(worker.model_runner, weights)
     return len(weights)
 
 
@@ -133,9 +127,10 @@ class VllmEngine(RolloutEngine):
     """A vLLM ``AsyncLLM`` serving one model directory. Create it with `VllmEngine.start`."""
 
     def __init__(self, name: str, llm: Any, max_model_len: int, *, version: int = 0,
-                 watchdog: subprocess.Popen[bytes] | None = None) -> None:
+                 watchdog: subprocess.Popen[bytes] | None = None, workers: int = 1) -> None:
         super().__init__(name, version=version)
         self._llm = llm
+        self._workers = workers
         self._max_model_len = max_model_len
         self._open: set[str] = set()  # request ids whose stream has not ended
         self._watchdog = watchdog
@@ -164,11 +159,13 @@ class VllmEngine(RolloutEngine):
                                tensor_parallel_size=knobs.tensor_parallel_size,
                                gpu_memory_utilization=knobs.gpu_memory_utilization,
                                use_tqdm_on_load=False,  # a progress bar on the console at every start
+                               worker_extension_cls=WORKER_EXTENSION,  # joins the weight group (torch transport)
                                **optional)
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
         with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)
-        return cls(name, llm, max_model_len, version=version, watchdog=_watch_engine())
+        return cls(name, llm, max_model_len, version=version, watchdog=_watch_engine(),
+                   workers=knobs.tensor_parallel_size)
 
     @property
     def max_model_len(self) -> int:
@@ -226,6 +223,18 @@ class VllmEngine(RolloutEngine):
         table, blob = pack_weights(weights)
         await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
         await self._llm.reset_prefix_cache()
+
+    @property
+    def weight_group_members(self) -> int:
+        return self._workers  # every tensor-parallel worker receives the version and loads its shard
+
+    async def join_weight_group(self, group: WeightGroup, first_member: int) -> None:
+        await self._llm.collective_rpc("sfhpc_join_weight_group", args=(group.to_json(), first_member))
+
+    async def _receive_weights(self, manifest: WeightManifest, *, load: bool) -> None:
+        await self._llm.collective_rpc("sfhpc_receive_weights", args=(manifest.to_json(), load))
+        if load:
+            await self._llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         """Stop the engine's processes. The AsyncLLM object is dropped here, not at interpreter exit: its

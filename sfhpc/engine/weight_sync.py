@@ -35,22 +35,29 @@ async def apply_version(engine: RolloutEngine, incoming: IncomingWeights) -> int
     resume (if this call paused it). Returns the new version.
 
     If a load fails the engine holds a mix of two versions: it stays paused and the error propagates
-    (after the rest of the version is drained, so the other ranks of the group are not left waiting).
+    (after the rest of the version is drained, so the other ranks of the group are not left waiting; where
+    the engine's processes receive the buckets themselves, a failure there ends the run through the fault path).
     """
     if incoming.version <= engine.version:
+        if incoming.lands_in_engine:
+            await engine.receive_weights(incoming.manifest, version=incoming.version, load=False)
         incoming.drain()
         raise EngineStateError(f"engine '{engine.name}' holds version {engine.version}; the broadcast brought "
                                f"version {incoming.version}, which is not newer")
     was_paused = engine.paused
     await engine.pause()
     try:
-        if incoming.num_buckets == 0:
+        if incoming.lands_in_engine:  # the engine's own processes receive the buckets and load them
+            await engine.receive_weights(incoming.manifest, version=incoming.version)
+            incoming.landed()
+        elif incoming.num_buckets == 0:
             await engine.load_weights([], version=incoming.version)
-        for index, bucket in enumerate(incoming):
-            if index + 1 < incoming.num_buckets:
-                await engine._load_weights(bucket)
-            else:
-                await engine.load_weights(bucket, version=incoming.version)
+        else:
+            for index, bucket in enumerate(incoming):
+                if index + 1 < incoming.num_buckets:
+                    await engine._load_weights(bucket)
+                else:
+                    await engine.load_weights(bucket, version=incoming.version)
     except BaseException:
         incoming.drain()
         raise

@@ -182,6 +182,8 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
                                lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts)
         try:
             assert trainer_worker is not None or not lendable  # lendable ranks are trainer ranks
+            if trainer_worker is not None:
+                trainer_worker.open_weight_stream()
             serve(layout, trainer=trainer_worker, rollout=worker, lent=lendable)
         except BaseException:
             # On the way to the fault path (sfhpc.runtime.fault): the agent programs and the engine are ended
@@ -190,6 +192,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
             raise
         worker.close()
     elif trainer_worker is not None:
+        trainer_worker.open_weight_stream()
         serve(layout, trainer=trainer_worker)
     return {"rank": identity.rank, "roles": list(identity.roles)}
 

@@ -45,6 +45,7 @@ from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault_injection, preemption
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
+from sfhpc.weights.group import WeightGroup
 
 log = logging.getLogger("sfhpc")
 
@@ -96,9 +97,15 @@ class RolloutWorker:
         self.receiver = None
         if trainer is None and layout.weight_broadcast is not None:
             from sfhpc.weights.publisher import WeightReceiver
-            from sfhpc.weights.transport import MPITransport
+            from sfhpc.weights.transport import connect
 
-            self.receiver = WeightReceiver(MPITransport(layout.weight_broadcast, root=0))
+            def join_engine(group: WeightGroup, first_member: int) -> None:
+                self.server.call(self.engine.join_weight_group(group, first_member), timeout=group.timeout_s + 60)
+
+            members = self.engine.weight_group_members
+            self.receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport,
+                                                   engine_members=members,
+                                                   join_engine=join_engine if members else None))
         self.playing: list[Future[Any]] = []
         self.quiesced = False  # the engine is paused for good: the rank is stopping
         # The episodes playing now (on the endpoint's loop), each with the trajectory ids it started: what a

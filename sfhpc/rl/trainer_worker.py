@@ -17,6 +17,7 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.rl import messages as msg
 from sfhpc.runtime import fault_injection
 from sfhpc.runtime.comm_layout import CommLayout
+from sfhpc.weights.publisher import WeightPublisher
 
 
 def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_from: Path | None = None) -> Any:
@@ -53,12 +54,16 @@ class TrainerWorker:
         assert layout.trainers is not None  # a trainer rank is in the trainers' communicator
         self.trainers = layout.trainers
         self.is_first = self.trainers.Get_rank() == 0
-        self.publisher = None
-        if layout.weight_broadcast is not None and self.rank == layout.weight_root:
-            from sfhpc.weights.publisher import WeightPublisher
-            from sfhpc.weights.transport import MPITransport
+        self.publisher: WeightPublisher | None = None
 
-            self.publisher = WeightPublisher(MPITransport(layout.weight_broadcast, root=0))
+    def open_weight_stream(self) -> None:
+        """The first trainer opens the weight broadcast (collective with the engine ranks, which join once their
+        engines are up): after this rank's own engine, if lent, has started, so the two start side by side."""
+        layout = self.layout
+        if layout.weight_broadcast is not None and self.rank == layout.weight_root:
+            from sfhpc.weights.transport import connect
+
+            self.publisher = WeightPublisher(connect(layout.weight_broadcast, self.recipe.engine.weight_transport))
 
     def train(self, command: msg.Train) -> msg.Trained | None:
         if hold := fault_injection.hold_seconds("train"):

@@ -6,7 +6,8 @@ Nothing else in sfhpc calls ``Split``. The layout is validated when it is built 
 * ``trainers``         the ranks with the trainer role (data-parallel training, DDP over gloo);
 * ``rollouts``         the ranks with the rollout role (inference engines + agent endpoints);
 * ``weight_broadcast`` the first trainer rank (root, rank 0 in this communicator) and every rollout
-  rank: new weights are broadcast over it;
+  rank that does not train (a rank that also trains loads its own trainer's weights): new weights are
+  broadcast over it;
 * ``manager_link``     a duplicate of ``world`` that carries only the trajectory manager's requests
   (the controller serves them in a thread of its own, so they must not mix with control messages); a
   trainer rank lent to rollout (``seamless``) records its episodes over it like a rollout rank, while
@@ -74,7 +75,7 @@ def build_comm_layout(world: Any, plan: LaunchPlan) -> CommLayout:
         raise SfhpcError(f"the controller must be world rank {CONTROLLER_RANK} alone, found ranks {controllers}")
     if not trainers or not rollouts:
         raise SfhpcError("a run needs at least one trainer rank and one rollout rank")
-    broadcast = (trainers[0], *(r for r in rollouts if r != trainers[0]))
+    broadcast = (trainers[0], *(r for r in rollouts if r not in trainers))
     me = world.Get_rank()
 
     def split(members: tuple[int, ...]) -> Any | None:

@@ -1,7 +1,7 @@
 """The weight publisher: versioned, bucketed broadcast of new weights from the trainer to every engine.
 
-`manifest` lays a version out in buckets and messages, `transport` moves bytes (MPI now; the NCCL seam
-is described there) and `publisher` holds the two ends.
+`manifest` lays a version out in buckets and messages, `transport` moves bytes (MPI, or a
+`torch.distributed` group that `group` builds) and `publisher` holds the two ends.
 """
 
 from sfhpc.weights.errors import WeightStreamError
@@ -14,8 +14,8 @@ from sfhpc.weights.publisher import (
     WeightPublisher,
     WeightReceiver,
 )
-from sfhpc.weights.transport import MPITransport, Transfer, WeightTransport
+from sfhpc.weights.transport import MPITransport, TorchTransport, Transfer, WeightTransport, connect
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "IncomingWeights", "MPITransport", "Message",
            "PendingVersion", "PublishStats", "TensorMeta", "Transfer", "WeightManifest", "WeightPublisher",
-           "WeightReceiver", "WeightStreamError", "WeightTransport"]
+           "TorchTransport", "WeightReceiver", "WeightStreamError", "WeightTransport", "connect"]

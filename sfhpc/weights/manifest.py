@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -86,6 +87,19 @@ class WeightManifest:
         for m in self.messages:
             messages[m.bucket].append(m)
         return [tuple(b) for b in tensors], [tuple(b) for b in messages]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain lists and numbers (what crosses a process boundary that encodes dataclasses as dicts, such as
+        vLLM's ``collective_rpc``); `from_json` rebuilds the manifest."""
+        return {"version": self.version, "layout": self.layout, "bucket_sizes": list(self.bucket_sizes),
+                "tensors": [[t.name, list(t.shape), t.dtype, t.bucket, t.offset, t.nbytes] for t in self.tensors],
+                "messages": [[m.bucket, m.offset, m.nbytes] for m in self.messages]}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WeightManifest:
+        return cls(version=data["version"], layout=data["layout"], bucket_sizes=tuple(data["bucket_sizes"]),
+                   tensors=tuple(TensorMeta(n, tuple(shape), d, b, o, nb) for n, shape, d, b, o, nb in data["tensors"]),
+                   messages=tuple(Message(*m) for m in data["messages"]))
 
     def __getstate__(self) -> dict[str, object]:
         # The per-bucket index is rebuilt on arrival; it need not travel.

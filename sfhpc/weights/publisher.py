@@ -145,7 +145,7 @@ class WeightPublisher:
         self._header_words[:] = (_NEW_LAYOUT if new_layout else _SAME_LAYOUT, version, manifest.layout,
                                  len(manifest.messages))
         # The header's completion is waited for with the rest (the header buffer is not touched before).
-        transfers: list[Transfer] = [self.transport.post([self.transport.wire(self._header)])]
+        transfers: list[Transfer] = [self.transport.post_header(self._header)]
         if new_layout:
             self.transport.share_manifest(dataclasses.replace(manifest, version=version))
             self._announced = manifest.layout
@@ -161,7 +161,7 @@ class WeightPublisher:
     def finish(self) -> None:
         """Tell every receiver there are no more versions (their `receive` returns None)."""
         self._header_words[:] = (_FINISH, 0, 0, 0)
-        self.transport.post([self.transport.wire(self._header)]).wait()
+        self.transport.post_header(self._header).wait()
 
 
 class _ReceiverLayout:
@@ -234,8 +234,26 @@ class IncomingWeights:
             self._next = index + 1
             yield views
 
+    @property
+    def lands_in_engine(self) -> bool:
+        """True when the engine's own processes receive the buckets (`WeightTransport.engine_receives`): hand
+        `manifest` to the engine (`RolloutEngine.receive_weights`), then call `landed`; do not iterate."""
+        return self._receiver.transport.engine_receives
+
+    def landed(self) -> None:
+        """The engine received every bucket itself: the version is consumed here too."""
+        if not self.lands_in_engine:
+            raise WeightStreamError("this rank receives the buckets itself: iterate or drain() them")
+        if not self.done:
+            self._next = self.num_buckets
+            self._receiver._post_header()
+
     def drain(self) -> None:
-        """Receive and drop the remaining buckets (collective: the other ranks wait for them)."""
+        """Receive and drop the remaining buckets (collective: the other ranks wait for them). Where the
+        engine receives them, only the engine can: call `RolloutEngine.receive_weights(..., load=False)`."""
+        if self.lands_in_engine:
+            self.landed()
+            return
         for _ in self:
             pass
 
@@ -299,7 +317,7 @@ class WeightReceiver:
         # so the header is already waiting when the publisher sends: a version costs the publisher's
         # latency once, not once more for a receiver that only starts listening when asked.
         header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
-        self._pending = PendingVersion(self, header, self.transport.post([self.transport.wire(header)]))
+        self._pending = PendingVersion(self, header, self.transport.post_header(header))
 
     def receive(self) -> IncomingWeights | None:
         """Wait for the next version; None once the publisher has called `finish`.

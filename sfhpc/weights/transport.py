@@ -4,32 +4,40 @@ A transport is a broadcast group with one source (trainer rank 0) and any number
 engine ranks). It moves three things, in the same order on every member: a fixed-size header per
 version, the manifest when the layout changes, and messages (flat uint8 byte ranges) that the source
 sends from its memory and every receiver lands in its own. The publisher and receiver in
-`sfhpc.weights.publisher` only talk to this interface.
+`sfhpc.weights.publisher` only talk to this interface; `connect` (collective over the weight-broadcast
+communicator) builds the transport a recipe's ``engine.weight_transport`` names.
 
-`MPITransport` is the one implemented: host memory and non-blocking ``MPI_Ibcast`` over a communicator
-that holds exactly the trainer's source rank and the engine ranks (the runtime's weight-broadcast group)
-and carries nothing else: receivers post the next header as soon as they have posted a version's last
-bucket, and MPI matches collectives on one communicator in posting order, so any other collective on
-it would be matched against that header.
-Headers and messages are non-blocking on every member because MPI never matches a blocking collective
-with a non-blocking one, and a rollout rank must be able to wait for a version without blocking its
-event loop.
+`MPITransport`: host memory and non-blocking ``MPI_Ibcast`` over a communicator that holds exactly the
+trainer's source rank and the engine ranks (the runtime's weight-broadcast group) and carries nothing
+else: receivers post the next header as soon as they have posted a version's last bucket, and MPI
+matches collectives on one communicator in posting order, so any other collective on it would be matched
+against that header. Headers and messages are non-blocking on every member because MPI never matches a
+blocking collective with a non-blocking one, and a rollout rank must be able to wait for a version
+without blocking its event loop.
 
-The seam for GPUs: an ``NcclTransport`` would keep the header and manifest on MPI (small, and the group
-already exists) but `allocate` buffers in device memory, and `post` each message with
-``torch.distributed.broadcast(async_op=True)`` on a NCCL group of the same ranks (or hand it to vLLM's
-weight-transfer engine), so the bytes never touch the host. Nothing above this module changes.
+`TorchTransport`: the header and manifest stay on MPI (small, and the group exists), the messages go over
+a `torch.distributed` group (`sfhpc.weights.group`: NCCL between GPUs, gloo on CPUs) from buffers in the
+backend's device memory. Its receivers are either the ranks themselves or, where an engine can join the
+group (vLLM: a worker extension, `sfhpc.engine.vllm_worker`), the engine's own processes, which receive
+each bucket into their device memory and load it there: the bytes are not copied to the rank's host
+memory nor pickled on their way to the engine.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import torch
 
+from sfhpc.weights import group as weight_group
 from sfhpc.weights.manifest import MAX_MESSAGE, WeightManifest
+
+TransportChoice = Literal["auto", "mpi", "torch"]
+log = logging.getLogger("sfhpc")
 
 
 class Transfer(abc.ABC):
@@ -71,11 +79,21 @@ class WeightTransport(abc.ABC):
         for transfer in transfers:
             transfer.wait()
 
+    @property
+    def engine_receives(self) -> bool:
+        """True on a receiver whose engine's own processes are the members that receive the messages: the
+        rank takes the header and manifest, and hands the version to its engine (`RolloutEngine.receive_weights`)."""
+        return False
+
+    def post_header(self, header: torch.Tensor) -> Transfer:
+        """Start broadcasting a version's header (a small host tensor) from the source."""
+        return self.post([self.wire(header)])
+
     @abc.abstractmethod
     def wire(self, tensor: torch.Tensor, start: int = 0, nbytes: int | None = None) -> Any:
-        """This transport's handle to bytes ``[start, start + nbytes)`` of a contiguous host `tensor` (any
-        dtype; default: all of it), for `post`. Made once and reused where the memory is persistent; the
-        handle does not keep the tensor alive."""
+        """This transport's handle to bytes ``[start, start + nbytes)`` of a contiguous `tensor` in memory
+        `allocate` gives (any dtype; default: all of it), for `post`. Made once and reused where the memory is
+        persistent; the handle does not keep the tensor alive."""
 
     @abc.abstractmethod
     def post(self, messages: Sequence[Any]) -> Transfer:
@@ -152,3 +170,102 @@ class MPITransport(WeightTransport):
 
     def post(self, messages: Sequence[Any]) -> Transfer:
         return _Requests([self.comm.Ibcast(message, root=self.root) for message in messages])
+
+
+class _Works(Transfer):
+    def __init__(self, works: list[Any]) -> None:
+        self._works = works
+
+    def test(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+    def wait(self) -> None:
+        for work in self._works:
+            work.wait()
+
+
+class TorchTransport(WeightTransport):
+    """Messages over a `torch.distributed` process group of the source and the receiving members, the
+    header and manifest over `control` (MPI). Build it with `connect`.
+
+    `process_group` is None on a rank whose engine joined the group in its place (`engine_receives`): that
+    rank posts headers and reads manifests only."""
+
+    def __init__(self, control: MPITransport, process_group: Any, device: torch.device, *,
+                 engine_receives: bool = False, store: Any = None) -> None:
+        self.control = control
+        self.process_group = process_group
+        self.device = device
+        self._engine_receives = engine_receives
+        self._store = store  # the source keeps the members' meeting point open while the group lives
+
+    @property
+    def is_source(self) -> bool:
+        return self.control.is_source
+
+    @property
+    def size(self) -> int:
+        return self.control.size
+
+    @property
+    def engine_receives(self) -> bool:
+        return self._engine_receives
+
+    def share_manifest(self, manifest: WeightManifest | None) -> WeightManifest | None:
+        return self.control.share_manifest(manifest)
+
+    def post_header(self, header: torch.Tensor) -> Transfer:
+        return self.control.post([self.control.wire(header)])
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def wire(self, tensor: torch.Tensor, start: int = 0, nbytes: int | None = None) -> Any:
+        size = tensor.numel() * tensor.element_size()
+        nbytes = size - start if nbytes is None else nbytes
+        if not tensor.is_contiguous() or not 0 <= start <= start + nbytes <= size:
+            raise ValueError("TorchTransport sends byte ranges of contiguous tensors")
+        return tensor.reshape(-1).view(torch.uint8)[start:start + nbytes]
+
+    def post(self, messages: Sequence[Any]) -> Transfer:
+        if self.process_group is None:
+            raise RuntimeError("this rank's engine receives the weights itself; the rank posts no message")
+        return _Works([weight_group.broadcast(self.process_group, message) for message in messages])
+
+
+def connect(comm: Any, choice: TransportChoice = "auto", *, root: int = 0, engine_members: int = 0,
+            join_engine: Callable[[weight_group.WeightGroup, int], None] | None = None,
+            poll_s: float = 0.02) -> WeightTransport:
+    """The transport `choice` names, on every member of the weight-broadcast communicator `comm` (collective).
+
+    ``auto`` is ``torch`` where the source has CUDA, else ``mpi``. A receiver whose engine can join a
+    torch group passes `engine_members` (the engine's processes that join: its tensor-parallel workers) and
+    `join_engine(group, first_member)`, which returns once they have joined; other receivers join
+    themselves. The waits sleep between tests: the source arrives here long before the engines have started.
+    """
+    arrived = comm.Ibarrier()  # every member is here before anything blocks
+    while not arrived.Test():
+        time.sleep(poll_s)
+    source = comm.Get_rank() == root
+    resolved = ("torch" if torch.cuda.is_available() else "mpi") if choice == "auto" else choice
+    resolved = comm.bcast(resolved if source else None, root=root)
+    control = MPITransport(comm, root)
+    if resolved == "mpi":
+        if source:
+            log.info("weights travel over MPI (host memory), %d receiving ranks", comm.Get_size() - 1)
+        return control
+    members = comm.allgather(1 if source or join_engine is None else max(1, engine_members))
+    order = [root, *(r for r in range(comm.Get_size()) if r != root)]  # the source is member 0
+    first = sum(members[r] for r in order[:order.index(comm.Get_rank())])
+    opened = weight_group.open_group(sum(members)) if source else None
+    group = weight_group.WeightGroup.from_json(comm.bcast(opened[0].to_json() if opened else None, root=root))
+    log.info("weights travel over torch.distributed (%s), %d members; %s", group.backend, group.size,
+             "this rank sends as member 0" if source else
+             f"this rank's engine receives as members {first}-{first + members[comm.Get_rank()] - 1}"
+             if join_engine is not None else f"this rank receives as member {first}")
+    if opened is not None:
+        return TorchTransport(control, weight_group.join(group, 0, store=opened[1]), group.device, store=opened[1])
+    if join_engine is not None:
+        join_engine(group, first)
+        return TorchTransport(control, None, group.device, engine_receives=True)
+    return TorchTransport(control, weight_group.join(group, first), group.device)

@@ -12,6 +12,9 @@ of the lost allocation again; its new groups must not meet them.
 A crash can also cut the last line of ``metrics.jsonl`` and ``events.jsonl`` (a kill, a full disk while it was
 written): they are cut here before the resume. The analysis reads the folder as it is, warning of the cut line;
 the resume sets the cut text aside beside each log (``<name>.damaged``) and appends after it.
+
+The weights travel over the torch transport (a gloo group of the trainer and the rollout rank), built anew by
+the resumed run.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ GROUP, PROMPTS, STALENESS = 2, 2, 3
 RECIPE = f"""\
 name: crash
 seed: 4
-engine: {{name: test}}
+engine: {{name: test, weight_transport: torch}}
 model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: {GROUP}}}
 pipeline: {{mode: async, max_staleness: {STALENESS}}}
@@ -125,6 +128,10 @@ def test_a_crashed_run_resumes_without_merging_groups_or_training_anything_twice
     assert f"{run_dir / 'events.jsonl'}: line {events_line} was cut" in out
     assert (run_dir / "metrics.jsonl.damaged").read_bytes() == metrics_kept + b"\n"
     assert (run_dir / "events.jsonl.damaged").read_bytes() == events_kept + b"\n"
+    # Both allocations sent the weights over a torch group (gloo) of the trainer and the rollout rank.
+    logs = "".join(log.read_text() for log in (run_dir / "logs").glob("rank-*.log"))
+    assert logs.count("weights travel over torch.distributed (gloo), 2 members; this rank sends as member 0") == 2
+    assert logs.count("this rank receives as member 1") == 2
     (resumed,) = [e for e in events(run_dir) if e["event"] == "resumed"]
     assert resumed["step"] == 3 and resumed["version"] == 3
     assert resumed["waiting_groups"] >= 1  # step 4's groups, finished by version 3: trained as they are

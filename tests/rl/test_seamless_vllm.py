@@ -6,6 +6,9 @@ token), so when a batch is ready the lent trainer's engine is mid-reply: those r
 finish on rank 2's engine from their prefix, in one reply the task judged as it is stored. The lent engine
 gets only the step's new episodes and runs dry before the rollout engine: it then takes half the replies
 the rollout engine is writing (rebalancing), which go on from their prefix on the lent engine.
+
+The weights travel over the torch transport (``engine.weight_transport: torch``; gloo here): the rollout
+engine's vLLM worker joins the group and receives every version itself.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ name: lend-vllm
 seed: 4
 algorithm: {{group_size: 2}}
 pipeline: {{mode: seamless, max_staleness: 2}}
+engine: {{name: vllm, weight_transport: torch}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: {REPLY_TOKENS}}}
 """ + task_and_roles(REPLY_TOKENS)
 
@@ -40,6 +44,10 @@ def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_e
     lent_steps = [r["step"] for r, before in zip(rows, [0] + [r["lends"] for r in rows]) if r["lends"] > before]
     assert lent_steps[:1] == [1] and [e["step"] for e in reclaims] == lent_steps, reclaims
     assert all(r["reclaim_s"] < 5.0 for r in rows), [r["reclaim_s"] for r in rows]  # a cut, not a wait
+    # Every version reached the rollout engine's worker over the torch group.
+    logs = "".join(log.read_text() for log in (run_dir / "logs").glob("rank-*.log"))
+    assert "weights travel over torch.distributed (gloo), 2 members; this rank sends as member 0" in logs
+    assert "this rank's engine receives as members 1-1" in logs
     assert sum(e["continued"] for e in reclaims) >= 1, reclaims
 
     tokenizer = load_tokenizer(run_dir / "model")

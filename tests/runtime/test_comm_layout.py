@@ -37,5 +37,7 @@ def test_disaggregated_layout() -> None:
 def test_colocated_layout() -> None:
     seen, _ = run_ranks("report-colocated.yaml", 3)  # 0 controller, 1-2 trainer+rollout
     group = {"members": [1, 2], "root": 1}
-    for name in ("trainers", "rollouts", "weight_broadcast"):
+    for name in ("trainers", "rollouts"):
         assert [s[name] for s in seen] == [None, group, group]
+    # Both rollout ranks train and load their own trainer's weights: the broadcast has no receiver.
+    assert [s["weight_broadcast"] for s in seen] == [None, {"members": [1], "root": 1}, None]

@@ -1,4 +1,5 @@
-"""Rank program of the broadcast test: `mpiexec -n 3 python -m tests.weights.broadcast_ranks OUT_DIR`.
+"""Rank program of the broadcast test: `mpiexec -n 3 python -m tests.weights.broadcast_ranks OUT_DIR TRANSPORT`
+(`mpi` or `torch`: a torch.distributed group, gloo here).
 
 Rank 0 publishes three versions of a mixed set of tensors in small buckets (the second staged and sent in
 two calls, the third cast to bf16 on the way, a new layout) and then finishes. Ranks 1 and
@@ -40,12 +41,13 @@ def digest(t: torch.Tensor) -> str:
 def main() -> int:
     from mpi4py import MPI
 
-    from sfhpc.weights import MPITransport, WeightPublisher, WeightReceiver
+    from sfhpc.weights import WeightPublisher, WeightReceiver, connect
 
     out = Path(sys.argv[1])
     world = MPI.COMM_WORLD
     comm = world.Split(0, world.Get_rank())  # the weight-broadcast group
-    transport = MPITransport(comm, root=0)
+    transport = connect(comm, sys.argv[2], root=0)
+    assert type(transport).__name__ == {"mpi": "MPITransport", "torch": "TorchTransport"}[sys.argv[2]]
     record: list[dict[str, object]] = []
     if transport.is_source:
         publisher = WeightPublisher(transport, bucket_bytes=BUCKET_BYTES)

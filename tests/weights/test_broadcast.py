@@ -1,5 +1,6 @@
-"""The weight publisher over MPI: three ranks, bit-identical tensors (copied or cast into staging, staged
-and sent in one call or two), versions that arrive, a manifest only when the layout changes."""
+"""The weight publisher over each transport (MPI, and a torch.distributed group: gloo here, NCCL on GPUs):
+three ranks, bit-identical tensors (copied or cast into staging, staged and sent in one call or two),
+versions that arrive, a manifest only when the layout changes."""
 
 from __future__ import annotations
 
@@ -16,10 +17,11 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.mpi
 
 
-def test_three_ranks_receive_bit_identical_versions(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_three_ranks_receive_bit_identical_versions(tmp_path: Path, transport: str) -> None:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "3", sys.executable, "-m",
-                           "tests.weights.broadcast_ranks", str(tmp_path)],
+                           "tests.weights.broadcast_ranks", str(tmp_path), transport],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     sent = json.loads((tmp_path / "rank0.json").read_text())

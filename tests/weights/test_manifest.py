@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from sfhpc.weights.manifest import ALIGN, pack, plan_buckets, unpack
+from sfhpc.weights.manifest import ALIGN, WeightManifest, pack, plan_buckets, unpack
 
 
 def test_tensors_fill_buckets_in_order_and_an_oversized_one_travels_alone() -> None:
@@ -76,3 +78,13 @@ def test_pack_casts_into_the_wire_dtype() -> None:
     pack(m.bucket(0), [t for _, t in named], buffer)
     for (_, want), (_, got) in zip(named, unpack(buffer, m.bucket(0))):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
+
+
+def test_a_manifest_survives_plain_json_as_it_crosses_to_an_engine_worker() -> None:
+    named = [("a", torch.randn(40, 40)), ("b", torch.zeros(3, dtype=torch.int64)), ("c", torch.randn(7))]
+    m = plan_buckets(named, 9, 2048, dtype=torch.bfloat16, message_bytes=1024)
+    plain = json.loads(json.dumps(m.to_json()))  # lists and numbers only: what vLLM's RPC carries
+    back = WeightManifest.from_json(plain)
+    assert back == m and back.layout == m.layout and back.version == 9
+    assert [back.bucket_messages(b) for b in range(back.num_buckets)] == \
+        [m.bucket_messages(b) for b in range(m.num_buckets)]

@@ -1,6 +1,7 @@
-"""Weights into a running vLLM engine over MPI: a trainer rank publishes, an engine rank loads them while
-it serves, and greedy generation shows the new weights (and, with the original weights back, the old
-output again)."""
+"""Weights into a running vLLM engine over each transport (MPI to the rank; a torch.distributed group, gloo
+here, that vLLM's worker joins and receives into itself): a trainer rank publishes, the engine loads them
+while it serves, greedy generation shows the new weights (and, with the original weights back, the old
+output again), and the trainer's logprobs of a reply the engine sampled match the engine's."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from tests.conftest import ROOT
 pytestmark = [pytest.mark.mpi, pytest.mark.vllm]
 
 
-def test_trainer_publishes_into_a_running_vllm_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_trainer_publishes_into_a_running_vllm_engine(tmp_path: Path, transport: str) -> None:
     model_dir = build_tiny_model(ModelSpec(), tmp_path / "tiny", seed=0)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path)],
+                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path), transport],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     trainer = json.loads((tmp_path / "rank0.json").read_text())
@@ -45,3 +47,12 @@ def test_trainer_publishes_into_a_running_vllm_engine(tmp_path: Path) -> None:
     assert restored["engine_version"] == 2 and restored["versions"] == [2] * 16
     assert restored["tokens"] == before["tokens"]
     assert engine["finished"]
+
+    assert trainer["transport"] == {"mpi": "MPITransport", "torch": "TorchTransport"}[transport]
+    assert engine["lands_in_engine"] == (transport == "torch")  # the worker received the buckets, not the rank
+    # The engine sampled with the weights the trainer holds: the trainer's float32 logprobs of those tokens
+    # match the engine's (bf16 weights) closely; with the engine's old weights they would not.
+    sampled, scored = engine["sampled"], trainer["scored_logprobs"]
+    assert sampled["versions"] == [1] * 16 and len(scored) == 16
+    gaps = [abs(a - b) for a, b in zip(sampled["logprobs"], scored)]
+    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03, gaps

@@ -64,6 +64,7 @@ def main() -> int:
                     {"metrics": metrics, "weights": _values(alone.named_weights(dtype=dtype))}))
         elif me in layout.trainer_ranks:
             worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir))
+            worker.open_weight_stream()
             for _ in range(2):  # the step, then the weight update, as the controller sent them
                 command = msg.receive(world, layout.controller_rank)
                 reply = worker.train(command) if isinstance(command, msg.Train) else worker.publish(command)

@@ -1,0 +1,81 @@
+"""What sfhpc adds to vLLM's worker processes (vLLM's ``worker_extension_cls``): joining the weight group and
+receiving weights there, so that a version goes from the trainer's buffers into the worker's own device
+memory (NCCL between GPUs, gloo on CPUs) with no copy through the rollout rank and no pickle.
+
+vLLM mixes this class into its worker class and calls its methods by name through ``collective_rpc``: every
+worker of the engine (one per tensor-parallel rank) runs them. Each worker receives the whole version and
+`reload_weights` takes from it what its own shard needs. Only the manifest (names, shapes, offsets) travels
+with the call. The module is imported inside vLLM's worker: nothing here imports MPI.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from sfhpc.weights import group as weight_group
+from sfhpc.weights.manifest import WeightManifest, unpack
+
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"  # vLLM's in-place reload
+EXTENSION = f"{__name__}.WeightGroupWorker"  # the engine argument that names this class
+
+
+class QuietRotaryReload(logging.Filter):
+    """Drops vLLM's "RotaryEmbedding: Failed to load weights" warning, logged on every in-place reload:
+    the rotary embedding holds a computed cos/sin cache that no checkpoint carries, and vLLM puts it back
+    as it was. One such line per weight update would bury a run's progress; other layers still warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != "RotaryEmbedding: Failed to load weights"
+
+
+def reload_in_place(model_runner: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Load `weights` (any subset of the model's, in checkpoint naming) into the running model in place."""
+    reload_log = logging.getLogger(RELOAD_LOGGER)
+    if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
+        reload_log.addFilter(QuietRotaryReload())
+    model_runner.reload_weights(weights_iterator=iter(weights))
+
+
+class WeightGroupWorker:
+    """Methods vLLM's worker gains (``self`` is the worker: ``rank``, ``device``, ``model_runner``)."""
+
+    rank: int
+    model_runner: Any
+    _sfhpc_weight_group: Any = None
+    _sfhpc_weight_device: torch.device = torch.device("cpu")
+
+    def sfhpc_join_weight_group(self, address: dict[str, Any], first_member: int) -> int:
+        """Join the weight group as member ``first_member + rank``; returns once every member has joined."""
+        group = weight_group.WeightGroup.from_json(address)
+        member = first_member + self.rank
+        self._sfhpc_weight_group = weight_group.join(group, member)
+        self._sfhpc_weight_device = group.device  # this worker's GPU under NCCL
+        return member
+
+    def sfhpc_receive_weights(self, plain_manifest: dict[str, Any], load: bool) -> int:
+        """Receive every bucket of the manifest (`WeightManifest.to_json`) into this worker's memory and (with
+        `load`) reload it in place; the next bucket is on its way while one loads. Returns the buckets received."""
+        manifest = WeightManifest.from_json(plain_manifest)
+        group = self._sfhpc_weight_group
+        if group is None:
+            raise RuntimeError("this vLLM worker never joined a weight group")
+        device = self._sfhpc_weight_device
+        largest = max(manifest.bucket_sizes, default=0)
+        buffers = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(min(2, manifest.num_buckets))]
+
+        def post(index: int) -> list[Any]:
+            buffer = buffers[index % len(buffers)]
+            return [weight_group.broadcast(group, buffer[m.offset:m.end]) for m in manifest.bucket_messages(index)]
+
+        pending = post(0) if manifest.num_buckets else []
+        for index in range(manifest.num_buckets):
+            for work in pending:
+                work.wait()
+            # The other buffer is free once the bucket before this one is loaded: receive into it meanwhile.
+            pending = post(index + 1) if index + 1 < manifest.num_buckets else []
+            if load:
+                reload_in_place(self.model_runner, unpack(buffers[index % len(buffers)], manifest.bucket(index)))
+        return manifest.num_buckets
