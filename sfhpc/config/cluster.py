@@ -53,6 +53,8 @@ class Pool:
     gpus_per_node: int = setting(0, "GPUs per node, Slurm's gres/gpu (checked against the live nodes)")
     gpu_type: str | None = setting(None, "the GPU model (h100, l40s): shown by tags show, read by the simulator's cost "
                                          "model")
+    gpu_memory_gib: float = setting(0.0, "memory of one GPU in GiB (80 for an H100): where a trainer rank shares its "
+                                         "GPU with an engine, the plan checks that both fit (0: not said, not checked)")
     interconnect: str | None = setting(None, "the node's network, for the reader (not checked, not used)")
 
     def validate(self, where: Where) -> None:
@@ -66,6 +68,8 @@ class Pool:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
         if self.gpus_per_node < 0:
             raise where.child("gpus_per_node").error(f"must be 0 or more, found {self.gpus_per_node}")
+        if not self.gpu_memory_gib >= 0:
+            raise where.child("gpu_memory_gib").error(f"must be 0 or more GiB, found {self.gpu_memory_gib}")
 
     @property
     def label(self) -> str:

@@ -105,6 +105,7 @@ class RolloutEngine(abc.ABC):
         self._pauses = 0
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self._sleeping = False
 
     # -- what a backend implements ---------------------------------------------------------------
     @property
@@ -152,7 +153,32 @@ class RolloutEngine(abc.ABC):
         """Receive every bucket of `manifest` from the joined group and load it (or only receive it)."""
         raise EngineStateError(f"engine '{self.name}' never joined a weight group")
 
+    async def _sleep(self) -> None:  # noqa: B027 (a hook most engines leave empty)
+        """Give the engine's device memory back (called paused); engines without such memory do nothing."""
+
+    async def _wake_up(self) -> None:  # noqa: B027
+        """Take the memory `_sleep` gave back, the weights as they were."""
+
     # -- the interface -------------------------------------------------------------------------
+    @property
+    def sleeping(self) -> bool:
+        return self._sleeping
+
+    async def sleep(self) -> None:
+        """Pause (if generating) and give the device memory back to the trainer that shares the GPU; the
+        next `wake_up` restores it, the weights unchanged."""
+        if self._sleeping:
+            return
+        await self.pause()
+        await self._sleep()
+        self._sleeping = True
+
+    async def wake_up(self) -> None:
+        """Take the memory back (still paused: the caller resumes)."""
+        if self._sleeping:
+            await self._wake_up()
+            self._sleeping = False
+
     @property
     def version(self) -> int:
         """Version of the weights that generate now."""

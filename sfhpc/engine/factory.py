@@ -9,8 +9,10 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.engine.base import RolloutEngine
 
 
-def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
-    """A running engine for rank `rank`: vLLM on the policy folder, or the deterministic test engine."""
+def start_engine(recipe: Recipe, model_dir: Path, rank: int, *, shares_gpu: bool = False) -> RolloutEngine:
+    """A running engine for rank `rank`: vLLM on the policy folder, or the deterministic test engine.
+    `shares_gpu`: the rank trains too (colocated, or lent in seamless), so the engine sizes itself to the
+    memory the trainer left and sleeps while the trainer trains."""
     spec, timing = recipe.engine, recipe.timing_model
     if spec.name == "test":
         from sfhpc.engine.scripted import ScriptedEngine
@@ -25,7 +27,7 @@ def start_engine(recipe: Recipe, model_dir: Path, rank: int) -> RolloutEngine:
     from sfhpc.engine.vllm_engine import VllmEngine
 
     return VllmEngine.start(f"vllm-r{rank}", model_dir, max_model_len=recipe.model.max_seq_len,
-                            dtype=recipe.model.dtype, seed=recipe.seed + rank, knobs=spec)
+                            dtype=recipe.model.dtype, seed=recipe.seed + rank, knobs=spec, shares_gpu=shares_gpu)
 
 
 def scripted_vocab(model_dir: Path, *, stops: bool) -> tuple[int, ...]:

@@ -127,10 +127,11 @@ class VllmEngine(RolloutEngine):
     """A vLLM ``AsyncLLM`` serving one model directory. Create it with `VllmEngine.start`."""
 
     def __init__(self, name: str, llm: Any, max_model_len: int, *, version: int = 0,
-                 watchdog: subprocess.Popen[bytes] | None = None, workers: int = 1) -> None:
+                 watchdog: subprocess.Popen[bytes] | None = None, workers: int = 1, sleeps: bool = False) -> None:
         super().__init__(name, version=version)
         self._llm = llm
         self._workers = workers
+        self._sleeps = sleeps  # started in sleep mode: `sleep` releases its GPU memory
         self._max_model_len = max_model_len
         self._open: set[str] = set()  # request ids whose stream has not ended
         self._watchdog = watchdog
@@ -139,9 +140,13 @@ class VllmEngine(RolloutEngine):
     def start(cls, name: str, model_dir: str | Path, *, max_model_len: int = 256,
               dtype: Literal["bfloat16", "float32"] = "bfloat16",
               kv_cache_gb: float = 1.0, seed: int = 0, version: int = 0,
-              knobs: EngineSpec | None = None) -> VllmEngine:
+              knobs: EngineSpec | None = None, shares_gpu: bool = False) -> VllmEngine:
         """Start the engine (about 20 s on a CPU). Call from the event loop that will use it. `knobs`: the
-        recipe's ``engine`` section (tensor parallelism, GPU memory share, batch bound, eager mode)."""
+        recipe's ``engine`` section (tensor parallelism, GPU memory share, batch bound, eager mode).
+
+        `shares_gpu` (a rank that also trains): on a GPU the engine takes the recipe's memory share cut to what
+        the trainer left (`sfhpc.plan.gpu_memory.engine_memory_share`) and runs in vLLM's sleep mode, so that
+        `sleep` gives its memory back while the trainer trains. On a CPU neither applies."""
         knobs = knobs or EngineSpec()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
         import torch
@@ -153,11 +158,19 @@ class VllmEngine(RolloutEngine):
         # generators cannot do ("CPU Generator does not use offset"), and the engine dies.
         on_cpu = not torch.cuda.is_available()
         optional: dict[str, Any] = {} if knobs.max_num_seqs is None else {"max_num_seqs": knobs.max_num_seqs}
+        memory_share = knobs.gpu_memory_utilization
+        sleeps = shares_gpu and not on_cpu
+        if sleeps:
+            from sfhpc.plan.gpu_memory import engine_memory_share
+
+            free, total = torch.cuda.mem_get_info()
+            memory_share = engine_memory_share(memory_share, free, total)
+            optional["enable_sleep_mode"] = True
         args = AsyncEngineArgs(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
                                enforce_eager=knobs.enforce_eager, dtype=dtype, seed=seed,
                                logprobs_mode="processed_logprobs", enable_chunked_prefill=False if on_cpu else None,
                                tensor_parallel_size=knobs.tensor_parallel_size,
-                               gpu_memory_utilization=knobs.gpu_memory_utilization,
+                               gpu_memory_utilization=memory_share,
                                use_tqdm_on_load=False,  # a progress bar on the console at every start
                                worker_extension_cls=WORKER_EXTENSION,  # joins the weight group (torch transport)
                                **optional)
@@ -165,7 +178,7 @@ class VllmEngine(RolloutEngine):
         with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)
         return cls(name, llm, max_model_len, version=version, watchdog=_watch_engine(),
-                   workers=knobs.tensor_parallel_size)
+                   workers=knobs.tensor_parallel_size, sleeps=sleeps)
 
     @property
     def max_model_len(self) -> int:
@@ -223,6 +236,14 @@ class VllmEngine(RolloutEngine):
         table, blob = pack_weights(weights)
         await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
         await self._llm.reset_prefix_cache()
+
+    async def _sleep(self) -> None:
+        if self._sleeps:
+            await self._llm.sleep(level=1)  # weights to host memory, the KV cache dropped
+
+    async def _wake_up(self) -> None:
+        if self._sleeps:
+            await self._llm.wake_up()
 
     @property
     def weight_group_members(self) -> int:

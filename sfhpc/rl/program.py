@@ -173,7 +173,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         def engine() -> Any:
             from sfhpc.engine.factory import start_engine
 
-            return start_engine(recipe, model_dir, identity.rank)
+            return start_engine(recipe, model_dir, identity.rank, shares_gpu=trainer_worker is not None)
 
         from sfhpc.engine.tokenizer import load_tokenizer
 

@@ -8,10 +8,12 @@ A rank plays one of four parts:
 * a **rollout** rank (`RolloutWorker`): Play, SyncWeights (its engine takes the broadcast), Quiesce,
   Cancel, Release (some of its episodes move to a lent rank that ran dry), Stop;
 * **colocated**, trainer and rollout at once: the trainer's Train and Checkpoint, the rollout's commands;
-  its engine loads the weights from this very trainer, so the trainer publishes nothing;
+  its engine loads the weights from this very trainer, so the trainer publishes nothing; before a Train the
+  engine sleeps (its GPU memory given back), and the next weight update wakes it;
 * a trainer **lent** to rollout (``seamless``): the trainer's commands, then, on the same rank, the
   rollout's Play, Quiesce and Cancel, Reclaim, and a SyncWeights its engine follows after the broadcast
-  (the trainer answers it; the engine's load keeps no rollout rank waiting).
+  (the trainer answers it; the engine's load keeps no rollout rank waiting); its engine sleeps through a
+  Train as a colocated one does.
 
 A command some role of the rank handles goes to each such role's handler in that order; a handler's reply
 (the command's own type, `sfhpc.rl.messages.REPLIES`) goes to the controller at once. Any other command is
@@ -44,6 +46,8 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
         table.setdefault(kind, []).append(handler)
 
     colocated = trainer is not None and rollout is not None and not lent
+    if trainer is not None and rollout is not None:  # the engine shares the trainer's GPU: it sleeps first
+        on(msg.Train, lambda _command: rollout.sleep_engine())
     if trainer is not None:
         on(msg.Train, trainer.train)
         on(msg.Checkpoint, trainer.checkpoint)

@@ -116,8 +116,20 @@ class RolloutWorker:
         self.refusing_turns = False
 
     # -- commands ----------------------------------------------------------------------------------
+    def sleep_engine(self) -> None:
+        """This rank trains next, on the GPU its engine shares: the engine pauses and gives its memory back
+        (vLLM's sleep mode on GPUs; on CPUs a pause). The next weight update or lending wakes it."""
+        self.server.call(self.engine.sleep())
+
+    async def _awake(self) -> None:
+        if self.engine.sleeping:
+            await self.engine.wake_up()
+            await self.engine.resume()
+
     def play(self, episodes: tuple[EpisodeTicket, ...]) -> None:
         fault_injection.strike("play", self.rank)  # a test makes the rank fail here
+        if self.engine.sleeping:  # lent without a weight update since the trainer trained
+            self.server.call(self._awake())
         if self.refusing_turns:  # lent again after a reclaim: turns are served again (this is queued first)
             self.refusing_turns = False
             self.server.loop.call_soon_threadsafe(self.endpoint.refuse_turns, False)
@@ -236,6 +248,7 @@ class RolloutWorker:
             assert self.trainer is not None
             start = time.perf_counter()
             await self.engine.pause()
+            await self.engine.wake_up()  # asleep while the trainer trained: the memory back first
             await self.engine.load_weights(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)),
                                            version=version)
             await self.engine.resume()

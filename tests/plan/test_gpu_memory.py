@@ -1,0 +1,73 @@
+"""Whether a trainer and its engine fit one GPU (checked before any job starts), and the memory share an
+engine starting beside a trainer takes. Pure rules: the GPUs they are about cannot be had here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sfhpc.config import load_cluster_map, load_recipe
+from sfhpc.errors import ResolveError
+from sfhpc.plan.gpu_memory import GIB, ModelSize, engine_memory_share, shared_gpu
+from sfhpc.plan.resolve import resolve
+from tests.conftest import RECIPES
+
+# config.json of Qwen2.5-7B and Qwen2.5-1.5B (the hub's files, the keys the rule reads).
+QWEN_7B = {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+           "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False}
+QWEN_1_5B = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+             "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}
+
+
+def test_a_model_size_is_read_from_its_config() -> None:
+    seven = ModelSize.from_config(QWEN_7B)
+    assert abs(seven.params - 7.61e9) / 7.61e9 < 0.01  # the model card's 7.61B (biases left out)
+    assert (seven.layers, seven.kv_heads, seven.head_dim) == (28, 4, 128)
+    assert seven.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2
+    assert abs(ModelSize.from_config(QWEN_1_5B).params - 1.54e9) / 1.54e9 < 0.01
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelSize.from_config({"num_hidden_layers": 2})
+
+
+def recipe_on_folder(tmp_path: Path, config: dict[str, object], mode: str = "sync") -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    roles = ("  trainer:    {tags: [train, rollout], nodes: 1, tasks_per_node: 1, gpus_per_task: 1}\n"
+             "  rollout:    {colocate_with: trainer}\n") if mode == "sync" else \
+            ("  trainer:    {tags: [train, rollout], nodes: 1, tasks_per_node: 2, gpus_per_task: 1}\n"
+             "  rollout:    {tags: [rollout], nodes: 1, tasks_per_node: 4, gpus_per_task: 1}\n")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: shared\nmodel: {{path: {folder}}}\npipeline: {{mode: {mode}}}\n"
+                      f"budgets: {{max_new_tokens: 64}}\ntask: {{name: next-letter}}\n"
+                      f"roles:\n  controller: {{place_with: trainer}}\n{roles}")
+    return recipe
+
+
+@pytest.mark.parametrize("mode", ["sync", "seamless"])
+def test_a_trainer_and_an_engine_that_cannot_share_a_gpu_are_refused_in_one_line(tmp_path: Path, mode: str) -> None:
+    cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")  # H100s of 80 GiB, L40S of 48
+    recipe = load_recipe(recipe_on_folder(tmp_path, QWEN_7B, mode))
+    with pytest.raises(ResolveError) as refused:
+        resolve(recipe, cluster)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("roles.trainer: a trainer rank shares each GPU of pool 'h100' (80 GiB)")
+    assert "the trainer's state 113.5 GiB" in line and "give rollout GPUs of its own" in line
+
+
+def test_a_model_that_fits_beside_its_trainer_is_placed(tmp_path: Path) -> None:
+    cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
+    recipe = load_recipe(recipe_on_folder(tmp_path, QWEN_1_5B))
+    assert resolve(recipe, cluster).world_size == 2  # controller + one colocated trainer
+    need = shared_gpu(recipe, ModelSize.from_config(QWEN_1_5B), 80)
+    assert need.fits and need.trainer_state == 8 * need.engine_weights  # 16 bytes a parameter against 2
+
+
+def test_an_engine_beside_a_trainer_takes_what_the_trainer_left() -> None:
+    total = 80 * GIB
+    assert engine_memory_share(0.9, 79 * GIB, total) == 0.9  # a GPU of its own: the recipe's share
+    assert engine_memory_share(0.9, 30 * GIB, total) == round(29 / 80, 3)  # the free 30 GiB less the reserve
+    with pytest.raises(ValueError, match="no room for an engine"):
+        engine_memory_share(0.9, GIB // 2, total)
