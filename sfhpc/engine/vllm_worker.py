@@ -37,6 +37,32 @@ def reload_in_place(model_runner: Any, weights: list[tuple[str, torch.Tensor]]) 
     if not any(isinstance(f, QuietRotaryReload) for f in reload_log.filters):
         reload_log.addFilter(QuietRotaryReload())
     model_runner.reload_weights(weights_iterator=iter(weights))
+    if any(name.endswith("embed_tokens.weight") for name, _ in weights):
+        refresh_tied_head(model_runner.get_model())
+
+
+def refresh_tied_head(model: Any) -> bool:
+    """Re-process an output head tied to the input embeddings after the embeddings were reloaded; True if
+    there was one.
+
+    vLLM on CPUs packs each layer's weight for its GEMM kernels when it processes the layer, and an in-place
+    reload re-processes the layers whose weights it loaded. A head tied to the embeddings (Qwen2.5 up to 3B,
+    most small models) is a layer of its own that shares the embedding's weight but keeps its own packed
+    copy; no weight is loaded into it, so its copy stayed the first version's: the engine went on sampling
+    from the old head while every other layer had the new weights, and its logprobs no longer matched the
+    trainer's (seen on a tiny Qwen2: 2.1 nats apart after one update). On GPUs the head reads the shared
+    weight directly, and processing it again does nothing."""
+    head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head is embed:
+        return False
+    weight, tied = getattr(head, "weight", None), getattr(embed, "weight", None)
+    if weight is None or tied is None or weight.data_ptr() != tied.data_ptr():
+        return False
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+    return True
 
 
 class WeightGroupWorker:
