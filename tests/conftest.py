@@ -47,7 +47,7 @@ def model_build_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster() -> str:
+def dev_cluster() -> str:
     """Start (or reuse) the real 4-node dev cluster; returns SLURM_CONF and exports it to the tests."""
     done = subprocess.run([str(DEVCLUSTER), "up"], capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -55,6 +55,21 @@ def slurm_cluster() -> str:
     conf = done.stdout.strip().splitlines()[-1].split("=", 1)[1]
     os.environ["SLURM_CONF"] = conf
     return conf
+
+
+@pytest.fixture
+def slurm_cluster(dev_cluster: str) -> str:
+    """The dev cluster, every node in service. slurmd drains a node whose job step's processes outlive
+    UnkillableStepTimeout after SIGKILL ("Kill task failed"); on a loaded 2-core machine a step of an
+    earlier test can take that long to go, and every later test that needs the node would wait for it in
+    vain. Such a node is put back in service before each test (no other drain is touched)."""
+    listed = subprocess.run(["sinfo", "-R", "-h", "-o", "%n|%E"], capture_output=True, text=True, timeout=30)
+    for line in listed.stdout.splitlines():
+        node, _, reason = line.partition("|")
+        if reason.strip() == "Kill task failed":
+            subprocess.run(["scontrol", "update", f"nodename={node.strip()}", "state=resume"], capture_output=True,
+                           timeout=30)
+    return dev_cluster
 
 
 def run_sfhpc(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,

@@ -60,6 +60,7 @@ class ScriptedEngine(RolloutEngine):
         self._scale = scale
         self._max_model_len = max_model_len
         self._active: set[str] = set()
+        self._produced: dict[str, int] = {}  # tokens each request in flight has generated
         self._aborted: set[str] = set()
         self._unseeded = random.Random()
         self.cut_after, self.cut_hold_s = cut_after, cut_hold_s
@@ -73,6 +74,12 @@ class ScriptedEngine(RolloutEngine):
     def in_flight(self) -> int:
         """Requests whose stream has not ended yet."""
         return len(self._active)
+
+    @property
+    def fewest_generated(self) -> int:
+        """The fewest tokens any request in flight has generated so far (0 with none in flight): what a test
+        waits for before it cuts every request mid-reply, whatever the machine's speed."""
+        return min(self._produced.values(), default=0)
 
     # -- the "model" ---------------------------------------------------------------------------
     def logits(self, context: Sequence[int]) -> list[float]:
@@ -123,6 +130,7 @@ class ScriptedEngine(RolloutEngine):
         epoch = self.pauses
         rid = request.request_id
         self._active.add(rid)
+        self._produced[rid] = 0
         context = list(request.prompt_token_ids)
         budget = min(request.max_new_tokens, self._max_model_len - len(context))
         stop = set(request.stop_token_ids)
@@ -149,6 +157,7 @@ class ScriptedEngine(RolloutEngine):
                 token, logprob = self._sample(context, request)
                 context.append(token)
                 produced += 1
+                self._produced[rid] = produced
                 finish: FinishReason | None = None
                 if token in stop:
                     finish = "stop"
@@ -159,6 +168,7 @@ class ScriptedEngine(RolloutEngine):
                     return
         finally:
             self._active.discard(rid)
+            self._produced.pop(rid, None)
             self._aborted.discard(rid)
 
     async def _hold_until_pause(self, epoch: int) -> None:

