@@ -63,7 +63,7 @@ model: {{build: {{warm_start_steps: 5}}}}
 algorithm: {{group_size: {GROUP_SIZE}}}
 pipeline: {{mode: async, max_staleness: 0}}
 budgets: {{steps: {STEPS}, prompts_per_step: {GROUPS}}}
-task: {{name: guess-number, options: {{max_turns: 3}}}}
+task: {{name: guess-number, options: {{max_turns: 8}}}}  # most episodes play 8 turns: a long rollout phase
 roles:
   controller: {{place_with: trainer}}
   trainer:    {{tags: [train], nodes: 1}}
