@@ -176,6 +176,11 @@ class AlgorithmSpec:
                       "(each trajectory's tokens averaged, then the trajectories: every trajectory weighs the same "
                       "whatever its length, so a group's advantages sum to zero in the gradient; for multi-turn "
                       "episodes whose failures are the long ones)")
+    credit: Literal["episode", "turn"] = setting(
+        "episode", "how a multi-turn episode's reward reaches its replies: episode (every reply gets the episode's "
+                   "advantage against its group) or turn (a reply at turn k is measured against the group's members "
+                   "that made a reply k, so the luck of earlier turns leaves it; for episodes whose length depends "
+                   "on the policy)")
     max_grad_norm: float = setting(1.0, "gradient clipping by global norm")
     weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
     adam_beta1: float = setting(0.9, "AdamW's beta1")

@@ -5,7 +5,7 @@ loss mask is true count):
 
     logp_t    log pi_theta(a_t | s_t)    the trainer's forward on the current weights (carries the gradient)
     beh_t     log mu(a_t | s_t)          recorded by the engine when it sampled the token
-    A_t       the advantage              one value per sequence, broadcast to its tokens
+    A_t       the advantage              one value per sequence, broadcast to its tokens (or per turn)
 
 Importance ratio. The engine may have sampled a token under an older policy version (asynchronous
 pipeline, or a partial rollout continued after a weight swap), so the surrogate is taken with respect to
@@ -67,6 +67,18 @@ with the population standard deviation; a group whose rewards are all equal (or 
 advantage 0 and so no gradient. PPO-clip here takes the advantages it is given, or ``R_i - mean(R)``
 over the batch (`baseline_advantages`): a baseline without a critic.
 
+Credit per turn (``credit: turn``, `turn_advantages`). In a multi-turn episode every reply gets the
+episode's advantage by default, measured against the whole group. A reply at turn ``k`` is only made by the
+members still playing at turn ``k``, and their rewards differ from the group's mean for reasons that reply
+did not choose: luck at earlier turns (a first guess that happened to be right ends the episode with the
+top reward). Per turn, the baseline is the mean reward of the group's members that made a reply ``k``:
+
+    A_{i,k} = (R_i - mean_{j reached k}(R_j)) / (std_group(R) + eps)
+
+so the replies at each turn are compared with the other replies at that turn (the pushes of a turn sum to
+zero), and what earlier turns won or lost leaves them. The scale stays the group's. PPO-clip takes the
+batch as its one group, without the division.
+
 The settings (``eps_low`` = ``clip_ratio``, ``eps_high`` = ``clip_ratio_high``, ``C`` = ``ratio_cap``,
 ``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``) are the recipe's `AlgorithmSpec`, taken as it is.
 """
@@ -123,10 +135,55 @@ def baseline_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return rewards - rewards.mean()
 
 
-def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor,
-                         groups: Sequence[Hashable]) -> torch.Tensor:
+def reply_index(generated: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]`` int64: per generated token, the number of its reply in the row (0 for the first), -1
+    where nothing was generated. A reply is a run of consecutive generated tokens (`Trajectory.reply_spans`:
+    a weight update or a restart inside a reply does not end it; an observation or a tool result does)."""
+    generated = generated.to(torch.bool)
+    before = torch.zeros_like(generated)
+    before[:, 1:] = generated[:, :-1]
+    starts = generated & ~before
+    return torch.where(generated, torch.cumsum(starts.long(), dim=1) - 1, -1)
+
+
+def turn_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], generated: torch.Tensor, *,
+                    eps: float = 1e-6, normalise: bool = True) -> torch.Tensor:
+    """Advantages per token with a baseline per turn (module docstring, "Credit per turn"): the tokens of
+    row ``i``'s reply ``k`` get ``R_i`` minus the mean reward of the rows of ``i``'s group that made a reply
+    ``k``, divided by the group's reward std (+ `eps`) when `normalise`. Returns ``[batch, seq]`` float32,
+    0 where nothing was generated."""
+    if rewards.dim() != 1 or len(groups) != rewards.shape[0] or generated.shape[0] != rewards.shape[0]:
+        raise ValueError(f"need one group and one row per reward: {len(groups)} groups and "
+                         f"{generated.shape[0]} rows for rewards of shape {tuple(rewards.shape)}")
+    rewards = rewards.to(torch.float32)
+    turns = reply_index(generated)
+    made = [set(row[row >= 0].tolist()) for row in turns]  # the replies each row made
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    out = torch.zeros(turns.shape, dtype=torch.float32, device=turns.device)
+    for index in members.values():
+        r = rewards[torch.tensor(index)]
+        scale = float(r.std(correction=0)) + eps if normalise else 1.0
+        for turn in set().union(*(made[i] for i in index)):
+            reached = [i for i in index if turn in made[i]]
+            baseline = float(rewards[torch.tensor(reached)].mean())
+            for i in reached:
+                out[i][turns[i] == turn] = (float(rewards[i]) - baseline) / scale
+    return out
+
+
+def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor, groups: Sequence[Hashable],
+                         generated: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages `algorithm` trains with when none are given: GRPO's `group_advantages` (with its
-    ``advantage_eps``) or PPO-clip's `baseline_advantages`."""
+    ``advantage_eps``) or PPO-clip's `baseline_advantages`; with ``credit: turn``, `turn_advantages` of the
+    `generated` mask (``[batch, seq]``), per token."""
+    if algorithm.credit == "turn":
+        if generated is None:
+            raise ValueError("credit per turn needs the generated mask, to find each row's replies")
+        if algorithm.name == "grpo":
+            return turn_advantages(rewards, groups, generated, eps=algorithm.advantage_eps)
+        return turn_advantages(rewards, [0] * len(groups), generated, normalise=False)
     if algorithm.name == "grpo":
         return group_advantages(rewards, groups, algorithm.advantage_eps)
     return baseline_advantages(rewards)

@@ -162,6 +162,7 @@ class WeightPublisher:
         """Tell every receiver there are no more versions (their `receive` returns None)."""
         self._header_words[:] = (_FINISH, 0, 0, 0)
         self.transport.post_header(self._header).wait()
+        self.transport.close()
 
 
 class _ReceiverLayout:
@@ -330,6 +331,7 @@ class WeightReceiver:
         kind, version, layout, messages = header
         if kind == _FINISH:
             self._current = None
+            self.transport.close()
             return None
         if kind == _NEW_LAYOUT:
             manifest = self.transport.share_manifest(None)

@@ -89,6 +89,11 @@ class WeightTransport(abc.ABC):
         """Start broadcasting a version's header (a small host tensor) from the source."""
         return self.post([self.wire(header)])
 
+    def close(self) -> None:
+        """Release what the transport holds once the stream has ended (every transfer complete); idempotent.
+        MPI's communicators belong to the run's layout (`sfhpc.runtime.comm_layout`), so by default: nothing."""
+        return None
+
     @abc.abstractmethod
     def wire(self, tensor: torch.Tensor, start: int = 0, nbytes: int | None = None) -> Any:
         """This transport's handle to bytes ``[start, start + nbytes)`` of a contiguous `tensor` in memory
@@ -227,9 +232,18 @@ class TorchTransport(WeightTransport):
             raise ValueError("TorchTransport sends byte ranges of contiguous tensors")
         return tensor.reshape(-1).view(torch.uint8)[start:start + nbytes]
 
+    def close(self) -> None:
+        # Drop the process group here, in the thread that ends the stream: its destructor joins gloo's worker
+        # threads. Left to the interpreter's exit, a worker thread that releases a tensor's Python object
+        # while the interpreter finalises is ended by pthread_exit, and the process aborts ("terminate called
+        # without an active exception", seen under load in the broadcast test).
+        self.process_group = None
+        self._store = None
+
     def post(self, messages: Sequence[Any]) -> Transfer:
         if self.process_group is None:
-            raise RuntimeError("this rank's engine receives the weights itself; the rank posts no message")
+            raise RuntimeError("no weight group on this rank: its engine receives the weights itself, or the "
+                               "stream has ended")
         return _Works([weight_group.broadcast(self.process_group, message) for message in messages])
 
 

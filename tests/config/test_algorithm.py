@@ -23,6 +23,7 @@ algorithm:
   ratio_cap: 5
   kl_coef: 0.05
   loss_aggregation: sequence-mean
+  credit: turn
   max_grad_norm: 0.5
   weight_decay: 0.01
   adam_beta1: 0.85
@@ -39,7 +40,7 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     spec = load_recipe(path).algorithm
     assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, clip_ratio=0.1,
                                  clip_ratio_high=0.28, ratio_cap=5.0, kl_coef=0.05, loss_aggregation="sequence-mean",
-                                 max_grad_norm=0.5,
+                                 credit="turn", max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
                                  temperature=0.7)
     # The test names every field: a setting added later without a recipe key would show here.

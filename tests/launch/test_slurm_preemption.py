@@ -107,15 +107,15 @@ def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_pat
         held = trajectory_sizes(run_dir)  # SWMR: the writer was killed with the file open
 
         # Allocation 1 resumes from the periodic checkpoint and is preempted while it generates its first batch.
-        resumed = wait_until("allocation 1 to resume", lambda: resumed_in(run_dir, 1), timeout=300, poll_s=0.05)
+        resumed = wait_until("allocation 1 to resume", lambda: resumed_in(run_dir, 1), timeout=600, poll_s=0.05)
         resumed_step = resumed["step"]  # type: ignore[index]
         wait_until(f"allocation 1 in the rollout phase of step {resumed_step + 1}",
                    lambda: in_phase(run_dir, 1, "rollout", resumed_step, within_s=1.0), timeout=120, poll_s=0.02)
         subprocess.run(["sbatch", "--partition=urgent", "--nodes=4", "--exclusive", "--time=1", "--job-name=urgent",
                         f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
                        check=True, capture_output=True, text=True)
-        wait_until("allocation 2 to resume", lambda: resumed_in(run_dir, 2), timeout=300)
-        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=600, poll_s=1)
+        wait_until("allocation 2 to resume", lambda: resumed_in(run_dir, 2), timeout=600)
+        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=900, poll_s=1)
         assert state == "COMPLETED", log.read_text()[-6000:] if log.exists() else state
     finally:
         run_sfhpc("cancel", job_id)  # nothing is left running, whatever failed (a no-op once it completed)

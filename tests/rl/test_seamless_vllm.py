@@ -62,10 +62,12 @@ def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_e
             assert not cut and sum(len(s) for s in generated) == len(reply)  # no generated token discarded
             text = tokenizer.decode([int(x) for x in reply if int(x) not in stops])
             assert text in judged  # the task judged exactly the stored prefix + continuation
-            for before, after in zip(generated, generated[1:]):
-                if before.engine != after.engine:  # cut mid-reply where it was, continued from the prefix
-                    assert before.finish_reason == "abort" and len(before) > 0
-                    moves[before.engine, after.engine] = moves.get((before.engine, after.engine), 0) + 1
+        # Moves are counted on every trajectory: one moved late in the run may still be generating when the
+        # run ends (how late depends on the machine's speed), its segments recorded all the same.
+        for before, after in zip(generated, generated[1:]):
+            if before.engine != after.engine:  # cut mid-reply where it was, continued from the prefix
+                assert before.finish_reason == "abort" and len(before) > 0
+                moves[before.engine, after.engine] = moves.get((before.engine, after.engine), 0) + 1
     # Reclaimed: cut on the lent trainer's engine, finished on the rollout engine.
     assert moves.get(("vllm-r1", "vllm-r2"), 0) >= 1, moves
     # Rebalanced: the lent engine ran dry while the trainer waited and took replies the rollout engine had

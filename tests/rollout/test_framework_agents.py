@@ -134,7 +134,7 @@ def test_the_framework_examples_play_inside_a_slurm_run_on_vllm(slurm_cluster: s
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RUN.format(dispatcher=Path(__file__).parent / "agents" / "any_framework.py", log=log,
                                  runs=tmp_path / "runs"))
-    done = run_sfhpc("launch", str(recipe), "--wait", "--timeout", "900", timeout=960)
+    done = run_sfhpc("launch", str(recipe), "--wait", "--timeout", "1500", timeout=1560)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1

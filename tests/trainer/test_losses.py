@@ -16,7 +16,9 @@ from sfhpc.trainer.losses import (
     loss_units,
     policy_loss,
     ppo_clip_loss,
+    reply_index,
     token_logprobs,
+    turn_advantages,
 )
 
 
@@ -82,6 +84,48 @@ def test_the_algorithm_picks_the_advantages() -> None:
     assert grpo.tolist() == pytest.approx([0.5 / 1.5, -0.5 / 1.5, 0.0, 0.0])  # std 0.5 + eps 1
     ppo = algorithm_advantages(AlgorithmSpec(name="ppo"), rewards, groups)
     assert ppo.tolist() == pytest.approx([-1.25, -2.25, 1.75, 1.75])  # minus the batch mean 2.25
+
+
+def mask(*rows: str) -> torch.Tensor:
+    """A generated mask from strings: 'g' a generated token, '.' a prompt or observation token."""
+    return torch.tensor([[c == "g" for c in row] for row in rows])
+
+
+def test_replies_are_runs_of_generated_tokens() -> None:
+    assert reply_index(mask(".gg.g..ggg", "..g.......")).tolist() == [
+        [-1, 0, 0, -1, 1, -1, -1, 2, 2, 2], [-1, -1, 0, -1, -1, -1, -1, -1, -1, -1]]
+
+
+def test_credit_per_turn_measures_a_reply_against_the_members_that_made_it() -> None:
+    # One group of three episodes: A found the answer at its first reply (1.0), B at its second (0.9),
+    # C never (0.0, three replies). Group mean 1.9/3, population std s.
+    # turn 0: all three reached it -> baseline 1.9/3; turn 1: B and C -> 0.45; turn 2: C alone -> 0.
+    rewards = torch.tensor([1.0, 0.9, 0.0])
+    generated = mask(".g......", ".g.g....", ".g.g.g..")
+    s = float(rewards.std(correction=0))
+    adv = turn_advantages(rewards, ["x"] * 3, generated, eps=0.0)
+    m = 1.9 / 3
+    assert adv[0].tolist() == pytest.approx([0, (1.0 - m) / s, 0, 0, 0, 0, 0, 0], abs=1e-6)
+    assert adv[1].tolist() == pytest.approx([0, (0.9 - m) / s, 0, 0.45 / s, 0, 0, 0, 0], abs=1e-6)
+    assert adv[2].tolist() == pytest.approx([0, -m / s, 0, -0.45 / s, 0, 0.0, 0, 0], abs=1e-6)
+    # Under episode credit C's second reply would carry -m/s too: the earlier luck of A is what it loses.
+    # The pushes of each turn sum to zero.
+    turns = reply_index(generated)
+    for turn in range(3):
+        assert float(adv[turns == turn].sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_credit_per_turn_through_the_algorithm() -> None:
+    rewards, generated = torch.tensor([1.0, 0.0, 2.0, 2.0]), mask(".g.g", ".g..", ".gg.", ".g..")
+    grpo = algorithm_advantages(AlgorithmSpec(credit="turn", advantage_eps=1e-9), rewards, ["a", "a", "b", "b"],
+                                generated)
+    # group a: turn 0 both (mean 0.5, std 0.5) -> +1 / -1; turn 1 only the first -> 0. Group b: equal -> 0.
+    assert grpo.flatten().tolist() == pytest.approx([0, 1, 0, 0, 0, -1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0], abs=1e-6)
+    ppo = algorithm_advantages(AlgorithmSpec(name="ppo", credit="turn"), rewards, ["a", "a", "b", "b"], generated)
+    # the batch is ppo's one group, no division: turn 0 mean 1.25; turn 1 only the first row -> 0
+    assert ppo.flatten().tolist() == pytest.approx([0, -0.25, 0, 0, 0, -1.25, 0, 0, 0, 0.75, 0.75, 0, 0, 0.75, 0, 0])
+    with pytest.raises(ValueError, match="generated mask"):
+        algorithm_advantages(AlgorithmSpec(credit="turn"), rewards, ["a"] * 4)
 
 
 def test_grpo_loss_uses_group_advantages() -> None:
