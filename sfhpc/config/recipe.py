@@ -18,6 +18,7 @@ nodes: 2}``. Agent hosts are not ranks of the MPI world (`sfhpc.rollout.agent_ho
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import shutil
 import sys
@@ -181,6 +182,10 @@ class AlgorithmSpec:
                    "advantage against its group) or turn (a reply at turn k is measured against the group's members "
                    "that made a reply k, so the luck of earlier turns leaves it; for episodes whose length depends "
                    "on the policy)")
+    turn_reward_weight: float = setting(
+        0.0, "with credit: turn, the weight of each reply's own reward (the task's turn reward, or the turn_rewards "
+             "an agent program reports), measured against the group's replies at the same turn and added to the "
+             "reply's advantage; 0: the episode's reward only")
     max_grad_norm: float = setting(1.0, "gradient clipping by global norm")
     weight_decay: float = setting(0.0, "AdamW's decoupled weight decay")
     adam_beta1: float = setting(0.9, "AdamW's beta1")
@@ -220,6 +225,11 @@ class AlgorithmSpec:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 found.append((key, f"must be from 0 to less than 1, found {getattr(self, key)}"))
+        if not (math.isfinite(self.turn_reward_weight) and self.turn_reward_weight >= 0):
+            found.append(("turn_reward_weight", f"must be 0 or more, found {self.turn_reward_weight}"))
+        elif self.turn_reward_weight and self.credit != "turn":
+            found.append(("turn_reward_weight", "needs credit: turn (a reply's own reward is measured against the "
+                          f"replies at its turn), found credit: {self.credit}"))
         if not 0 < self.temperature <= 2:
             found.append(("temperature", f"must be more than 0 and at most 2, found {self.temperature} "
                           "(greedy decoding, temperature 0, has no sampling distribution to train on)"))

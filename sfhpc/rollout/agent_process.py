@@ -25,6 +25,8 @@ is ``{agents_base_url}/NAME/v1`` (``agents_base_url`` is in the input), each age
 its own in the episode's group, and the end line may reward each: ``{"episode_id": ..., "rewards":
 {"solver": 1.0, "checker": 0.0}}`` (a plain ``"reward"`` goes to every agent). GRPO compares each agent's
 trajectories with the same agent's in the group's other episodes (`Trajectory.advantage_group`).
+An episode of one trajectory may also reward each reply: ``"turn_rewards": [1, 0, 1]`` in the end line, one
+number per call in order (what ``credit: turn`` with ``turn_reward_weight`` trains on; `sfhpc.trainer.losses`).
 
 The program drives the conversation: for a multi-turn task it sends a follow-up message after a reply and
 asks again, as an agent with its own tools or environment would. Its reward is, in this order: the last
@@ -146,6 +148,15 @@ def _agent_rewards(value: Any) -> dict[str, float]:
         return {}
     return {str(agent): r for agent, r in ((a, _reward_of({"reward": v})) for a, v in rewards.items())
             if r is not None}
+
+
+def turn_rewards_of(value: Any) -> tuple[float, ...]:
+    """The per-reply ``turn_rewards`` of a decoded line: a list of finite numbers; () for anything else."""
+    found = value.get("turn_rewards") if isinstance(value, dict) else None
+    if not isinstance(found, list) or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) for r in found):
+        return ()
+    return tuple(float(r) for r in found)
 
 
 class ProgramRun:
@@ -493,7 +504,8 @@ class AgentPrograms:
                 reward = result.reward if result.done else 0.0
             rewards.append((tid, reward))
         (first, reward), others = rewards[0], tuple(rewards[1:])
-        return EpisodeOutcome(first, reward, sum(seat.calls for seat in episode.seats.values()), (), others)
+        per_reply = turn_rewards_of(end) if not others else ()  # one trajectory: its replies in order
+        return EpisodeOutcome(first, reward, sum(seat.calls for seat in episode.seats.values()), per_reply, others)
 
     def close(self) -> None:
         self.runner.close()

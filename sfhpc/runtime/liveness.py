@@ -15,9 +15,15 @@ rank's main thread is doing (a long training step or a large checkpoint is not s
   of them reports it; the rest later, should that one be gone too).
 
 A rank whose program ends says goodbye, so that a rank that finished is not taken for a silent one
-while the controller still writes its store. A watcher that did not run itself for a while (the whole
-job suspended and resumed, a starved process) would see silence of its own making: everyone gets a
-fresh bound then.
+while the controller still writes its store; and from then on nothing is sent to it. A beat sent to a
+rank that has exited fails in Open MPI's TCP transport ("writev failed: Broken pipe"), which then retries
+the connection and holds the sender's ``MPI_Finalize`` for minutes: a loaded machine showed a finished
+run's controller hang so, beating every second to ranks that had left while it wrote its store. So a
+rank hears before it beats, beats only to peers that have not said goodbye, and lingers a beat after its
+own goodbye, so that a beat already on its way lands while it still listens.
+
+A watcher that did not run itself for a while (the whole job suspended and resumed, a starved process)
+would see silence of its own making: everyone gets a fresh bound then.
 """
 
 from __future__ import annotations
@@ -62,11 +68,14 @@ class Heartbeats:
         self._last_tick = now
         self._sends: list[Any] = []
 
-    def beat(self, kind: int = _ALIVE) -> None:
-        """Send one heartbeat (or the goodbye) to every peer; never waits for a receiver."""
+    def beat(self, kind: int = _ALIVE) -> list[int]:
+        """Send one heartbeat (or the goodbye) to every peer that has not said goodbye; never waits for a
+        receiver. Returns the peers it went to."""
         self._sends = [request for request in self._sends if not request.Test()]
-        for peer in self.peers:
+        listening = [peer for peer in self.peers if peer in self.last_heard]
+        for peer in listening:
             self._sends.append(self.world.isend(kind, dest=peer, tag=HEARTBEAT_TAG))
+        return listening
 
     def hear(self) -> None:
         """Take every heartbeat that arrived; a peer that said goodbye is no longer watched."""
@@ -98,13 +107,16 @@ class Heartbeats:
                 f"stopped, stuck or cut off from the others; see {logs} in the run folder, and the node; raise "
                 "budgets.heartbeat_timeout_s if a rank may hold Python's interpreter lock that long on purpose")
 
-    def finish(self, wait_s: float = 1.0) -> None:
-        """Say goodbye and give the sends a moment to complete (MPI finalises after this)."""
+    def finish(self, linger_s: float = 1.5 * INTERVAL_S) -> None:
+        """Say goodbye to the peers still listening, then linger for a beat, taking what arrives, so that a
+        peer's beat already on its way lands here (MPI finalises after this)."""
+        self.hear()
         self.beat(_GOODBYE)
-        deadline = time.monotonic() + wait_s
-        while self._sends and time.monotonic() < deadline:
+        deadline = time.monotonic() + linger_s
+        while time.monotonic() < deadline:
             self._sends = [request for request in self._sends if not request.Test()]
-            time.sleep(0.01)
+            self.hear()
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -117,8 +129,8 @@ def watched(world: Any, labels: Mapping[int, str], timeout_s: float, *,
 
     def keep() -> None:
         while not stop.wait(interval_s):
+            beats.hear()  # first: a peer that said goodbye gets no more beats
             beats.beat()
-            beats.hear()
             if silent := beats.silent():
                 fault.fail(RanksSilent(beats.describe(silent)))
 

@@ -5,6 +5,11 @@ answers ``higher``, ``lower`` or ends the episode when the guess is right. An ep
 secret is found or `max_turns` replies were made, so the number of turns depends on the policy: a
 random guesser needs many, one that follows the hints needs few. Reward: 1 for finding the secret,
 minus `turn_cost` for every reply after the first; 0 when it is never found.
+
+Each reply also has a reward of its own (`StepResult.turn_reward`, trained on with ``credit: turn`` and
+``turn_reward_weight``): 1 for a guess the hints so far allow (the secret may be that digit), 0 for any
+other reply. The episode's reward alone says little about one guess of eight; this one says which guesses
+used what the hints told.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ class _GuessEpisode(Episode):
     def __init__(self, secret: int, max_turns: int, turn_cost: float) -> None:
         self.secret, self.max_turns, self.turn_cost = secret, max_turns, turn_cost
         self.turns = 0
+        self.low, self.high = 0, 9  # the digits the hints so far allow
 
     def opening(self) -> list[dict[str, str]]:
         return [{"role": "user", "content": "guess 0-9"}]
@@ -28,12 +34,18 @@ class _GuessEpisode(Episode):
         # ASCII digits only: str.isdigit() also accepts '²' and other Unicode digits, which int() refuses
         # (or reads as another digit), and a policy writes them sooner or later.
         guess = int(text) if text.isascii() and text.isdigit() else None
+        allowed = 1.0 if guess is not None and self.low <= guess <= self.high else 0.0
         if guess == self.secret:
             return StepResult(done=True, reward=max(0.0, 1.0 - self.turn_cost * (self.turns - 1)), turn_reward=1.0)
         if self.turns >= self.max_turns:
-            return StepResult(done=True, reward=0.0)
-        hint = "?" if guess is None else ("higher" if guess < self.secret else "lower")
-        return StepResult(done=False, observation=hint)
+            return StepResult(done=True, reward=0.0, turn_reward=allowed)
+        if guess is None:
+            return StepResult(done=False, observation="?", turn_reward=0.0)
+        if guess < self.secret:
+            self.low = max(self.low, guess + 1)
+        else:
+            self.high = min(self.high, guess - 1)
+        return StepResult(done=False, observation="higher" if guess < self.secret else "lower", turn_reward=allowed)
 
 
 class GuessNumberTask(Task):

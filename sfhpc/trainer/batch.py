@@ -43,6 +43,8 @@ class TrainRow:
     group: Hashable = None
     # per token, the temperature it was sampled at (None: all 1)
     temperatures: Sequence[float] | np.ndarray | None = None
+    # per reply, its own reward (`Trajectory.turn_rewards`); fewer than the replies: the rest have none
+    turn_rewards: Sequence[float] = ()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -63,6 +65,8 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # float32 [B] or [B, T]
     # float32 [B, T]: the temperature each generated token was sampled at, 1 elsewhere (None: 1 everywhere)
     temperatures: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
+    # float32 [B, K]: the reward of each row's reply k (``credit: turn``), NaN where a row has none; None: none
+    turn_rewards: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
@@ -74,6 +78,9 @@ class TrainBatch:
             if tuple(getattr(self, name).shape) != (b, t):
                 raise BatchError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected {(b, t)} like tokens")
+        if self.turn_rewards is not None and (self.turn_rewards.dim() != 2 or self.turn_rewards.shape[0] != b):
+            raise BatchError(f"TrainBatch.turn_rewards has shape {tuple(self.turn_rewards.shape)}, expected "
+                             f"({b}, replies)")
         if self.rewards.shape != (b,) or self.lengths.shape != (b,) or len(self.groups) != b:
             raise BatchError(f"TrainBatch needs one reward, length and group per row ({b} rows)")
         if b and bool(self.generated[:, 0].any()):
@@ -120,12 +127,17 @@ class TrainBatch:
             logprobs[i, :n] = torch.as_tensor(np.asarray(r.logprobs, dtype=np.float32))
             versions[i, :n] = torch.as_tensor(np.asarray(r.versions, dtype=np.int64))
             temperatures[i, :n] = torch.as_tensor(temps)
+        replies = max(len(r.turn_rewards) for r in rows)
+        turn_rewards = torch.full((b, replies), float("nan"), dtype=torch.float32) if replies else None
+        for i, r in enumerate(rows):
+            if turn_rewards is not None and len(r.turn_rewards):
+                turn_rewards[i, : len(r.turn_rewards)] = torch.tensor([float(x) for x in r.turn_rewards])
         return cls(tokens=tokens, lengths=torch.tensor([len(r.tokens) for r in rows], dtype=torch.int64),
                    generated=generated, behaviour_logprobs=logprobs, versions=versions,
                    rewards=torch.tensor([float(r.reward) for r in rows], dtype=torch.float32),
                    groups=tuple(r.group if r.group is not None else i for i, r in enumerate(rows)),
                    advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32),
-                   temperatures=temperatures)
+                   temperatures=temperatures, turn_rewards=turn_rewards)
 
     @classmethod
     def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
@@ -138,7 +150,7 @@ class TrainBatch:
             rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
                                   logprobs=traj.token_logprobs(), versions=traj.token_versions(),
                                   reward=traj.reward, group=traj.advantage_group,
-                                  temperatures=token_temperatures(traj)))
+                                  temperatures=token_temperatures(traj), turn_rewards=traj.turn_rewards))
         return cls.from_rows(rows, pad_id=pad_id)
 
     def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
@@ -159,7 +171,8 @@ class TrainBatch:
                           behaviour_logprobs=self.behaviour_logprobs[idx], versions=self.versions[idx],
                           rewards=self.rewards[idx], groups=tuple(self.groups[i] for i in idx.tolist()),
                           advantages=None if self.advantages is None else self.advantages[idx],
-                          temperatures=self.temperatures[idx])
+                          temperatures=self.temperatures[idx],
+                          turn_rewards=None if self.turn_rewards is None else self.turn_rewards[idx])
 
 
 def segment_temperature(trajectory: Trajectory, index: int, segment: Segment) -> float:

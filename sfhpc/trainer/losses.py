@@ -79,6 +79,18 @@ so the replies at each turn are compared with the other replies at that turn (th
 zero), and what earlier turns won or lost leaves them. The scale stays the group's. PPO-clip takes the
 batch as its one group, without the division.
 
+A reply's own reward (``turn_reward_weight`` = ``w`` > 0). The episode's reward says little about one reply
+of eight: whether the secret was found also depends on the replies around it. When the task rewards each
+reply too (``StepResult.turn_reward``, or the ``turn_rewards`` an agent program reports: a guess the hints
+still allow, a tool call that parsed), that reward ``r_{i,k}`` is compared with the other replies at the
+same turn and added:
+
+    A_{i,k} += w * (r_{i,k} - mean_{j reached k}(r_{j,k})) / (std_{j reached k}(r_{j,k}) + eps)
+
+(0 when those replies all scored the same, or when row ``i`` has no reward for reply ``k``). This is the
+turn-level advantage of multi-turn agent RL (outcome advantage plus a per-turn one): the outcome keeps
+what the recipe optimises, the turn term says which replies moved towards it.
+
 The settings (``eps_low`` = ``clip_ratio``, ``eps_high`` = ``clip_ratio_high``, ``C`` = ``ratio_cap``,
 ``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``) are the recipe's `AlgorithmSpec`, taken as it is.
 """
@@ -147,11 +159,13 @@ def reply_index(generated: torch.Tensor) -> torch.Tensor:
 
 
 def turn_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], generated: torch.Tensor, *,
-                    eps: float = 1e-6, normalise: bool = True) -> torch.Tensor:
+                    eps: float = 1e-6, normalise: bool = True, turn_rewards: torch.Tensor | None = None,
+                    turn_weight: float = 0.0) -> torch.Tensor:
     """Advantages per token with a baseline per turn (module docstring, "Credit per turn"): the tokens of
     row ``i``'s reply ``k`` get ``R_i`` minus the mean reward of the rows of ``i``'s group that made a reply
-    ``k``, divided by the group's reward std (+ `eps`) when `normalise`. Returns ``[batch, seq]`` float32,
-    0 where nothing was generated."""
+    ``k``, divided by the group's reward std (+ `eps`) when `normalise`; plus, with `turn_weight` and
+    `turn_rewards` (``[batch, replies]``, NaN where a row has none), the reply's own reward against those
+    rows' rewards for reply ``k``. Returns ``[batch, seq]`` float32, 0 where nothing was generated."""
     if rewards.dim() != 1 or len(groups) != rewards.shape[0] or generated.shape[0] != rewards.shape[0]:
         raise ValueError(f"need one group and one row per reward: {len(groups)} groups and "
                          f"{generated.shape[0]} rows for rewards of shape {tuple(rewards.shape)}")
@@ -168,22 +182,44 @@ def turn_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], generated
         for turn in set().union(*(made[i] for i in index)):
             reached = [i for i in index if turn in made[i]]
             baseline = float(rewards[torch.tensor(reached)].mean())
+            own = reply_reward_advantages(turn_rewards, reached, turn, eps) if turn_weight else {}
             for i in reached:
-                out[i][turns[i] == turn] = (float(rewards[i]) - baseline) / scale
+                out[i][turns[i] == turn] = (float(rewards[i]) - baseline) / scale + turn_weight * own.get(i, 0.0)
     return out
 
 
+def reply_reward_advantages(turn_rewards: torch.Tensor | None, rows: Sequence[int], turn: int,
+                            eps: float) -> dict[int, float]:
+    """Row -> its reply `turn`'s own reward, normalised among `rows` that have one for that reply (module
+    docstring, "A reply's own reward"); rows without one are left out, and all are 0 when the rewards agree."""
+    if turn_rewards is None or turn >= turn_rewards.shape[1]:
+        return {}
+    scored = [i for i in rows if not bool(torch.isnan(turn_rewards[i, turn]))]
+    if len(scored) < 2:
+        return {}
+    values = turn_rewards[torch.tensor(scored), turn].to(torch.float32)
+    spread = float(values.std(correction=0))
+    if spread == 0:
+        return {}
+    mean = float(values.mean())
+    return {i: (float(v) - mean) / (spread + eps) for i, v in zip(scored, values.tolist())}
+
+
 def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor, groups: Sequence[Hashable],
-                         generated: torch.Tensor | None = None) -> torch.Tensor:
+                         generated: torch.Tensor | None = None,
+                         turn_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages `algorithm` trains with when none are given: GRPO's `group_advantages` (with its
     ``advantage_eps``) or PPO-clip's `baseline_advantages`; with ``credit: turn``, `turn_advantages` of the
-    `generated` mask (``[batch, seq]``), per token."""
+    `generated` mask (``[batch, seq]``) and the replies' `turn_rewards` (``[batch, replies]``), per token."""
     if algorithm.credit == "turn":
         if generated is None:
             raise ValueError("credit per turn needs the generated mask, to find each row's replies")
+        weight = algorithm.turn_reward_weight
         if algorithm.name == "grpo":
-            return turn_advantages(rewards, groups, generated, eps=algorithm.advantage_eps)
-        return turn_advantages(rewards, [0] * len(groups), generated, normalise=False)
+            return turn_advantages(rewards, groups, generated, eps=algorithm.advantage_eps,
+                                   turn_rewards=turn_rewards, turn_weight=weight)
+        return turn_advantages(rewards, [0] * len(groups), generated, normalise=False, turn_rewards=turn_rewards,
+                               turn_weight=weight)
     if algorithm.name == "grpo":
         return group_advantages(rewards, groups, algorithm.advantage_eps)
     return baseline_advantages(rewards)

@@ -24,6 +24,7 @@ algorithm:
   kl_coef: 0.05
   loss_aggregation: sequence-mean
   credit: turn
+  turn_reward_weight: 0.5
   max_grad_norm: 0.5
   weight_decay: 0.01
   adam_beta1: 0.85
@@ -40,7 +41,7 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     spec = load_recipe(path).algorithm
     assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, clip_ratio=0.1,
                                  clip_ratio_high=0.28, ratio_cap=5.0, kl_coef=0.05, loss_aggregation="sequence-mean",
-                                 credit="turn", max_grad_norm=0.5,
+                                 credit="turn", turn_reward_weight=0.5, max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
                                  temperature=0.7)
     # The test names every field: a setting added later without a recipe key would show here.
@@ -58,6 +59,8 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     ("{clip_ratio_high: 2.5}", ["algorithm.ratio_cap", "more than 1 + the upper clip range = 3.5", "found 3.0"]),
     ("{ratio_cap: 1.1}", ["algorithm.ratio_cap", "= 1.2", "found 1.1"]),
     ("{kl_coef: -1}", ["algorithm.kl_coef", "0 or more, found -1"]),
+    ("{credit: turn, turn_reward_weight: -1}", ["algorithm.turn_reward_weight", "0 or more, found -1"]),
+    ("{turn_reward_weight: 1}", ["algorithm.turn_reward_weight", "needs credit: turn", "found credit: episode"]),
     ("{max_grad_norm: 0}", ["algorithm.max_grad_norm", "more than 0"]),
     ("{weight_decay: -0.01}", ["algorithm.weight_decay", "0 or more"]),
     ("{adam_beta2: 1}", ["algorithm.adam_beta2", "less than 1, found 1"]),

@@ -86,16 +86,16 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
             if restart:
                 # Polled closely: a rollout cut aims at the rollout phase that begins as the allocation resumes.
                 resumed = wait_until(f"allocation {restart} to resume", lambda r=restart: resumed_in(run_dir, r),
-                                     timeout=300, poll_s=0.02)
+                                     timeout=600, poll_s=0.02)
                 resumed_step = resumed["step"]  # type: ignore[index]
             aimed = wait_until(f"allocation {restart} in phase {phase}",
                                lambda r=restart, p=phase, s=resumed_step: in_phase(run_dir, r, p, s, AIM_S),
-                               timeout=300 if restart == 0 else 120, poll_s=0.01)  # the first builds the model
+                               timeout=600 if restart == 0 else 300, poll_s=0.01)  # the first builds the model
             fired = time.time()
             subprocess.run(triggers[trigger], check=True, capture_output=True, text=True)
             cuts.append({"trigger": trigger, "phase": phase, "fired": fired, "aimed": aimed})
-        wait_until(f"allocation {len(PLAN)} to resume", lambda: resumed_in(run_dir, len(PLAN)), timeout=300)
-        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=600, poll_s=1)
+        wait_until(f"allocation {len(PLAN)} to resume", lambda: resumed_in(run_dir, len(PLAN)), timeout=600)
+        state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=900, poll_s=1)
         assert state == "COMPLETED", state
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)

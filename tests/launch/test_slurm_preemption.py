@@ -71,6 +71,7 @@ roles:
 training: {{checkpoint_every: 2}}
 launch: {{time_minutes: 20, signal_grace_s: 60}}
 """
+GRACE_S = 5  # the dev cluster's partitions' GraceTime (scripts/devcluster.sh)
 ROLLOUT_RANK = 2  # controller 0 and trainer 1 on the train node, rollout 2 (vLLM) on the rollout node
 
 
@@ -152,7 +153,11 @@ def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_pat
     quiesced = [e["interrupted"] for e in events if e["event"] == "quiesced" and e["restart"] == 1]
     assert quiesced and quiesced[0] > 0, events  # generations cut in flight
     assert resumes[1]["resumed"] > 0, resumes[1]  # trajectories continued from their prefix
-    assert any(e["event"] == "requeue-requested" and e["restart"] == 1 for e in events), events
+    # Who requeued the job: ended within the grace time, a heterogeneous job is not requeued by Slurm 22.05,
+    # so the run asks for it itself; a loaded machine can reach the safe point only after the grace time,
+    # and then Slurm's kill requeues the job and the run finds it no longer being preempted.
+    asked = any(e["event"] == "requeue-requested" and e["restart"] == 1 for e in events)
+    assert asked or stops[0]["time"] - requested[0]["time"] > GRACE_S, events
     assert f"requeueing job {job_id} after SIGTERM" in log_text
     assert job_restarts(job_id) == 2
 

@@ -11,6 +11,7 @@ from sfhpc.engine.tokenizer import ASSISTANT, END, ByteTokenizer
 from sfhpc.errors import ConfigError
 from sfhpc.model.warm_start import encode_with_targets
 from sfhpc.tasks import get_task
+from sfhpc.tasks.base import Problem
 
 
 def test_next_letter_rewards_exactly_the_next_letter() -> None:
@@ -38,6 +39,15 @@ def test_guess_number_answers_with_hints_and_ends() -> None:
     never = task.episode(task.sample(random.Random(1)))
     results = [never.step("nope") for _ in range(4)]
     assert [r.done for r in results] == [False, False, False, True] and results[-1].reward == 0.0
+
+
+def test_guess_number_rewards_each_guess_the_hints_allow() -> None:
+    task = get_task(TaskSpec("guess-number", {"max_turns": 8}))
+    episode = task.episode(Problem(key="6", data=6))
+    # 3 (allowed: higher), 2 (below 3: not allowed), 8 (allowed: lower), 9 (above 8: no), "x" (no), 7, 6
+    results = [episode.step(reply) for reply in ("3", "2", "8", "9", "x", "7", "6")]
+    assert [r.turn_reward for r in results] == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    assert results[-1].done and results[-1].reward == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("reply", ["²", "٣", "3²", "¹⁰"])

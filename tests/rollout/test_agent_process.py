@@ -18,7 +18,7 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.engine.scripted import ScriptedEngine
 from sfhpc.engine.tokenizer import ByteTokenizer
-from sfhpc.rollout.agent_process import AgentPrograms, reward_line
+from sfhpc.rollout.agent_process import AgentPrograms, reward_line, turn_rewards_of
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.tasks.base import Problem
 from sfhpc.tasks.guess_number import GuessNumberTask
@@ -248,6 +248,21 @@ def test_the_shipped_example_program_plays_and_reports_its_reward(server: Endpoi
     found = "4" in replies
     assert len(replies) == outcome.turns == (replies.index("4") + 1 if found else 8)
     assert outcome.reward == pytest.approx(1.0 - 0.1 * (outcome.turns - 1) if found else 0.0)
+    # Its end line rewards each guess too: 1 when the hints before it allowed it (the secret is 4).
+    low, high, allowed = 0, 9, []
+    for reply in replies:
+        number = int(reply.strip()) if reply.strip().isascii() and reply.strip().isdigit() else None
+        allowed.append(1.0 if number is not None and low <= number <= high else 0.0)
+        if number is not None:
+            low, high = (max(low, number + 1), high) if number < 4 else (low, min(high, number - 1))
+    assert outcome.turn_rewards == tuple(allowed) and len(allowed) == outcome.turns
+
+
+def test_turn_rewards_of_an_end_line() -> None:
+    assert turn_rewards_of({"reward": 1, "turn_rewards": [1, 0, 0.5]}) == (1.0, 0.0, 0.5)
+    for value in ({"reward": 1}, {"turn_rewards": [1, "0"]}, {"turn_rewards": [True]}, {"turn_rewards": 1},
+                  {"turn_rewards": [float("nan")]}, None):
+        assert turn_rewards_of(value) == ()
 
 
 def test_a_cut_program_episode_is_aborted_and_its_replay_completes_the_group(manager: TrajectoryManager) -> None:

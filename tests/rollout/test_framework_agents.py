@@ -114,7 +114,7 @@ roles:
   trainer:    {{tags: [train], nodes: 1}}
   rollout:    {{tags: [rollout], nodes: 1}}
   agents:     {{tags: [cpu], nodes: 1}}
-launch: {{time_minutes: 16}}
+launch: {{time_minutes: 24}}
 output_dir: {runs}
 """
 

@@ -44,6 +44,7 @@ def main() -> None:
         hear_until(lambda: 1 not in beats.last_heard)
         now[0] = 127.0
         seen["silent_after_goodbye"] = beats.silent()
+        seen["beats_after_goodbye"] = beats.beat()  # none to rank 1, which may have exited
     everyone = world.gather(seen, root=0)
     if me == 0:
         print(json.dumps(everyone))

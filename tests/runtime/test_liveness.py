@@ -39,3 +39,5 @@ def test_heartbeats_between_the_controller_and_every_rank() -> None:
     assert controller["silent_after_own_gap"] == first["silent_after_own_gap"] == {}
     # Rank 1 said goodbye: no longer watched; rank 2 sent nothing since the fresh bound at 115.5.
     assert controller["silent_after_goodbye"] == {"2": 11.5}
+    # ... and gets no more beats: a send to a rank that has exited holds MPI_Finalize (Open MPI over TCP).
+    assert controller["beats_after_goodbye"] == [2]

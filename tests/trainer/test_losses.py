@@ -128,6 +128,25 @@ def test_credit_per_turn_through_the_algorithm() -> None:
         algorithm_advantages(AlgorithmSpec(credit="turn"), rewards, ["a"] * 4)
 
 
+def test_a_replys_own_reward_is_measured_against_the_replies_at_its_turn() -> None:
+    # Three episodes of one group with equal outcomes (so only the replies' own rewards move anything):
+    # turn 0: rewards 1, 1, 0 -> mean 2/3, std sqrt(2)/3; turn 1: only rows 0 and 2, rewards 0 and 1 -> -1, +1;
+    # turn 2: row 2 alone -> nothing to compare with. Row 1 has no reward for its second reply (NaN).
+    rewards = torch.tensor([0.5, 0.5, 0.5])
+    generated = mask(".g.g....", ".g.g....", ".g.g.g..")
+    nan = float("nan")
+    own = torch.tensor([[1.0, 0.0, nan], [1.0, nan, nan], [0.0, 1.0, 1.0]])
+    adv = turn_advantages(rewards, ["x"] * 3, generated, eps=1e-9, turn_rewards=own, turn_weight=2.0)
+    high, low = (1 / 3) / (2 ** 0.5 / 3), -(2 / 3) / (2 ** 0.5 / 3)
+    assert adv[0].tolist() == pytest.approx([0, 2 * high, 0, -2.0, 0, 0, 0, 0], abs=1e-6)
+    assert adv[1].tolist() == pytest.approx([0, 2 * high, 0, 0, 0, 0, 0, 0], abs=1e-6)
+    assert adv[2].tolist() == pytest.approx([0, 2 * low, 0, 2.0, 0, 0, 0, 0], abs=1e-6)
+    # Without the weight the same batch has nothing to learn; through the algorithm the recipe's weight counts.
+    assert float(turn_advantages(rewards, ["x"] * 3, generated, turn_rewards=own).abs().sum()) == 0.0
+    spec = AlgorithmSpec(credit="turn", turn_reward_weight=2.0, advantage_eps=1e-9)
+    assert torch.allclose(algorithm_advantages(spec, rewards, ["x"] * 3, generated, own), adv)
+
+
 def test_grpo_loss_uses_group_advantages() -> None:
     # two answers of one prompt, rewards 1 and 0 -> advantages +1, -1; one token each at ratio 1
     new = torch.tensor([[-1.0], [-2.0]], dtype=torch.float64, requires_grad=True)

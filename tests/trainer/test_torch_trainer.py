@@ -116,9 +116,12 @@ def test_batch_from_trajectory_records() -> None:
                 Segment.of(SegmentKind.GENERATED, 0, 6, [79, 75], logprobs=[-0.5, -0.25], versions=[3, 4]),
                 Segment.of(SegmentKind.OBSERVATION, 1, 2, [263, 33]),
                 Segment.of(SegmentKind.GENERATED, 2, 2, [259], logprobs=[-0.125], versions=4))
-    done = Trajectory("t1", segments, group="g", status=Status.FINISHED, reward=1.0)
+    done = Trajectory("t1", segments, group="g", status=Status.FINISHED, reward=1.0, turn_rewards=(0.0, 1.0))
     short = Trajectory("t2", segments[:2], group="g", status=Status.FINISHED, reward=0.0)
     batch = TrainBatch.from_trajectories([done, short])
+    # each reply's own reward, NaN where a row has none; a sub-batch keeps its rows'
+    assert batch.turn_rewards is not None and batch.turn_rewards[0].tolist() == [0.0, 1.0]
+    assert torch.isnan(batch.turn_rewards[1]).all() and batch.rows([0]).turn_rewards.tolist() == [[0.0, 1.0]]
     assert batch.tokens.shape == (2, 11) and batch.lengths.tolist() == [11, 8]
     assert batch.generated[0].tolist() == [False] * 6 + [True, True, False, False, True]
     assert batch.versions[0, 6:].tolist() == [3, 4, -1, -1, 4]
