@@ -41,11 +41,12 @@ class _GuessEpisode(Episode):
             return StepResult(done=True, reward=0.0, turn_reward=allowed)
         if guess is None:
             return StepResult(done=False, observation="?", turn_reward=0.0)
-        if guess < self.secret:
+        higher = guess < self.secret
+        if higher:
             self.low = max(self.low, guess + 1)
         else:
             self.high = min(self.high, guess - 1)
-        return StepResult(done=False, observation="higher" if guess < self.secret else "lower", turn_reward=allowed)
+        return StepResult(done=False, observation="higher" if higher else "lower", turn_reward=allowed)
 
 
 class GuessNumberTask(Task):
