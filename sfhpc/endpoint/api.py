@@ -46,15 +46,22 @@ class Call:
             self._on_result(turn)
 
     def _read(self, builder: ResponseBuilder) -> None:
-        """Count what a reply held for the tools offered (once its response is built)."""
-        parsed = builder.parsed
-        if parsed is None or self._counts is None:
+        """Count what a reply held for the tools offered and the format asked (once its response is built)."""
+        if self._counts is None:
             return
-        self._counts["tool_calls"] += len(parsed.calls)
-        if parsed.failed:
-            self._counts["tool_call_parse_failures"] += 1
-            log.warning("trajectory %s: a reply began a tool call that does not parse; returned as content",
-                        builder.trajectory_id)
+        parsed = builder.parsed
+        if parsed is not None:
+            self._counts["tool_calls"] += len(parsed.calls)
+            if parsed.failed:
+                self._counts["tool_call_parse_failures"] += 1
+                log.warning("trajectory %s: a reply began a tool call that does not parse; returned as content",
+                            builder.trajectory_id)
+        reply_format = self.request.response_format
+        if reply_format is not None and not (parsed is not None and parsed.calls):
+            miss = reply_format.miss(builder.content)
+            if miss is not None:
+                self._counts["response_format_misses"] += 1
+                log.warning("trajectory %s: a reply asked for in JSON is %s", builder.trajectory_id, miss)
 
     @property
     def trajectory_id(self) -> str:
@@ -115,7 +122,8 @@ class OpenAIApi:
     `tool_parser` names the format of the model's tool calls (by default the one its chat template writes).
     `max_n` is the most choices (``n``) one call may ask for; each is a trajectory of its own.
     `counts` holds what the replies held: ``tool_calls`` read, ``tool_call_parse_failures`` (replies that
-    began a call that does not parse, returned as content); ``GET /health`` shows them.
+    began a call that does not parse, returned as content), ``response_format_misses`` (replies not in the
+    JSON format their call asked for, `sfhpc.endpoint.response_format`); ``GET /health`` shows them.
     """
 
     def __init__(self, endpoint: AgentEndpoint, *, model_name: str, tokenizer: ChatTokenizer | None = None,
@@ -143,6 +151,7 @@ class OpenAIApi:
         return {"status": "ok", "model": self.model_name, "engine": engine.name, "version": engine.version,
                 "paused": engine.paused, "tool_calls": self.counts["tool_calls"],
                 "tool_call_parse_failures": self.counts["tool_call_parse_failures"],
+                "response_format_misses": self.counts["response_format_misses"],
                 "history_respelled": self.history.respelled}
 
     @contextlib.asynccontextmanager

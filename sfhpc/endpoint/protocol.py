@@ -6,10 +6,12 @@ Supported: ``/v1/chat/completions`` and ``/v1/completions`` with ``max_tokens`` 
 semantics: the text ends before the first one met; the tokens generated up to it are recorded as they
 were sampled), ``n`` (not streamed; each choice a trajectory of its own); chat also takes function
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (`sfhpc.endpoint.tools`), and answers with
-``tool_calls`` read from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`). Any ``model``
+``tool_calls`` read from the reply in the model's own format (`sfhpc.endpoint.tool_parsers`), and
+``response_format`` (``json_object``, ``json_schema``: asked in the prompt and checked on the reply, not
+enforced by decoding; `sfhpc.endpoint.response_format` says why). Any ``model``
 name is accepted: a run serves one policy, whatever name an agent's author wrote. Parameters that would
 change what the model does and that the endpoint cannot honour (penalties, ``logit_bias``, top-k
-alternatives, ``echo``, ``best_of``, ``response_format``, and vLLM's sampling extensions ``top_k``,
+alternatives, ``echo``, ``best_of``, and vLLM's sampling extensions ``top_k``,
 ``min_p``, ``repetition_penalty``) are refused with a 400 instead of being ignored silently. A
 ``temperature`` or ``top_p`` left out stays None here: the endpoint fills in its default
 (`Sampling.resolved`).
@@ -29,6 +31,7 @@ from typing import Any, Literal
 
 from sfhpc.endpoint.errors import BadRequest
 from sfhpc.endpoint.fields import Fields
+from sfhpc.endpoint.response_format import ResponseFormat, read_response_format
 from sfhpc.endpoint.service import Sampling, TokenDelta, TurnRequest, TurnResult
 from sfhpc.endpoint.tool_parsers import Parsed, ToolCallParser, partial_suffix
 from sfhpc.endpoint.tools import ToolRequest, history_message, read_tools
@@ -52,6 +55,7 @@ class ApiRequest:
     tools: ToolRequest | None = None  # chat requests that offer function tools
     stop: tuple[str, ...] = ()  # the reply's text ends before the first of these it holds
     n: int = 1  # choices: each a trajectory of its own
+    response_format: ResponseFormat | None = None  # a reply in JSON, asked in the prompt and checked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +81,15 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
     fields.string("model", required=True)
     fields.refuse_unless(best_of=(None, 1), echo=(None, False), suffix=(None, ""),
                          presence_penalty=(None, 0, 0.0), frequency_penalty=(None, 0, 0.0), logit_bias=(None, {}),
-                         functions=(None, []), function_call=(None, "none"),
-                         response_format=(None, {"type": "text"}))
+                         functions=(None, []), function_call=(None, "none"))
     if route != "chat":
         fields.refuse_unless(tools=(None, []), tool_choice=(None, "none"))
     fields.refuse_distribution_changes(top_k=(None, -1, 0), min_p=(None, 0, 0.0), repetition_penalty=(None, 1, 1.0))
     tools = None
+    reply_format = read_response_format(body, route=route)
     if route == "chat":
         tools = read_tools(body, template=tokenizer.chat_template, parser_name=tool_parser)
-        prompt = _chat_prompt(fields, tokenizer, tools)
+        prompt = _chat_prompt(fields, tokenizer, tools, reply_format)
         max_tokens = fields.integer("max_completion_tokens", low=1)
         if max_tokens is None:
             max_tokens = fields.integer("max_tokens", low=1)
@@ -135,7 +139,7 @@ def parse(route: Route, body: Any, *, model_name: str, tokenizer: ChatTokenizer,
                        prompt_param="messages" if route == "chat" else "prompt",
                        stop_when=_stop_when(stop, tokenizer) if stop else None)
     return ApiRequest(route=route, model=model_name, turn=turn, stream=stream, include_usage=include_usage,
-                      logprobs=want_logprobs, tools=tools, stop=stop, n=n)
+                      logprobs=want_logprobs, tools=tools, stop=stop, n=n, response_format=reply_format)
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -157,7 +161,8 @@ def _stop_when(stop: tuple[str, ...], tokenizer: ChatTokenizer) -> Callable[[Seq
     return met
 
 
-def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | None) -> list[int]:
+def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | None,
+                 reply_format: ResponseFormat | None) -> list[int]:
     messages = fields.body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list of {role, content} objects", param="messages")
@@ -178,6 +183,8 @@ def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | 
         elif not isinstance(content, str):
             raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", param="messages")
         flat.append(history_message(i, message, content))
+    if reply_format is not None:
+        flat = reply_format.instructed(flat)
     try:
         return tokenizer.apply_chat_template(flat, tools=None if tools is None else tools.tools)
     except ChatFormatError as exc:
@@ -231,6 +238,7 @@ class ResponseBuilder:
         tools = request.tools
         self.parser = tools.parser if tools is not None else None
         self.parsed: Parsed | None = None  # the reply read for tool calls, once it is whole
+        self.content: str | None = None  # the reply's content (without its tool calls), once it is whole
         self._hidden = frozenset(request.turn.sampling.stop_token_ids) if self.parser else frozenset()
         self._decoder = tokenizer.stream_decoder(skip_special=self.parser is None)
         self._text_length = 0
@@ -296,11 +304,13 @@ class ResponseBuilder:
         text = self._cut(text + self._flush())
         choice: dict[str, Any] = {"index": 0}
         if self.request.route != "chat":
-            choice["text"] = text
+            choice["text"] = self.content = text
         elif self.parser is None:
             choice["message"] = {"role": "assistant", "content": text}
+            self.content = text
         else:
             calls, content = self._read_calls(text)
+            self.content = content
             choice["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         choice.update(logprobs=self._logprobs(result.token_ids, result.logprobs, offsets),
                       finish_reason=self._finish(result), token_ids=list(result.token_ids),
@@ -330,8 +340,9 @@ class ResponseBuilder:
         """The chunks after the last token: the rest of the text, the tool calls, the finish reason."""
         reply = self._cut(self._reply + self._flush())
         if self.parser is None:
+            self.content = reply
             return [self._chunk(reply[self._sent:], None, result.finish_reason, [], [])]
-        calls, _ = self._read_calls(reply)
+        calls, self.content = self._read_calls(reply)
         # Held text goes out as content when it was no call; a call's surrounding text was sent already.
         rest = "" if calls else reply[self._sent:]
         chunks = [self._chunk(rest, None, None, [], [])] if rest else []

@@ -12,7 +12,8 @@ streamed chunks): ``response.created``, ``response.in_progress``, the reply's te
 ``response.output_text.delta`` events of a ``message`` item, each call as a ``function_call`` item with its
 arguments (``response.function_call_arguments.delta`` / ``.done``), then ``response.completed`` (or
 ``response.incomplete`` for a reply cut at ``max_output_tokens``) with the whole response: what the Agents
-SDK's ``Runner.run_streamed`` reads.
+SDK's ``Runner.run_streamed`` reads. ``text.format`` (``json_object``, ``json_schema``) is the chat turn's
+``response_format`` (`sfhpc.endpoint.response_format`).
 
 Stateless: the endpoint stores no responses, so ``previous_response_id`` and ``conversation`` are refused
 (an agent sends its whole input each turn, as the Agents SDK does by default); so are built-in tools (web
@@ -26,6 +27,7 @@ import uuid
 from typing import Any
 
 from sfhpc.endpoint.errors import BadRequest
+from sfhpc.endpoint.response_format import read_text_format
 
 # Fields of a Responses request with a chat equivalent, and the name it has there.
 _SAMPLING = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
@@ -43,9 +45,10 @@ def to_chat(body: Any) -> dict[str, Any]:
         if body.get(key) is not None:
             raise BadRequest(f"'{key}' is not supported: this endpoint stores no responses; send the whole input "
                              f"each turn", param=key)
-    fmt = (body.get("text") or {}).get("format") if isinstance(body.get("text"), dict) else None
-    if fmt not in (None, {"type": "text"}):
-        raise BadRequest("'text.format' other than text is not supported", param="text")
+    text = body.get("text")
+    if text is not None and not isinstance(text, dict):
+        raise BadRequest("'text' must be an object: {\"format\": {...}}", param="text")
+    reply_format = read_text_format((text or {}).get("format"))
     unknown = sorted(set(body) - {"model", "input", "instructions", "tools", "tool_choice", "stream", "text",
                                   *_SAMPLING, *_IGNORED, "previous_response_id", "conversation", "prompt"})
     if unknown:
@@ -54,6 +57,8 @@ def to_chat(body: Any) -> dict[str, Any]:
     for key, name in _SAMPLING.items():
         if body.get(key) is not None:
             chat[name] = body[key]
+    if reply_format is not None:
+        chat["response_format"] = reply_format
     if body.get("stream"):
         chat.update(stream=True, stream_options={"include_usage": True})  # usage ends response.completed
     tools = body.get("tools")
@@ -167,13 +172,20 @@ def _response(response_id: str, created: float, request: dict[str, Any], model: 
         "parallel_tool_calls": request.get("parallel_tool_calls", True),
         "tool_choice": request.get("tool_choice", "auto"), "tools": request.get("tools") or [],
         "temperature": request.get("temperature"), "top_p": request.get("top_p"),
-        "max_output_tokens": request.get("max_output_tokens"), "text": {"format": {"type": "text"}},
+        "max_output_tokens": request.get("max_output_tokens"), "text": _text_field(request),
         "usage": None if usage is None else {
             "input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
             "total_tokens": usage["total_tokens"], "input_tokens_details": {"cached_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}},
         **(extensions or {}),  # sfhpc's, as on the chat routes
     }
+
+
+def _text_field(request: dict[str, Any]) -> dict[str, Any]:
+    """The response's ``text``: the format the request asked for (text by default)."""
+    text = request.get("text")
+    fmt = text.get("format") if isinstance(text, dict) else None
+    return {"format": fmt if isinstance(fmt, dict) else {"type": "text"}}
 
 
 class ResponseStream:
