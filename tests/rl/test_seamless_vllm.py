@@ -5,7 +5,7 @@ trainer; rank 2 is a rollout rank. An untrained policy writes long replies (it r
 token), so when a batch is ready the lent trainer's engine is mid-reply: those replies are cut there and
 finish on rank 2's engine from their prefix, in one reply the task judged as it is stored. The lent engine
 gets only the step's new episodes and runs dry before the rollout engine: it then takes half the replies
-the rollout engine is writing (rebalancing), which go on from their prefix on the lent engine.
+the rollout engine holds (rebalancing); those it had begun go on from their prefix on the lent engine.
 
 The weights travel over the torch transport (``engine.weight_transport: torch``; gloo here): the rollout
 engine's vLLM worker joins the group and receives every version itself.
@@ -70,8 +70,10 @@ def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_e
                 moves[before.engine, after.engine] = moves.get((before.engine, after.engine), 0) + 1
     # Reclaimed: cut on the lent trainer's engine, finished on the rollout engine.
     assert moves.get(("vllm-r1", "vllm-r2"), 0) >= 1, moves
-    # Rebalanced: the lent engine ran dry while the trainer waited and took replies the rollout engine had
-    # begun; those went on from their prefix there (and back, if a reclaim came first).
+    # Rebalanced: the lent engine ran dry while the trainer waited and took replies of the rollout engine.
+    # Whether the rollout engine had written tokens of a moved reply depends on the machine's speed (a quiet
+    # one may move replies it had not begun, which then start on the lent engine): a move after tokens is a
+    # cut that goes on from its prefix (the loop above holds every move to that), but one is not required.
     rebalanced = [e for e in events if e["event"] == "rebalanced"]
     assert rebalanced and sum(r["rebalanced"] for r in rows) == sum(e["moved"] for e in rebalanced), rebalanced
-    assert moves.get(("vllm-r2", "vllm-r1"), 0) >= 1, moves
+    assert all(e["drained"] == [1] and e["donors"] == {"2": e["moved"]} for e in rebalanced), rebalanced
