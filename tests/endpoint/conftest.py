@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -15,9 +16,12 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Segment
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.engine.base import GenerationRequest
+from sfhpc.engine.hf_tokenizer import HFTokenizer
 from sfhpc.engine.scripted import ScriptedEngine
+from sfhpc.model.hf_folder import build_hf_model
 
 MODEL = "tiny-test"
+SERVED_MODEL = "served-policy"  # the name `Served` serves
 # Letters and space only: no stop token, so a request runs to max_tokens (long enough to pause mid-way).
 LETTERS = (*range(ord("a"), ord("z") + 1), ord(" "))
 
@@ -113,3 +117,36 @@ def server(engine: ScriptedEngine, sink: RecordingManager) -> Iterator[EndpointS
 @pytest.fixture
 def client(server: EndpointServer) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2 folder with Qwen2.5's tool-calling chat template."""
+    return build_hf_model(tmp_path_factory.mktemp("qwen-tools"), "qwen2", chat_format="qwen2_tools", layers=1)
+
+
+class Served:
+    """A live endpoint over a replying engine, with the tokenizer of a model folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.tok = HFTokenizer.from_folder(folder)
+        self.sink = RecordingManager()
+        self.engine = ReplyingEngine([])
+        self.api = OpenAIApi(AgentEndpoint(self.engine, self.sink), model_name=SERVED_MODEL, tokenizer=self.tok)
+        self.server = EndpointServer(self.api).start()
+        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=30)
+
+    def will_reply(self, *texts: str) -> None:
+        """The next replies, each ending with the template's end-of-turn token."""
+        self.engine.replies += [self.tok.encode(t) + [self.tok.chat_stop_ids[0]] for t in texts]
+
+    def context(self, trajectory_id: str) -> list[int]:
+        return [int(t) for t in self.sink.trajectory(trajectory_id).context()]
+
+
+@pytest.fixture
+def qwen(qwen_folder: Path) -> Iterator[Served]:
+    """`Served` over `qwen_folder`."""
+    served = Served(qwen_folder)
+    yield served
+    served.server.stop()

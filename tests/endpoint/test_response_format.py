@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 from pydantic import BaseModel
 
 from sfhpc.endpoint.response_format import ResponseFormat
-from sfhpc.model.hf_folder import build_hf_model
-from tests.endpoint.test_tools import MODEL, Served
+from tests.endpoint.conftest import SERVED_MODEL as MODEL
+from tests.endpoint.conftest import Served
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "hour": {"type": "integer"}},
           "required": ["city", "hour"], "additionalProperties": False}
@@ -28,18 +25,6 @@ ANSWER = '{"city": "paris", "hour": 12}'
 class Time(BaseModel):
     city: str
     hour: int
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hf_model(tmp_path_factory.mktemp("qwen-format"), "qwen2", chat_format="qwen2_tools", layers=1)
-
-
-@pytest.fixture
-def qwen(folder: Path) -> Iterator[Served]:
-    served = Served(folder)
-    yield served
-    served.server.stop()
 
 
 def test_the_format_is_asked_in_the_system_message_and_each_reply_is_checked(qwen: Served) -> None:

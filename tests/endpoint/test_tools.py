@@ -6,21 +6,18 @@ trajectory holds exactly what the template renders for the conversation."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 
-from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.endpoint.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for_template
 from sfhpc.engine.hf_tokenizer import HFTokenizer
 from sfhpc.model.hf_folder import build_hf_model
-from tests.endpoint.conftest import RecordingManager, ReplyingEngine
+from tests.endpoint.conftest import SERVED_MODEL as MODEL
+from tests.endpoint.conftest import Served
 
-MODEL = "served-policy"
 TOOLS = [{"type": "function", "function": {
     "name": "get_time", "description": "the time of day in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -28,39 +25,8 @@ CALL = '<tool_call>\n{"name": "get_time", "arguments": {"city": "paris"}}\n</too
 
 
 @pytest.fixture(scope="module")
-def qwen_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_hf_model(tmp_path_factory.mktemp("qwen-tools"), "qwen2", chat_format="qwen2_tools", layers=1)
-
-
-@pytest.fixture(scope="module")
 def llama_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_hf_model(tmp_path_factory.mktemp("llama-tools"), "llama", chat_format="llama_tools", layers=1)
-
-
-class Served:
-    """A live endpoint over a replying engine, with the tokenizer of a model folder."""
-
-    def __init__(self, folder: Path) -> None:
-        self.tok = HFTokenizer.from_folder(folder)
-        self.sink = RecordingManager()
-        self.engine = ReplyingEngine([])
-        self.api = OpenAIApi(AgentEndpoint(self.engine, self.sink), model_name=MODEL, tokenizer=self.tok)
-        self.server = EndpointServer(self.api).start()
-        self.client = openai.OpenAI(base_url=self.server.url, api_key="unused", max_retries=0, timeout=30)
-
-    def will_reply(self, *texts: str) -> None:
-        """The next replies, each ending with the template's end-of-turn token."""
-        self.engine.replies += [self.tok.encode(t) + [self.tok.chat_stop_ids[0]] for t in texts]
-
-    def context(self, trajectory_id: str) -> list[int]:
-        return [int(t) for t in self.sink.trajectory(trajectory_id).context()]
-
-
-@pytest.fixture
-def qwen(qwen_folder: Path) -> Iterator[Served]:
-    served = Served(qwen_folder)
-    yield served
-    served.server.stop()
 
 
 def test_a_tool_call_is_parsed_answered_and_the_trajectory_is_what_the_template_renders(qwen: Served) -> None:
