@@ -4,12 +4,15 @@ It needs what a GPU image has (torch, transformers, safetensors, tokenizers) and
 wheel where no registry can be reached); no vLLM. In order:
 
 1. builds a model folder locally (Qwen2, about 0.5B parameters; ``--dry-run``: a tiny one);
-2. trains it with the torch backend (`sfhpc.trainer.torch_trainer.TorchTrainer` on ``cuda``: float32 master
-   weights, bf16 autocast) for a few GRPO steps on random token batches, timing each;
+2. trains it with the torch backend's defaults (`sfhpc.trainer.torch_trainer.TorchTrainer` on ``cuda``: sharded
+   over a group of one, float32 master weights, bf16 compute) for a few GRPO steps on random token batches;
 3. publishes the bf16 weights from this (trainer) process to a receiver process on the same device through
    torch.multiprocessing, which hands CUDA tensors over as CUDA IPC handles (CPU tensors, with ``--dry-run``,
    as shared memory), and times the receiver's copy into its own buffers (GB/s);
-4. writes one JSON: the machine, each phase's seconds, tokens/s, GB/s, peak memory per process.
+4. runs `sfhpc bench train` on a model of Qwen2.5-1.5B's shape (its 151,936-token vocabulary; ``--dry-run``: the
+   tiny shape): the sharded bf16 trainer with activation checkpointing, and the whole model in float32 beside
+   it, each rank's peak memory against the memory plan, tokens/s and model FLOPs utilisation;
+5. writes one JSON: the machine, each phase's seconds, tokens/s, GB/s, peak memory per process.
 
 ``--dry-run`` runs the same flow on the CPU (the suite runs it); without it a missing GPU is an error.
 """
@@ -76,11 +79,29 @@ def random_batch(vocab: int, rows: int, length: int, group: int) -> Any:
                       groups=tuple(i // group for i in range(rows)))
 
 
+def bench_train(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """Step 4: `sfhpc bench train` in processes of its own (each setting's peak is its own), its JSON read back."""
+    from sfhpc.bench import train
+
+    out = folder / "bench_train.json"
+    shape = args.bench_shape or ("tiny" if args.dry_run else "qwen2.5-1.5b")
+    sizes = (["--rows", "4", "--length", "64", "--micro-batch-tokens", "128", "--chunk", "64", "--steps", "2"]
+             if args.dry_run else
+             ["--rows", "16", "--length", "2048", "--micro-batch-tokens", "8192", "--chunk", "2048", "--steps", "3"])
+    start = time.perf_counter()
+    train.main(["--shape", shape, "--vocab", "0", "--ranks", "1", *sizes,
+                "--settings", "sharded-bf16-ckpt,whole-fp32", "--json", str(out)])
+    report = json.loads(out.read_text())
+    report["seconds"] = round(time.perf_counter() - start, 1)
+    return report
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="the same flow on the CPU with a tiny model")
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="the JSON written")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 5; dry run 2)")
+    parser.add_argument("--bench-shape", default=None, help="the shape of step 4 (default qwen2.5-1.5b; dry run: tiny)")
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_check: error: no CUDA device; run it on a GPU machine, or pass --dry-run", file=sys.stderr)
@@ -109,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         step_s = []
         for step in range(steps):
             # train_step reads the loss and the gradient norm back, so its seconds include the device's work.
-            metrics = trainer.train_step(random_batch(shape["tokenizer_vocab"], rows, length, group=8))
+            metrics = trainer.train_step(random_batch(trainer.model.config.vocab_size, rows, length, group=8))
             step_s.append(metrics.seconds)
             print(f"gpu_check: step {step + 1}/{steps}: {metrics.seconds:.2f} s, loss {metrics.loss:.4f}",
                   flush=True)
@@ -133,6 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         report["receiver_copy_gb_per_s"] = round(answer["bytes"] / max(answer["copy_s"], 1e-9) / 1e9, 2)
         report["receiver_peak_mib"] = round(answer["peak_mib"], 1)
         report["ok"] = receiver.exitcode == 0
+        del trainer, weights
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    report["bench_train"] = bench_train(args, args.out.parent)
+    report["ok"] = report["ok"] and bool(report["bench_train"].get("settings"))
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_check: {'ok' if report['ok'] else 'FAILED'}: {report['parameters'] / 1e6:.1f}M parameters, "
           f"{report['train_tokens_per_s']} train tokens/s, publish {report['receiver_copy_gb_per_s']} GB/s; "

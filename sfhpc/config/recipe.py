@@ -265,8 +265,41 @@ class TrainingSpec:
                                        "request)")
     keep_checkpoints: int | None = setting(None, "keep the newest N complete checkpoints of this run and remove older "
                                                  "ones after each new one (null: keep all)")
+    precision: Literal["auto", "bf16", "float32"] = setting(
+        "auto", "torch: the dtype the forward and backward compute in; master weights and Adam's state stay float32 "
+                "(auto: bf16 where the trainer has a GPU, float32 on CPUs)")
+    sharding: Literal["auto", "full", "none"] = setting(
+        "auto", "torch: full shards parameters, gradients and optimizer state over the trainer ranks (FSDP2; each "
+                "rank loads only its shard); none keeps a whole copy on each (DDP); auto: full where the trainers "
+                "have GPUs or are more than one")
+    micro_batch_tokens: int | None = setting(
+        8192, "torch: a rank's rows are trained in micro-batches of at most this many padded tokens, gradients "
+              "accumulated (the same gradient as one pass); null: all of a rank's rows in one pass")
+    activation_checkpointing: bool = setting(
+        False, "torch: keep only each decoder layer's input for the backward and compute the rest again (about a "
+               "third more compute, activations a layer's input per layer)")
+    logprob_chunk_tokens: int = setting(
+        1024, "torch: positions whose logits are computed at once for the log-probabilities (the [rows, length, "
+              "vocab] logits never exist whole)")
+
+    def compute_precision(self, *, on_gpu: bool) -> Literal["bf16", "float32"]:
+        """What `precision` means on this trainer: auto is bf16 on a GPU, float32 on a CPU."""
+        if self.precision == "auto":
+            return "bf16" if on_gpu else "float32"
+        return self.precision
+
+    def shards(self, trainer_ranks: int, *, on_gpu: bool) -> bool:
+        """Whether the torch backend shards the model over `trainer_ranks` ranks (`sharding`)."""
+        if self.sharding == "auto":
+            return on_gpu or trainer_ranks > 1
+        return self.sharding == "full"
 
     def validate(self, where: Where) -> None:
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise where.child("micro_batch_tokens").error(
+                f"must be at least 1, found {self.micro_batch_tokens}; null trains a rank's rows in one pass")
+        if self.logprob_chunk_tokens < 1:
+            raise where.child("logprob_chunk_tokens").error(f"must be at least 1, found {self.logprob_chunk_tokens}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise where.child("keep_checkpoints").error(
                 f"must be at least 1 (the newest checkpoint is what a restart resumes from), found "

@@ -85,7 +85,7 @@ class TrainBatch:
             raise BatchError(f"TrainBatch needs one reward, length and group per row ({b} rows)")
         if b and bool(self.generated[:, 0].any()):
             raise BatchError("the first token of a row cannot be generated: every row starts with a prompt token")
-        positions = torch.arange(t).unsqueeze(0)
+        positions = torch.arange(t, device=self.tokens.device).unsqueeze(0)
         if bool((self.generated & (positions >= self.lengths.unsqueeze(1))).any()):
             raise BatchError("a generated token lies in a row's padding: check lengths against the generated mask")
 
@@ -96,7 +96,8 @@ class TrainBatch:
     @property
     def attention_mask(self) -> torch.Tensor:
         """int64 [B, T]: 1 on real tokens, 0 on padding."""
-        return (torch.arange(self.tokens.shape[1]).unsqueeze(0) < self.lengths.unsqueeze(1)).long()
+        return (torch.arange(self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
+                < self.lengths.unsqueeze(1)).long()
 
     @property
     def num_generated(self) -> int:

@@ -1,4 +1,4 @@
-"""How trainer ranks find each other for data parallelism (torch.distributed over gloo).
+"""How trainer ranks find each other for data parallelism and sharding (torch.distributed: gloo, or NCCL on GPUs).
 
 The runtime already has an MPI communicator of the trainer ranks; torch.distributed needs its own
 rendezvous. `DistSpec.from_mpi` uses the communicator only to agree on one: rank 0 picks a free TCP port
@@ -43,16 +43,17 @@ class DistSpec:
         return cls(rank=0, world_size=1)
 
     @classmethod
-    def from_mpi(cls, comm: Any, *, host: str | None = None) -> DistSpec:
-        """Rank and size of `comm` (an mpi4py communicator of the trainer ranks); rank 0 chooses the address."""
+    def from_mpi(cls, comm: Any, *, host: str | None = None, backend: str = "gloo") -> DistSpec:
+        """Rank and size of `comm` (an mpi4py communicator of the trainer ranks); rank 0 chooses the address.
+        `backend`: gloo on CPUs, nccl where the trainers have GPUs."""
         rank, size = comm.Get_rank(), comm.Get_size()
         if size == 1:
-            return cls.single()
+            return cls(rank=0, world_size=1, backend=backend)
         address = None
         if rank == 0:
             host = host or os.environ.get(ADDR_VAR) or socket.gethostname()
             address = f"tcp://{host}:{_free_port(host)}"
-        return cls(rank=rank, world_size=size, init_method=comm.bcast(address, root=0))
+        return cls(rank=rank, world_size=size, init_method=comm.bcast(address, root=0), backend=backend)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DistSpec:
@@ -68,13 +69,18 @@ class DistSpec:
             raise TrainerError(f"WORLD_SIZE is {size}: set MASTER_ADDR and MASTER_PORT to trainer rank 0's address")
         return cls(rank=rank, world_size=size, init_method=f"tcp://{env['MASTER_ADDR']}:{env['MASTER_PORT']}")
 
-    def init_process_group(self) -> None:
-        """Start torch.distributed's default group for this spec (no-op for one rank or when already up)."""
+    def init_process_group(self, *, group_of_one: bool = False) -> None:
+        """Start torch.distributed's default group for this spec (no-op when already up, and for one rank
+        unless `group_of_one`: sharding a single rank's model still needs a group, of that rank alone)."""
         import datetime
 
         import torch.distributed as dist
 
-        if not self.distributed or dist.is_initialized():
+        if dist.is_initialized():
+            return
+        if not self.distributed:
+            if group_of_one:
+                dist.init_process_group(backend=self.backend, store=dist.HashStore(), rank=0, world_size=1)
             return
         dist.init_process_group(backend=self.backend, init_method=self.init_method, rank=self.rank,
                                 world_size=self.world_size, timeout=datetime.timedelta(seconds=self.timeout_s))

@@ -1,0 +1,181 @@
+"""The memory plan: the bytes a trainer rank will hold, item by item, before any job runs.
+
+One owner of "does it fit". From the model folder's ``config.json`` (`ModelShape`) and the recipe's training
+settings (`TrainerSetup`) it gives each item a trainer rank of the torch backend holds at its peak (a
+backward step): the float32 master weights, gradients and Adam's two moments (divided over the ranks when
+sharded), the compute-dtype copies the forward uses (gathered layers when sharded, autocast's cast weights
+when not), the activations of one micro-batch, one chunk of logits, a reference model for a KL term, and a
+reserve for the runtime. `sfhpc plan` and `sfhpc check` print it; `sfhpc bench train` measures a rank's
+peak beside it.
+
+The activation terms are counts of the tensors autograd saves per token and decoder layer, measured on
+Qwen2-architecture models with ``torch.autograd.graph.saved_tensors_hooks`` (tests/plan/test_memory.py
+measures them again): without activation checkpointing about ``8 h + 4.3 i + 4.4 kv`` elements (``h`` the
+hidden size, ``i`` the MLP's, ``kv`` the key/value width), held in float32 on a float32 or autocast
+trainer; with it, each layer keeps its input (``h``) and the parts outside the layers add about as much
+again per layer at these depths. Attention saves no ``length x length`` scores (PyTorch's fused attention
+keeps one number per head and token), so activations grow with tokens, not with their square.
+
+Pure: no torch. The figures a user sees come from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+GIB = 1 << 30
+MASTER_BYTES = 4  # float32 master weights
+GRAD_BYTES = 4  # float32 gradients (sharded: reduced in float32 into the shard)
+ADAM_BYTES = 8  # Adam's two float32 moments
+# Per token and decoder layer, the elements autograd saves for the backward (module docstring).
+ACT_PER_HIDDEN, ACT_PER_MLP, ACT_PER_KV = 8.0, 4.3, 4.4
+CHECKPOINTED_PER_HIDDEN = 2.5  # a checkpointed layer's input, plus what outside the layers saves, per layer
+# Bytes per logit of one chunk at its peak (the backward of the chunk: compute-dtype logits, their float32
+# copy, the tempered and log-softmaxed ones, and the gradients of the last three).
+LOGIT_BYTES = 20
+RUNTIME_RESERVE = {"gpu": int(1.0 * GIB), "cpu": int(0.5 * GIB)}  # CUDA context / the interpreter and libraries
+DTYPE_BYTES = {"bf16": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What memory needs of a decoder: its widths, depth and vocabulary (a Hugging Face ``config.json``)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, config: dict[str, object]) -> ModelShape:
+        """From a decoder's ``config.json`` (Llama, Qwen2, Mistral and their kin); ValueError naming a missing key."""
+        def number(key: str, default: int | None = None) -> int:
+            value = config.get(key, default)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"config.json has no integer '{key}'")
+            return value
+
+        hidden, heads = number("hidden_size"), number("num_attention_heads")
+        head_dim = config.get("head_dim") or hidden // heads
+        if not isinstance(head_dim, int):
+            raise ValueError("config.json's 'head_dim' is not an integer")
+        model_type = str(config.get("model_type", ""))
+        return cls(layers=number("num_hidden_layers"), hidden=hidden, intermediate=number("intermediate_size"),
+                   heads=heads, kv_heads=number("num_key_value_heads", heads), head_dim=head_dim,
+                   vocab=number("vocab_size"), tied=bool(config.get("tie_word_embeddings", False)),
+                   qkv_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)))
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> ModelShape:
+        return cls.from_config(json.loads((Path(folder) / "config.json").read_text()))
+
+    @property
+    def layer_params(self) -> int:
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        attention = h * q * 2 + h * kv * 2 + ((q + 2 * kv) if self.qkv_bias else 0)  # q, o; k, v; biases
+        return attention + 3 * h * self.intermediate + 2 * h  # SwiGLU MLP, two norms
+
+    @property
+    def outer_params(self) -> int:
+        """Outside the layers: the embeddings, the output layer unless tied, the final norm."""
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.outer_params
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes  # K and V
+
+    def activation_elements(self) -> float:
+        """Elements autograd saves per token and layer without checkpointing (module docstring)."""
+        return (ACT_PER_HIDDEN * self.hidden + ACT_PER_MLP * self.intermediate
+                + ACT_PER_KV * self.kv_heads * self.head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSetup:
+    """How a trainer rank trains (the recipe's ``training`` section, resolved for its device and rank count)."""
+
+    ranks: int  # trainer ranks (data parallel)
+    sharded: bool
+    precision: str  # "bf16" or "float32": the compute dtype
+    micro_batch_tokens: int  # padded tokens in one forward and backward
+    activation_checkpointing: bool
+    logprob_chunk_tokens: int
+    reference: bool = False  # a KL term keeps a frozen copy of the starting policy
+    device: str = "gpu"  # "gpu" or "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankMemory:
+    """The bytes one rank holds at its peak, item by item, against what it has (0: not known)."""
+
+    role: str
+    items: tuple[tuple[str, int], ...]
+    capacity: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.items)
+
+    @property
+    def fits(self) -> bool:
+        return not self.capacity or self.total <= self.capacity
+
+    def item(self, name: str) -> int:
+        return dict(self.items).get(name, 0)
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {gib(b)}" for name, b in self.items if b)
+        room = f" of {gib(self.capacity)}" if self.capacity else ""
+        return f"{self.role}: {gib(self.total)}{room} ({parts})"
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) -> RankMemory:
+    """The peak bytes of one torch-backend trainer rank (module docstring)."""
+    p = shape.params
+    shards = setup.ranks if setup.sharded else 1
+    c = DTYPE_BYTES[setup.precision]
+    bf16 = c == 2
+    items: list[tuple[str, int]] = [
+        ("weights", MASTER_BYTES * p // shards),
+        ("gradients", GRAD_BYTES * p // shards),
+        ("optimizer", ADAM_BYTES * p // shards),
+    ]
+    if setup.sharded:
+        # Gathered for compute: the outer parameters (root group, held through forward and backward), the layer
+        # computing and the next one prefetched; their unsharded gradients before the reduce-scatter.
+        gathered = c * (shape.outer_params + 2 * shape.layer_params) if shards > 1 or bf16 else 0
+        unsharded_grads = (c + GRAD_BYTES) * (shape.outer_params + shape.layer_params) if shards > 1 or bf16 else 0
+        items.append(("gathered weights and gradients", gathered + unsharded_grads))
+    else:
+        # Autocast keeps a bf16 copy of every weight it casts for the forward, until the backward is done; DDP's
+        # buckets hold a second copy of the gradients.
+        items.append(("bf16 weight copies", 2 * p if bf16 else 0))
+        items.append(("DDP gradient buckets", GRAD_BYTES * p if setup.ranks > 1 else 0))
+    tokens = setup.micro_batch_tokens
+    # Sharded bf16 computes in bf16 throughout; float32 and autocast keep the residual stream in float32.
+    act_bytes = c if setup.sharded else 4
+    full_layer = shape.activation_elements() * act_bytes * tokens
+    if setup.activation_checkpointing:
+        activations = shape.layers * tokens * shape.hidden * CHECKPOINTED_PER_HIDDEN * act_bytes + full_layer
+    else:
+        activations = shape.layers * full_layer
+    items.append(("activations", int(activations)))
+    items.append(("logits chunk", min(setup.logprob_chunk_tokens, tokens) * shape.vocab * LOGIT_BYTES))
+    if setup.reference:
+        items.append(("reference model", MASTER_BYTES * p // shards))
+    items.append(("runtime reserve", RUNTIME_RESERVE[setup.device]))
+    return RankMemory("trainer", tuple(items), capacity)
