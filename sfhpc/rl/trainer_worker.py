@@ -33,7 +33,11 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
         if resume_from is not None:
             trainer.load_checkpoint(resume_from)
         return trainer
-    dist = DistSpec.from_mpi(layout.trainers)
+    import torch
+
+    # The rank's own GPU where it has one (the runtime narrowed CUDA_VISIBLE_DEVICES to it), else the CPU.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dist = DistSpec.from_mpi(layout.trainers, backend="nccl" if device == "cuda" else "gloo")
     if recipe.training.backend == "megatron":
         from sfhpc.trainer.megatron_backend import MegatronTrainer
 
@@ -41,7 +45,8 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
     else:
         from sfhpc.trainer.torch_trainer import TorchTrainer
 
-        trainer = TorchTrainer(model_dir, recipe.algorithm, dist=dist, seed=recipe.seed)
+        trainer = TorchTrainer(model_dir, recipe.algorithm, dist=dist, seed=recipe.seed, device=device,
+                               training=recipe.training)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     return trainer
@@ -98,8 +103,11 @@ class TrainerWorker:
 
     @property
     def gathers_published_weights(self) -> bool:
-        """This rank takes part in assembling the weights the root publishes: a rank of the root's
-        model-parallel group (megatron, tensor or pipeline parallel > 1; data-parallel replica 0)."""
+        """This rank takes part in assembling the weights the root publishes: every rank of a sharded torch
+        trainer, or a rank of the root's model-parallel group (megatron, tensor or pipeline parallel > 1;
+        data-parallel replica 0)."""
+        if getattr(self.trainer, "weights_are_sharded", False):
+            return True  # the torch backend's shards: every trainer rank gathers each parameter with the root
         sizes = getattr(self.trainer, "sizes", None)  # the megatron backend's tensor x pipeline x data grid
         if sizes is None or sizes.tensor * sizes.pipeline == 1:
             return False

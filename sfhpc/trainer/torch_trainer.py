@@ -30,7 +30,7 @@ import torch
 
 from sfhpc.config.recipe import AlgorithmSpec, TrainingSpec
 from sfhpc.trainer import checkpoint as ckpt
-from sfhpc.trainer import micro_batches, sharding
+from sfhpc.trainer import host_memory, micro_batches, sharding
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
@@ -102,6 +102,8 @@ class TorchTrainer:
                                "or point model.path at a Hugging Face folder")
         torch.manual_seed(seed)
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            host_memory.return_freed_memory()
         self.compute_dtype = COMPUTE_DTYPES[training.compute_precision(on_gpu=self.device.type == "cuda")]
         self.sharded = training.shards(self.dist.world_size, on_gpu=self.device.type == "cuda")
         # Sharding needs a process group even for one rank (a GPU of its own: FSDP over a group of one).
