@@ -62,10 +62,19 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    _, _, plan = _load(args)
+    from sfhpc.plan.run_memory import planned_ranks
+
+    recipe, cluster, plan = _load(args)
     print(plan.describe())
     for slot in plan.ranks():
         print(f"  rank {slot.rank}: component {slot.component}, roles {','.join(slot.roles)}")
+    ranks = planned_ranks(recipe, cluster=cluster, plan=plan)
+    if recipe.model.path is None:
+        print("memory per rank: not planned (sfhpc builds its own tiny model)")
+    elif ranks:
+        print("memory per rank, at its peak (sfhpc.plan.memory):")
+        for rank in ranks:
+            print(f"  {rank.describe()}")
     return 0
 
 

@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=1024, help="tokens per row")
     parser.add_argument("--micro-batch-tokens", type=int, default=1024)
     parser.add_argument("--chunk", type=int, default=512, help="training.logprob_chunk_tokens")
-    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps per setting (the second holds Adam's state through its forward: the peak)")
     parser.add_argument("--settings", default=",".join(SETTINGS),
                         help=f"comma-separated (default {','.join(SETTINGS)})")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")

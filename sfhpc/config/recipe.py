@@ -717,6 +717,10 @@ class Recipe:
         if trainer.num_tasks % parallel:
             raise where.child("training").error(
                 f"{trainer.num_tasks} trainer ranks cannot be split into tensor x pipeline = {parallel} groups")
+        if self.algorithm.kl_coef and self.training.pipeline_parallel > 1:
+            raise where.child("algorithm").child("kl_coef").error(
+                f"a KL penalty needs training.pipeline_parallel 1 (the reference's log-probabilities are computed "
+                f"on one stage), found {self.training.pipeline_parallel}; set kl_coef: 0 or pipeline_parallel: 1")
         if self.pipeline.max_staleness < 0:
             raise where.child("pipeline").child("max_staleness").error("must be 0 or more")
         if self.pipeline.max_token_lag is not None and self.pipeline.max_token_lag < 0:

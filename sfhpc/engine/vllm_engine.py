@@ -145,7 +145,7 @@ class VllmEngine(RolloutEngine):
         recipe's ``engine`` section (tensor parallelism, GPU memory share, batch bound, eager mode).
 
         `shares_gpu` (a rank that also trains): on a GPU the engine takes the recipe's memory share cut to what
-        the trainer left (`sfhpc.plan.gpu_memory.engine_memory_share`) and runs in vLLM's sleep mode, so that
+        the trainer left (`sfhpc.plan.run_memory.engine_memory_share`) and runs in vLLM's sleep mode, so that
         `sleep` gives its memory back while the trainer trains. On a CPU neither applies."""
         knobs = knobs or EngineSpec()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(kv_cache_gb))))
@@ -161,7 +161,7 @@ class VllmEngine(RolloutEngine):
         memory_share = knobs.gpu_memory_utilization
         sleeps = shares_gpu and not on_cpu
         if sleeps:
-            from sfhpc.plan.gpu_memory import engine_memory_share
+            from sfhpc.plan.run_memory import engine_memory_share
 
             free, total = torch.cuda.mem_get_info()
             memory_share = engine_memory_share(memory_share, free, total)

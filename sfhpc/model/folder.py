@@ -40,7 +40,80 @@ def model_folder_problem(path: Path, *, backend: str = "torch") -> str | None:
         return f"has a config.json that is not JSON ({exc})"
     if not isinstance(config, dict):
         return "has a config.json that is not a JSON object"
-    return _architecture_problem(config, backend) or _tokenizer_problem(path)
+    return _architecture_problem(config, backend) or _weights_problem(path, config) or _tokenizer_problem(path)
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """The header of a safetensors file (name -> dtype, shape, offsets), read without loading a tensor; ValueError
+    naming what is wrong with a file that is not one (empty, cut short, not JSON)."""
+    size = file.stat().st_size
+    if size == 0:
+        raise ValueError("is empty (0 bytes)")
+    with file.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ValueError(f"is not a safetensors file (its {size} bytes hold no header)")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            raise ValueError("is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise ValueError("is not a safetensors file (its header is not a JSON object)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    end = max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+    if 8 + length + end > size:
+        raise ValueError(f"is cut short: its header describes {8 + length + end} bytes, the file has {size}")
+    return tensors
+
+
+def expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The shape of each weight a Llama-family decoder (Llama, Qwen2, Mistral, ...) of `config` holds, under
+    its Hugging Face name; empty when the config says too little to tell."""
+    from sfhpc.plan.memory import ModelShape
+
+    try:
+        shape = ModelShape.from_config(config)
+    except ValueError:
+        return {}
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    want: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab, h), "model.norm.weight": (h,)}
+    if not shape.tied:
+        want["lm_head.weight"] = (shape.vocab, h)
+    for layer in range(shape.layers):
+        at = f"model.layers.{layer}."
+        want |= {at + "self_attn.q_proj.weight": (q, h), at + "self_attn.k_proj.weight": (kv, h),
+                 at + "self_attn.v_proj.weight": (kv, h), at + "self_attn.o_proj.weight": (h, q),
+                 at + "mlp.gate_proj.weight": (i, h), at + "mlp.up_proj.weight": (i, h),
+                 at + "mlp.down_proj.weight": (h, i), at + "input_layernorm.weight": (h,),
+                 at + "post_attention_layernorm.weight": (h,)}
+    return want
+
+
+def _weights_problem(path: Path, config: dict[str, Any]) -> str | None:
+    """An empty or cut-short weights file, or safetensors whose names and shapes do not fit config.json."""
+    for file in sorted(path.glob("pytorch_model*.bin")):
+        if file.stat().st_size == 0:
+            return f"has an empty weights file {file.name} (0 bytes)"
+    files = sorted(path.glob("*.safetensors"))
+    held: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for file in files:
+        try:
+            header = safetensors_header(file)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"has a weights file {file.name} that {exc}"
+        held |= {name: (file.name, tuple(int(n) for n in entry["shape"])) for name, entry in header.items()}
+    if not files or config.get("model_type") not in ("llama", "qwen2", "qwen3", "mistral"):
+        return None  # other families name their weights otherwise: vLLM's and transformers' loaders judge them
+    want = expected_shapes(config)
+    for name, shape in want.items():
+        if name not in held:
+            return f"holds no '{name}' in its safetensors, which config.json's model needs"
+        file, found = held[name]
+        if found != shape:
+            return (f"has '{name}' of shape {list(found)} in {file}, where config.json's model has {list(shape)}: "
+                    "the weights and the config are of different models")
+    return None
 
 
 def _architecture_problem(config: dict[str, Any], backend: str) -> str | None:
@@ -62,6 +135,9 @@ def _architecture_problem(config: dict[str, Any], backend: str) -> str | None:
 
 
 def _tokenizer_problem(path: Path) -> str | None:
+    empty = [name for name in HF_TOKENIZER_FILES if (path / name).is_file() and (path / name).stat().st_size == 0]
+    if empty:
+        return f"has an empty tokenizer file {empty[0]} (0 bytes); save the model's tokenizer again"
     kind = tokenizer_kind(path)
     if kind is None:
         return (f"has no tokenizer ({' or '.join(HF_TOKENIZER_FILES)}); save the model's tokenizer into the "

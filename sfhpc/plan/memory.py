@@ -179,3 +179,50 @@ def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) ->
         items.append(("reference model", MASTER_BYTES * p // shards))
     items.append(("runtime reserve", RUNTIME_RESERVE[setup.device]))
     return RankMemory("trainer", tuple(items), capacity)
+
+
+ENGINE_RESERVE = 1 * GIB  # vLLM's activations, sampler and allocator slack (assumed, not measured)
+USABLE_SHARE = 0.95  # of a GPU's memory: the CUDA context and fragmentation take the rest (assumed)
+
+
+def engine_items(shape: ModelShape, *, dtype_bytes: int, tensor_parallel: int,
+                 max_seq_len: int) -> list[tuple[str, int]]:
+    """What an engine needs at the least, on each GPU it spans: its weights, one whole sequence's KV cache, a
+    reserve (vLLM gives the KV cache whatever else its memory share leaves)."""
+    return [("engine weights", shape.params * dtype_bytes // tensor_parallel),
+            ("engine KV cache, one sequence", shape.kv_bytes_per_token(dtype_bytes) * max_seq_len // tensor_parallel),
+            ("engine reserve", ENGINE_RESERVE)]
+
+
+def megatron_memory(shape: ModelShape, *, tensor_parallel: int, pipeline_parallel: int, tokens: int,
+                    reference: bool, capacity: int) -> RankMemory:
+    """The megatron backend's rank: float32 weights, gradients (its DDP buffer) and Adam split over tensor x
+    pipeline parallel, every row of the rank in one pass (no micro-batches, no checkpointing), the whole logits
+    of its tokens over its share of the vocabulary."""
+    split = tensor_parallel * pipeline_parallel
+    p = shape.params
+    layers = shape.layers // pipeline_parallel
+    items = [("weights", MASTER_BYTES * p // split), ("gradients", GRAD_BYTES * p // split),
+             ("optimizer", ADAM_BYTES * p // split),
+             ("activations", int(layers * tokens * shape.activation_elements() * 4 / tensor_parallel)),
+             ("logits", tokens * shape.vocab // tensor_parallel * LOGIT_BYTES)]
+    if reference:
+        items.append(("reference model", MASTER_BYTES * p // split))
+    items.append(("runtime reserve", RUNTIME_RESERVE["gpu"]))
+    return RankMemory("trainer", tuple(items), capacity)
+
+
+def advice(memory: RankMemory) -> str:
+    """What to change for a plan that does not fit, by what weighs most in it."""
+    state = sum(memory.item(k) for k in ("weights", "gradients", "optimizer", "reference model"))
+    passes = sum(memory.item(k) for k in ("activations", "logits", "logits chunk"))
+    if memory.item("engine weights") > state and memory.item("engine weights") > passes:
+        return "give rollout GPUs of its own (mode async), or a larger engine.tensor_parallel_size"
+    if memory.item("logits") and not memory.item("logits chunk"):  # the megatron backend's one pass
+        return ("the megatron backend trains all of a rank's rows in one pass, without micro-batches: use "
+                "training.backend: torch (micro-batches, sharding, checkpointing) or more data-parallel ranks")
+    if state >= passes:
+        return ("shard the model over more trainer ranks (training.sharding: full, more trainer nodes), use tensor "
+                "or pipeline parallelism (megatron), or a pool with larger GPUs")
+    return ("lower training.micro_batch_tokens, set training.activation_checkpointing: true, or lower "
+            "training.logprob_chunk_tokens")

@@ -125,9 +125,9 @@ def resolve(recipe: Recipe, cluster: ClusterMap) -> LaunchPlan:
     ordered = sorted(owners, key=lambda r: (r.name == "agents", not holds_controller(r), recipe.roles.index(r)))
     components = tuple(_component(i, recipe, role, chosen[role.name]) for i, role in enumerate(ordered))
     plan = LaunchPlan(recipe.name, cluster.cluster, components)
-    from sfhpc.plan.gpu_memory import shared_gpu_problems  # it reads plans: imported here, not at the top
+    from sfhpc.plan.run_memory import memory_problems  # it reads plans: imported here, not at the top
 
-    for problem in shared_gpu_problems(recipe, plan, {p.name: p.gpu_memory_gib for p in cluster.pools}):
+    for problem in memory_problems(recipe, plan, cluster):
         raise ResolveError(problem)
     return plan
 

@@ -55,6 +55,12 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         if problem is not None:
             problems.append(f"{recipe.source}: model.path: {recipe.model.path} {problem}; fix the path, or "
                             "leave model.path out to build sfhpc's own tiny model")
+        else:
+            from sfhpc.plan.model_layout import layout_problems
+            from sfhpc.plan.run_memory import model_shape
+
+            shape = model_shape(recipe)
+            problems += layout_problems(recipe, shape) if shape is not None else []
     return problems + tracker_problems(recipe)
 
 

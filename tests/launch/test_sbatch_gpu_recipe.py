@@ -1,6 +1,5 @@
 """The GPU site's recipe (recipes/h100-l40s-grpo.yaml) is a complete RL run: GRPO on the shipped dataset
-shape with the numeric reward, megatron with tensor parallel 2 on the trainer nodes, vLLM on the rollout
-nodes. Everything but its model folder, which is not on this machine, passes the checks `sfhpc launch`
+shape with the numeric reward, the torch backend sharded over the trainer nodes, vLLM on the rollout nodes. Everything but its model folder, which is not on this machine, passes the checks `sfhpc launch`
 makes before it submits; the missing folder is one clear line, before Slurm is touched."""
 
 from __future__ import annotations
@@ -11,7 +10,6 @@ from pathlib import Path
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.plan.resolve import resolve
-from sfhpc.trainer.megatron_backend import ParallelSizes
 from tests.conftest import RECIPES, ROOT, assert_one_line_error, run_sfhpc
 
 RECIPE, SITE = RECIPES / "h100-l40s-grpo.yaml", RECIPES / "cluster-h100-l40s.yaml"
@@ -22,11 +20,30 @@ def test_the_gpu_recipe_is_a_complete_rl_run() -> None:
     assert recipe.task.name == "dataset"
     assert {k: recipe.task.options[k] for k in ("prompt", "answer", "reward")} == \
         {"prompt": "question", "answer": "answer", "reward": "numeric"}
-    assert (recipe.training.backend, recipe.training.tensor_parallel, recipe.engine.name) == ("megatron", 2, "vllm")
+    assert (recipe.training.backend, recipe.training.sharding, recipe.engine.name) == ("torch", "full", "vllm")
     assert recipe.model.max_seq_len > recipe.budgets.max_new_tokens
     plan = resolve(recipe, load_cluster_map(SITE))
     trainers = sum(1 for slot in plan.ranks() if "trainer" in slot.roles)
-    assert ParallelSizes.from_training(recipe.training, trainers) == ParallelSizes(tensor=2, pipeline=1, data=16)
+    assert trainers == 32 and recipe.training.shards(trainers, on_gpu=True)
+
+
+def test_the_gpu_recipe_fits_its_gpus_by_the_memory_plan(tmp_path: Path) -> None:
+    from sfhpc.model.shapes import shape
+    from sfhpc.plan.memory import GIB
+    from sfhpc.plan.run_memory import planned_ranks
+
+    folder = tmp_path / "qwen2.5-1.5b"  # the config of the model it names (the plan reads nothing else)
+    folder.mkdir()
+    shape("qwen2.5-1.5b").config().to_json_file(folder / "config.json")
+    recipe = load_recipe(RECIPE)
+    recipe = dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, path=str(folder)))
+    site = load_cluster_map(SITE)
+    trainer, engine = planned_ranks(recipe, resolve(recipe, site), site)
+    assert (trainer.role, trainer.ranks, engine.role, engine.ranks) == ("trainer", 32, "engine", 32)
+    # Sharded over 32 ranks, a rank holds 1/32 of the 16 bytes a parameter; its micro-batch and logits dominate.
+    assert trainer.memory.item("optimizer") == 8 * 1_543_714_304 // 32
+    assert trainer.memory.fits and trainer.memory.total < 20 * GIB < trainer.memory.capacity
+    assert engine.memory.fits and engine.memory.item("engine weights") == 2 * 1_543_714_304
 
 
 def test_all_but_the_model_folder_is_runnable(tmp_path: Path) -> None:
@@ -35,8 +52,7 @@ def test_all_but_the_model_folder_is_runnable(tmp_path: Path) -> None:
 
     recipe = load_recipe(RECIPE)
     # A Qwen2 folder (2 key/value heads, as Qwen2.5-1.5B) where the site's copy would be: the dataset file,
-    # the task's options, the reward, the model's tokenizer and chat template and the megatron backend's
-    # architecture check all pass.
+    # the task's options, the reward, the model's tokenizer and chat template and the layout rules all pass.
     qwen2 = build_hf_model(tmp_path / "qwen2", "qwen2", heads=4, kv_heads=2, hidden_size=256)
     check_runnable(dataclasses.replace(recipe, model=dataclasses.replace(recipe.model, path=str(qwen2))))
 

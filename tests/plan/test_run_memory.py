@@ -1,5 +1,6 @@
-"""Whether a trainer and its engine fit one GPU (checked before any job starts), and the memory share an
-engine starting beside a trainer takes. Pure rules: the GPUs they are about cannot be had here."""
+"""The memory plan of a run: what each trainer and engine rank holds, refused in one line before any job
+when it does not fit, and the memory share an engine starting beside a trainer takes. Pure rules: the GPUs
+they are about cannot be had here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import ResolveError
-from sfhpc.plan.gpu_memory import GIB, ModelSize, engine_memory_share, shared_gpu
+from sfhpc.plan.memory import GIB, ModelShape
+from sfhpc.plan.run_memory import engine_memory_share, planned_ranks
 from sfhpc.plan.resolve import resolve
 from tests.conftest import RECIPES
 
@@ -21,14 +23,14 @@ QWEN_1_5B = {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads"
              "intermediate_size": 8960, "vocab_size": 151936, "tie_word_embeddings": True}
 
 
-def test_a_model_size_is_read_from_its_config() -> None:
-    seven = ModelSize.from_config(QWEN_7B)
-    assert abs(seven.params - 7.61e9) / 7.61e9 < 0.01  # the model card's 7.61B (biases left out)
+def test_a_model_shape_is_read_from_its_config() -> None:
+    seven = ModelShape.from_config({**QWEN_7B, "model_type": "qwen2"})
+    assert abs(seven.params - 7.61e9) / 7.61e9 < 0.001  # the model card's 7.61B
     assert (seven.layers, seven.kv_heads, seven.head_dim) == (28, 4, 128)
     assert seven.kv_bytes_per_token(2) == 2 * 28 * 4 * 128 * 2
-    assert abs(ModelSize.from_config(QWEN_1_5B).params - 1.54e9) / 1.54e9 < 0.01
+    assert abs(ModelShape.from_config({**QWEN_1_5B, "model_type": "qwen2"}).params - 1.54e9) / 1.54e9 < 0.005
     with pytest.raises(ValueError, match="hidden_size"):
-        ModelSize.from_config({"num_hidden_layers": 2})
+        ModelShape.from_config({"num_hidden_layers": 2})
 
 
 def recipe_on_folder(tmp_path: Path, config: dict[str, object], mode: str = "sync") -> Path:
@@ -53,16 +55,25 @@ def test_a_trainer_and_an_engine_that_cannot_share_a_gpu_are_refused_in_one_line
     with pytest.raises(ResolveError) as refused:
         resolve(recipe, cluster)
     line = str(refused.value)
-    assert "\n" not in line and line.startswith("roles.trainer: a trainer rank shares each GPU of pool 'h100' (80 GiB)")
-    assert "the trainer's state 113.5 GiB" in line and "give rollout GPUs of its own" in line
+    assert "\n" not in line and line.startswith("roles.trainer: a trainer + engine rank on pool 'h100' needs ")
+    assert "> its GPU's 76.00 GiB" in line  # 95% of 80 GiB
+    # Each trainer rank of two (seamless) holds half of 16 bytes a parameter; one rank (sync), all of it.
+    params = ModelShape.from_config(QWEN_7B).params
+    assert f"(weights {params * 4 / GIB / (2 if mode == 'seamless' else 1):.1f}, gradients" in line
+    assert "engine weights 14.2" in line and "shard the model over more trainer ranks" in line
 
 
 def test_a_model_that_fits_beside_its_trainer_is_placed(tmp_path: Path) -> None:
     cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
     recipe = load_recipe(recipe_on_folder(tmp_path, QWEN_1_5B))
-    assert resolve(recipe, cluster).world_size == 2  # controller + one colocated trainer
-    need = shared_gpu(recipe, ModelSize.from_config(QWEN_1_5B), 80)
-    assert need.fits and need.trainer_state == 8 * need.engine_weights  # 16 bytes a parameter against 2
+    plan = resolve(recipe, cluster)
+    assert plan.world_size == 2  # controller + one colocated trainer
+    [rank] = planned_ranks(recipe, plan, cluster)
+    memory = rank.memory
+    assert rank.role == "trainer + engine" and memory.fits and memory.total > 20 * GIB
+    # float32 weights, gradients and Adam (16 bytes a parameter) against the engine's bf16 copy (2)
+    state = memory.item("weights") + memory.item("gradients") + memory.item("optimizer")
+    assert state == pytest.approx(8 * memory.item("engine weights"), rel=1e-6)
 
 
 def test_an_engine_beside_a_trainer_takes_what_the_trainer_left() -> None:

@@ -1,0 +1,165 @@
+"""The memory plan of a run: every trainer and engine rank of a recipe placed on a cluster, in bytes.
+
+Each rank's items come from `sfhpc.plan.memory` (the model's ``config.json`` and the recipe's training
+settings); this module finds the ranks in the launch plan, what each one holds (a trainer, an engine, or
+both on one GPU: a colocated ``sync`` recipe, or a trainer lent to rollout in ``seamless``) and what it has:
+its GPU (the cluster map's ``gpu_memory_gib``, of which `USABLE_SHARE` is usable; a pool that does not say
+is printed, not checked) or, for a CPU rank, its node's memory over the ranks on it. Two rules follow:
+
+* before any job starts (`memory_problems`, from the plan): a rank whose items exceed what it has is refused
+  in one line that gives the numbers and what to change;
+* when an engine starts beside a trainer (`engine_memory_share`): vLLM's ``gpu_memory_utilization`` is a share
+  of the whole GPU that must be free at its start, so on a shared GPU it is cut to what the trainer left, as
+  measured then.
+
+Pure: no torch, no CUDA. The numbers a user sees come from here (`sfhpc plan`, `sfhpc check`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sfhpc.config.cluster import ClusterMap, Pool
+from sfhpc.config.recipe import Recipe
+from sfhpc.plan.memory import (
+    DTYPE_BYTES,
+    ENGINE_RESERVE,
+    GIB,
+    USABLE_SHARE,
+    ModelShape,
+    RankMemory,
+    TrainerSetup,
+    advice,
+    engine_items,
+    gib,
+    megatron_memory,
+    trainer_memory,
+)
+
+if TYPE_CHECKING:
+    from sfhpc.plan.resolve import LaunchPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedRank:
+    """One kind of rank of the run (all ranks of a role on one pool hold the same) and its memory."""
+
+    role: str  # "trainer", "trainer + engine", "engine"
+    pool: str
+    ranks: int
+    on_gpu: bool
+    memory: RankMemory
+
+    def describe(self) -> str:
+        where = "GPU" if self.on_gpu else "node memory share"
+        return f"{self.memory.describe()} [{self.ranks} rank(s) on pool '{self.pool}', {where}]"
+
+
+def model_shape(recipe: Recipe) -> ModelShape | None:
+    """The shape of the recipe's model folder; None for a model sfhpc builds (small by construction) or a
+    folder whose config says too little (the model folder's own check names what is wrong with it)."""
+    if recipe.model.path is None:
+        return None
+    try:
+        return ModelShape.from_folder(Path(recipe.model.path))
+    except (OSError, ValueError):
+        return None
+
+
+def rows_per_trainer(recipe: Recipe, data_parallel: int) -> int:
+    """The rows one data-parallel trainer rank trains per step: its share of the step's answers."""
+    rows = recipe.budgets.prompts_per_step * recipe.algorithm.group_size
+    return max(1, -(-rows // max(data_parallel, 1)))
+
+
+def planned_ranks(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[PlannedRank]:
+    """Every kind of trainer and engine rank of the run with its memory; empty when the model is sfhpc's own."""
+    shape = model_shape(recipe)
+    if shape is None:
+        return []
+    pools = {p.name: p for p in cluster.pools}
+    slots = plan.ranks()
+    trainers = [s for s in slots if "trainer" in s.roles]
+    lending = recipe.pipeline.mode == "seamless"
+    out = []
+    for pool_name in sorted({s.pool for s in trainers}):
+        pool = pools[pool_name]
+        here = [s for s in trainers if s.pool == pool_name]
+        shares = any("rollout" in s.roles or (lending and "rollout" in s.tags) for s in here)
+        on_gpu = recipe.role("trainer").gpus_per_task > 0  # type: ignore[union-attr]
+        memory = _trainer(recipe, shape, len(trainers), on_gpu, _capacity(recipe, pool, on_gpu, "trainer"))
+        if shares and on_gpu:
+            memory = dataclasses.replace(memory, items=memory.items + tuple(_engine(recipe, shape)))
+        out.append(PlannedRank("trainer + engine" if shares and on_gpu else "trainer", pool_name, len(here), on_gpu,
+                               memory))
+    rollout = recipe.role("rollout")
+    if rollout is not None and rollout.owns_nodes and rollout.gpus_per_task > 0:
+        for pool_name in sorted({s.pool for s in slots if "rollout" in s.roles and "trainer" not in s.roles}):
+            pool = pools[pool_name]
+            capacity = int(pool.gpu_memory_gib * GIB * recipe.engine.gpu_memory_utilization)
+            count = sum(1 for s in slots if s.pool == pool_name and "rollout" in s.roles)
+            out.append(PlannedRank("engine", pool_name, count, True,
+                                   RankMemory("engine", tuple(_engine(recipe, shape)), capacity)))
+    return out
+
+
+def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool, capacity: int) -> RankMemory:
+    training, length = recipe.training, recipe.model.max_seq_len
+    reference = recipe.algorithm.kl_coef != 0
+    if training.backend == "megatron":
+        data = trainer_ranks // (training.tensor_parallel * training.pipeline_parallel)
+        return megatron_memory(shape, tensor_parallel=training.tensor_parallel,
+                               pipeline_parallel=training.pipeline_parallel,
+                               tokens=rows_per_trainer(recipe, data) * length, reference=reference, capacity=capacity)
+    rows = rows_per_trainer(recipe, trainer_ranks)
+    tokens = training.micro_batch_tokens or rows * length
+    tokens = min(max(tokens // length * length, length), rows * length)  # whole rows, at most the rank's
+    setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),
+                         precision=training.compute_precision(on_gpu=on_gpu), micro_batch_tokens=tokens,
+                         activation_checkpointing=training.activation_checkpointing,
+                         logprob_chunk_tokens=training.logprob_chunk_tokens, reference=reference,
+                         device="gpu" if on_gpu else "cpu")
+    return trainer_memory(shape, setup, capacity)
+
+
+def _engine(recipe: Recipe, shape: ModelShape) -> list[tuple[str, int]]:
+    return engine_items(shape, dtype_bytes=DTYPE_BYTES.get(recipe.model.dtype, 2),
+                        tensor_parallel=recipe.engine.tensor_parallel_size, max_seq_len=recipe.model.max_seq_len)
+
+
+def _capacity(recipe: Recipe, pool: Pool, on_gpu: bool, role_name: str) -> int:
+    """What one rank of `role_name` has on `pool` (0: not known, not checked)."""
+    if on_gpu:
+        return int(pool.gpu_memory_gib * GIB * USABLE_SHARE)
+    role = recipe.role(role_name)  # type: ignore[arg-type]
+    ranks_on_node = role.tasks_per_node if role is not None and role.owns_nodes else 1
+    return pool.memory_mb * (1 << 20) // max(ranks_on_node, 1)
+
+
+def memory_problems(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[str]:
+    """One line per kind of rank whose plan does not fit what it has."""
+    problems = []
+    for rank in planned_ranks(recipe, plan, cluster):
+        if rank.memory.fits:
+            continue
+        has = (f"its GPU's {gib(rank.memory.capacity)} (the cluster map's gpu_memory_gib, {USABLE_SHARE:.0%} usable"
+               + (f", gpu_memory_utilization {recipe.engine.gpu_memory_utilization:g}" if rank.role == "engine" else "")
+               + ")") if rank.on_gpu else f"its share of the node's memory, {gib(rank.memory.capacity)}"
+        parts = ", ".join(f"{name} {b / GIB:.1f}" for name, b in rank.memory.items if b)
+        key = "roles.rollout" if rank.role == "engine" else "roles.trainer"
+        problems.append(f"{key}: a {rank.role} rank on pool '{rank.pool}' needs {gib(rank.memory.total)} > {has} "
+                        f"({parts} GiB): {advice(rank.memory)}")
+    return problems
+
+
+def engine_memory_share(wanted: float, free_bytes: int, total_bytes: int) -> float:
+    """vLLM's ``gpu_memory_utilization`` for an engine starting on a GPU another process (the trainer) uses:
+    the recipe's share, cut to what is free now less the reserve (vLLM refuses to start when the share it is
+    given is not free). Raises ValueError when not even the reserve is free."""
+    available = (free_bytes - ENGINE_RESERVE) / total_bytes
+    if available <= 0:
+        raise ValueError(f"only {free_bytes / GIB:.1f} GiB of the GPU's {total_bytes / GIB:.1f} GiB are free: no room "
+                         "for an engine beside the trainer")
+    return min(wanted, round(available, 3))
