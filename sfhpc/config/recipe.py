@@ -165,6 +165,12 @@ class AlgorithmSpec:
     warmup_steps: int = setting(0, "training steps over which the learning rate rises linearly to learning_rate "
                                    "(Adam's first steps move every weight by about the learning rate, whatever the "
                                    "gradient's size; 0: none)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = setting(
+        "constant", "after the warm-up: constant at learning_rate, or a linear or cosine decay to min_learning_rate "
+                    "over lr_decay_steps")
+    lr_decay_steps: int = setting(0, "steps of the decay after the warm-up (0: the rest of the run, budgets.steps less "
+                                     "warmup_steps); the rate stays at min_learning_rate after them")
+    min_learning_rate: float = setting(0.0, "the floor a decaying schedule ends at")
     clip_ratio: float = setting(0.2, "eps_low of the clipped surrogate: the ratio is clipped to [1 - clip_ratio, 1 + "
                                      "clip_ratio_high]")
     clip_ratio_high: float | None = setting(None, "eps_high, the upper clip range (null: clip_ratio; e.g. 0.28 for "
@@ -210,6 +216,11 @@ class AlgorithmSpec:
                 found.append((key, f"must be more than 0, found {getattr(self, key)}"))
         if self.warmup_steps < 0:
             found.append(("warmup_steps", f"must be 0 or more, found {self.warmup_steps}"))
+        if self.lr_decay_steps < 0:
+            found.append(("lr_decay_steps", f"must be 0 or more, found {self.lr_decay_steps}"))
+        if not 0 <= self.min_learning_rate <= self.learning_rate:
+            found.append(("min_learning_rate", f"must be from 0 to learning_rate ({self.learning_rate:g}), found "
+                                               f"{self.min_learning_rate:g}"))
         for key in ("kl_coef", "weight_decay"):
             if not getattr(self, key) >= 0:
                 found.append((key, f"must be 0 or more, found {getattr(self, key)}"))
@@ -236,11 +247,16 @@ class AlgorithmSpec:
         return found
 
     def learning_rate_at(self, step: int) -> float:
-        """The learning rate of training step `step` (0 the first): the warm-up's linear rise, then
-        ``learning_rate``. Every training backend sets it before each optimiser step."""
-        if not self.warmup_steps:
+        """The learning rate of training step `step` (0 the first): the warm-up's linear rise to
+        ``learning_rate``, then the schedule's decay to ``min_learning_rate`` (or none). Every training backend
+        sets it before each optimiser step."""
+        if step < self.warmup_steps:
+            return self.learning_rate * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant" or not self.lr_decay_steps:
             return self.learning_rate
-        return self.learning_rate * min(1.0, (step + 1) / self.warmup_steps)
+        done = min(1.0, (step - self.warmup_steps) / self.lr_decay_steps)
+        shape = 1.0 - done if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+        return self.min_learning_rate + (self.learning_rate - self.min_learning_rate) * shape
 
     def validate(self, where: Where) -> None:
         found = self.problems()
@@ -797,4 +813,9 @@ def load_recipe(path: str | Path) -> Recipe:
     data = read_yaml(path)
     recipe = build(Recipe, data, Where(str(path), "", data.line), renamed=RENAMED_KEYS)
     task = dataclasses.replace(recipe.task, base_dir=str(Path(path).parent.resolve()))
-    return dataclasses.replace(recipe, source=str(path), task=task)
+    algorithm = recipe.algorithm
+    if algorithm.lr_schedule != "constant" and not algorithm.lr_decay_steps:
+        # A decay over "the rest of the run": the trainers see steps, not the budget.
+        algorithm = dataclasses.replace(algorithm,
+                                        lr_decay_steps=max(1, recipe.budgets.steps - algorithm.warmup_steps))
+    return dataclasses.replace(recipe, source=str(path), task=task, algorithm=algorithm)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ algorithm:
   group_size: 4
   learning_rate: 2.0e-5
   warmup_steps: 5
+  lr_schedule: linear
+  lr_decay_steps: 100
+  min_learning_rate: 1.0e-6
   clip_ratio: 0.1
   clip_ratio_high: 0.28
   ratio_cap: 5
@@ -39,7 +43,8 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(GOOD_RECIPE + EVERY_KEY)
     spec = load_recipe(path).algorithm
-    assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, clip_ratio=0.1,
+    assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, lr_schedule="linear",
+                                 lr_decay_steps=100, min_learning_rate=1e-6, clip_ratio=0.1,
                                  clip_ratio_high=0.28, ratio_cap=5.0, kl_coef=0.05, loss_aggregation="sequence-mean",
                                  credit="turn", turn_reward_weight=0.5, max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
@@ -84,3 +89,26 @@ def test_out_of_range_settings_name_the_key_and_line(tmp_path: Path, section: st
 def test_the_defaults_are_in_range() -> None:
     assert AlgorithmSpec().problems() == []
     assert AlgorithmSpec(name="ppo", group_size=1).problems() == []  # PPO has no groups to compare
+
+
+def test_the_learning_rate_decays_after_its_warm_up_to_the_floor(tmp_path: Path) -> None:
+    linear = AlgorithmSpec(learning_rate=1e-3, warmup_steps=2, lr_schedule="linear", lr_decay_steps=4,
+                           min_learning_rate=1e-4)
+    assert [linear.learning_rate_at(s) for s in range(8)] == pytest.approx(
+        [5e-4, 1e-3, 1e-3, 7.75e-4, 5.5e-4, 3.25e-4, 1e-4, 1e-4])
+    cosine = AlgorithmSpec(learning_rate=1e-3, lr_schedule="cosine", lr_decay_steps=4)
+    assert [cosine.learning_rate_at(s) for s in range(6)] == pytest.approx(
+        [1e-3, 8.535534e-4, 5e-4, 1.464466e-4, 0.0, 0.0])
+    # In a recipe, a decay without its length runs over the rest of the run.
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: lr\ntask: {name: next-letter}\nbudgets: {steps: 50}\n"
+                      "algorithm: {warmup_steps: 10, lr_schedule: cosine, min_learning_rate: 1.0e-5}\n"
+                      "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train]}\n"
+                      "  rollout: {colocate_with: trainer}\n")
+    loaded = load_recipe(recipe).algorithm
+    assert loaded.lr_decay_steps == 40 and loaded.learning_rate_at(49) == pytest.approx(
+        1e-5 + (1e-4 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 39 / 40)))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(recipe.read_text().replace("min_learning_rate: 1.0e-5", "min_learning_rate: 1.0"))
+    with pytest.raises(Exception, match="min_learning_rate: must be from 0 to learning_rate"):
+        load_recipe(bad)
