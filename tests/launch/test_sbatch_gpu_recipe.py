@@ -1,5 +1,6 @@
 """The GPU site's recipe (recipes/h100-l40s-grpo.yaml) is a complete RL run: GRPO on the shipped dataset
-shape with the numeric reward, the torch backend sharded over the trainer nodes, vLLM on the rollout nodes. Everything but its model folder, which is not on this machine, passes the checks `sfhpc launch`
+shape with the numeric reward, the torch backend sharded over the trainer nodes, vLLM on the rollout nodes.
+Everything but its model folder, which is not on this machine, passes the checks `sfhpc launch`
 makes before it submits; the missing folder is one clear line, before Slurm is touched."""
 
 from __future__ import annotations

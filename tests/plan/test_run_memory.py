@@ -12,8 +12,8 @@ import pytest
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import ResolveError
 from sfhpc.plan.memory import GIB, ModelShape
-from sfhpc.plan.run_memory import engine_memory_share, planned_ranks
 from sfhpc.plan.resolve import resolve
+from sfhpc.plan.run_memory import engine_memory_share, planned_ranks
 from tests.conftest import RECIPES
 
 # config.json of Qwen2.5-7B and Qwen2.5-1.5B (the hub's files, the keys the rule reads).
