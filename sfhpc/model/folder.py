@@ -109,9 +109,9 @@ def _weights_problem(path: Path, config: dict[str, Any]) -> str | None:
     for name, shape in want.items():
         if name not in held:
             return f"holds no '{name}' in its safetensors, which config.json's model needs"
-        file, found = held[name]
+        holder, found = held[name]
         if found != shape:
-            return (f"has '{name}' of shape {list(found)} in {file}, where config.json's model has {list(shape)}: "
+            return (f"has '{name}' of shape {list(found)} in {holder}, where config.json's model has {list(shape)}: "
                     "the weights and the config are of different models")
     return None
 

@@ -30,7 +30,8 @@ class Shape:
         return Qwen2Config(vocab_size=vocab_size or self.vocab_size, hidden_size=self.hidden_size,
                            intermediate_size=self.intermediate_size, num_hidden_layers=self.layers,
                            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
-                           max_position_embeddings=max_seq_len, rms_norm_eps=1e-6, rope_theta=1e6,
+                           max_position_embeddings=max_seq_len, rms_norm_eps=1e-6,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                            tie_word_embeddings=self.tied, use_sliding_window=False, dtype="bfloat16")
 
 

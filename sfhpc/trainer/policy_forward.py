@@ -14,6 +14,8 @@ module as the root, so a call of it gathers the output layer and the embeddings 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -25,11 +27,11 @@ class PolicyLM(torch.nn.Module):
     the log-probability of token ``t`` given the tokens before it, at the temperature it was sampled with, and
     the entropy of that distribution (detached); position 0 has no context and gets 0 in both."""
 
-    def __init__(self, lm: torch.nn.Module, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
+    def __init__(self, lm: Any, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> None:
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be at least 1, found {chunk_tokens}")
-        self.lm = lm
+        self.lm: Any = lm  # a transformers causal LM (its decoder and output layer are called by name)
         self.chunk_tokens = chunk_tokens
         # Gemma 2 and its kin cap their logits (z -> c * tanh(z / c)): the trainer must score as the model does.
         self.softcap = getattr(getattr(lm, "config", None), "final_logit_softcapping", None)

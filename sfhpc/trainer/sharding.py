@@ -43,7 +43,7 @@ def parameters_on_meta() -> Iterator[None]:
             assert held is not None
             module._parameters[name] = torch.nn.Parameter(held.to("meta"), requires_grad=held.requires_grad)
 
-    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:

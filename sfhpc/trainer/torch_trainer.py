@@ -128,7 +128,7 @@ class TorchTrainer:
         self.step = 0
         self.policy_version = initial_version
 
-    def _build_whole(self) -> tuple[torch.nn.Module, PolicyLM]:
+    def _build_whole(self) -> tuple[Any, PolicyLM]:
         """The whole model on this rank, float32 (the master weights), on its device."""
         from transformers import AutoModelForCausalLM
 
@@ -139,7 +139,7 @@ class TorchTrainer:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model.train(), PolicyLM(model, self.training.logprob_chunk_tokens)
 
-    def _build_sharded(self, *, requires_grad: bool) -> tuple[torch.nn.Module, PolicyLM]:
+    def _build_sharded(self, *, requires_grad: bool) -> tuple[Any, PolicyLM]:
         """This rank's shard of the model (`sfhpc.trainer.sharding`): built on the meta device, sharded over the
         trainer ranks, each rank reading its own rows of the weights files."""
         from torch.distributed.device_mesh import init_device_mesh
