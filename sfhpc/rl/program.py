@@ -158,7 +158,10 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
         return {"rank": identity.rank, "complete": True}
     layout = build_comm_layout(world, plan)
     if identity.has_role("controller"):
+        from sfhpc.rollout.agent import reply_budget_line
+
         print(layout.describe(), flush=True)
+        print(reply_budget_line(task, recipe.budgets.max_new_tokens), flush=True)
         controller = Controller(recipe, plan, layout, task, run_dir, model_dir=model_dir, resume_from=resume_from,
                                 restart=identity.env.restart_count, job_id=identity.env.job_id)
         summary = run_loop(controller)

@@ -114,8 +114,21 @@ class EpisodeOutcome:
 
 
 def reply_budget(task: Task, max_tokens: int | None) -> int:
-    """Tokens one reply may hold: the task's `max_reply_tokens`, capped by the recipe's budget."""
-    return task.max_reply_tokens if max_tokens is None else min(task.max_reply_tokens, max_tokens)
+    """Tokens one reply may hold: the recipe's budget (``budgets.max_new_tokens``), narrowed by the task's own
+    `max_reply_tokens` where it has one."""
+    bounds = [b for b in (task.max_reply_tokens, max_tokens) if b is not None]
+    if not bounds:
+        raise ValueError(f"task '{task.name}' has no reply bound and none was given")
+    return min(bounds)
+
+
+def reply_budget_line(task: Task, max_new_tokens: int) -> str:
+    """What a run prints at its start about the reply budget: the recipe's, and the task's narrowing of it."""
+    budget = reply_budget(task, max_new_tokens)
+    if budget < max_new_tokens:
+        return (f"reply budget: {budget} tokens: task '{task.name}' narrows budgets.max_new_tokens ({max_new_tokens}) "
+                f"to its own max_reply_tokens")
+    return f"reply budget: {budget} tokens (budgets.max_new_tokens)"
 
 
 async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, group: str,

@@ -75,8 +75,8 @@ class Task(abc.ABC):
     name: str = ""
     #: most policy calls one episode makes (the agent stops the episode with reward 0 after that)
     max_turns: int = 1
-    #: tokens the policy may write per reply
-    max_reply_tokens: int = 8
+    #: tokens the policy may write per reply, where the task bounds them (None: the recipe's budget alone)
+    max_reply_tokens: int | None = 8
 
     @abc.abstractmethod
     def sample(self, rng: random.Random) -> Problem:

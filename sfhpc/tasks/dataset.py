@@ -9,7 +9,7 @@
                                    # (a dotted key reads a nested one: reward_model.ground_truth)
         reward: numeric            # exact | numeric | package.module:function | file.py:function
         system: "Answer with #### and the number."   # optional system message before every prompt
-        max_reply_tokens: 32
+        max_reply_tokens: 256      # optional: narrows budgets.max_new_tokens for this task's replies
         warm_start: number         # the format warm start's replies: answer | number | worked (see below)
 
 The format warm start (``model.build.warm_start_steps``) pairs each prompt with a reply of the right form whose
@@ -94,7 +94,7 @@ class DatasetTask(Task):
 
     def __init__(self, path: Path, *, prompt: str, answer: str, reward: Reward | VerlReward,
                  numeric_answers: bool = False,
-                 system: str | None = None, max_reply_tokens: int = 32, warm_start: str | None = None,
+                 system: str | None = None, max_reply_tokens: int | None = None, warm_start: str | None = None,
                  source: str = "recipe") -> None:
         self.path, self.prompt_key, self.answer_key, self.reward = path, prompt, answer, reward
         self.numeric_answers, self.system, self.max_reply_tokens, self.source = (
@@ -129,8 +129,8 @@ class DatasetTask(Task):
         system = options.get("system")
         if system is not None and not isinstance(system, str):
             raise ConfigError(source, key("system"), "expected text (the system message before every prompt)")
-        max_reply_tokens = options.get("max_reply_tokens", 32)
-        if not isinstance(max_reply_tokens, int) or max_reply_tokens < 1:
+        max_reply_tokens = options.get("max_reply_tokens")  # None: the recipe's budgets.max_new_tokens decides
+        if max_reply_tokens is not None and (not isinstance(max_reply_tokens, int) or max_reply_tokens < 1):
             raise ConfigError(source, key("max_reply_tokens"), f"must be a whole number of at least 1, found "
                                                                f"{max_reply_tokens!r}")
         warm = options.get("warm_start")
