@@ -6,12 +6,13 @@
                                                    Slurm); --resume continues a stopped run (exit 75:
                                                    stopped); --verbose: engine and library logs on the
                                                    console too (else in the run's logs/rank-NNN.log)
-    sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run
+    sfhpc plan RECIPE [--cluster MAP]              show where every role and rank would run, and its memory
     sfhpc check RECIPE [--cluster MAP]             every check run (or launch, with a map) makes, one line each
     sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
                                                    launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
+    sfhpc export RUN --out DIR [--step N]          the trained policy as a Hugging Face folder
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
     sfhpc traj summary|export|plot|report RUN, show RUN ID, compare A B  a run's trajectory store
 
@@ -21,6 +22,7 @@ Errors a user can fix come out as one line on stderr and exit code 2; nothing is
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -409,6 +411,16 @@ def available_benchmarks() -> list[str]:
                   and re.search(r"^def main\(", (folder / f"{info.name}.py").read_text(encoding="utf-8"), re.M))
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from sfhpc.export import export
+
+    out = export(args.run, args.out, step=args.step, dtype=args.dtype)
+    info = json.loads((out / "sfhpc_export.json").read_text())
+    print(f"exported step {info['step']} (policy version {info['policy_version']}, {info['checkpoint']}) of "
+          f"{args.run} to {out}: {', '.join(info['files'])} in {info['dtype']}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
@@ -468,6 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             p.add_argument("--rank", type=int, help="show this rank's own log file")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("export", help="a run's trained policy as a Hugging Face folder",
+                       description="Write the policy of a run's newest checkpoint (or of --step) as a Hugging Face "
+                                   "folder (safetensors, config, tokenizer, chat template) that transformers and "
+                                   "vLLM load.")
+    p.add_argument("run", help="the run folder")
+    p.add_argument("--out", required=True, help="the folder to write (new, or empty)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
+                   help="the weights' dtype (default bfloat16, as the engines serve them)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("bench", help="benchmarks: the figures of merit, one command each",
                        description="Run one benchmark (or all); options after the name go to the benchmark.")
