@@ -88,6 +88,25 @@ def test_rl_loop_finishes_with_several_trainer_ranks(tmp_path: Path, backend: st
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in rows] == [1, 2]  # two steps trained, each published to the engine
     assert all(r["trained_tokens"] > 0 for r in rows)
+    # The run's last checkpoint exports as a whole Hugging Face model: megatron's tensor shards and pipeline
+    # stages joined (the torch backend's ranks shard it too), every weight of the model at its shape and where
+    # the folder's was, up to what two Adam steps of the default 1e-4 can move it (a shard put in the wrong
+    # place, or q, k and v split wrongly, would be off by the weights' own size, about 0.02).
+    out = tmp_path / "export"
+    exported = _run([sys.executable, "-m", "sfhpc", "export", str(run_dir), "--out", str(out), "--dtype", "float32"],
+                    timeout=120)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    weights = load_file(out / "model.safetensors")
+    initial = AutoModelForCausalLM.from_pretrained(run_dir / "model").state_dict()
+    tied = initial["lm_head.weight"].data_ptr() == initial["model.embed_tokens.weight"].data_ptr()
+    assert set(weights) == set(initial) - ({"lm_head.weight"} if tied else set())
+    assert all(weights[n].shape == initial[n].shape for n in weights)
+    assert max(float((weights[n] - initial[n].float()).abs().max()) for n in weights) <= 2 * 1.5e-4
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(loaded.state_dict()["model.norm.weight"], weights["model.norm.weight"])
 
 
 PUBLISH_RECIPE = """\
