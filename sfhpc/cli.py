@@ -412,7 +412,7 @@ def available_benchmarks() -> list[str]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from sfhpc.export import export
+    from sfhpc.rl.export import export
 
     out = export(args.run, args.out, step=args.step, dtype=args.dtype)
     info = json.loads((out / "sfhpc_export.json").read_text())

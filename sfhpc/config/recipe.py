@@ -138,8 +138,14 @@ class ModelSpec:
               "3.1's JSON; mistral: [TOOL_CALLS]); null: read from its chat template")
     build: BuildSpec = setting(BuildSpec(), "the tiny model sfhpc builds when path is null, and its warm start "
                                             "(refused beside path)")
+    init_from: str | None = setting(None, "start from a trained policy: a run folder (its newest checkpoint) or one "
+                                          "of its checkpoints (RUN/checkpoints/step-N); its weights, config and "
+                                          "tokenizer become this run's model (path and build are left out)")
 
     def validate(self, where: Where) -> None:
+        if self.init_from is not None and (self.path is not None or self.build != BuildSpec()):
+            raise where.child("init_from").error(
+                "takes the model of the run it names (weights, config, tokenizer); leave path and build out")
         if self.path is not None and self.build != BuildSpec():
             raise where.child("build").error(
                 "shapes the model sfhpc builds when path is null; leave it out with a model folder of your own")

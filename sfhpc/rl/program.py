@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -48,6 +49,14 @@ def runnable_problems(recipe: Recipe) -> list[str]:
             problems.append(str(exc))
         else:
             problems += _tool_format_problems(recipe, task)
+    if recipe.model.init_from is not None:
+        from sfhpc.rl.export import ExportError, find_checkpoint, split_checkpoint_path
+
+        run, step = split_checkpoint_path(Path(recipe.model.init_from))
+        try:
+            find_checkpoint(run, step)
+        except ExportError as exc:
+            problems.append(f"{recipe.source}: model.init_from: {exc}")
     if recipe.model.path is not None:
         from sfhpc.model.folder import model_folder_problem
 
@@ -82,12 +91,27 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
     if world.Get_rank() == 0:
         if recipe.model.path is not None:
             path = Path(recipe.model.path)
+        elif recipe.model.init_from is not None:
+            path = RunPaths(run_dir).model
+            if not (path / "config.json").exists():  # a restarted run keeps the model it started from
+                _model_from_run(recipe.model.init_from, path)
         else:
             path = RunPaths(run_dir).model
             if not (path / "config.json").exists():  # a restarted run keeps the model it built
                 _build_model(recipe, task, path)
     shared: str = bcast_when_ready(world, str(path) if path else "")  # rank 0 always has a path
     return Path(shared)
+
+
+def _model_from_run(init_from: str, path: Path) -> None:
+    """The trained policy of another run (`init_from`: a run folder, or one of its checkpoint folders) as this
+    run's model folder, in float32 so that training goes on from its master weights."""
+    from sfhpc.rl.export import export, split_checkpoint_path
+
+    run, step = split_checkpoint_path(Path(init_from))
+    export(run, path, step=step, dtype="float32")
+    print(f"model: from {init_from} (step {json.loads((path / 'sfhpc_export.json').read_text())['step']})",
+          flush=True)
 
 
 def _build_model(recipe: Recipe, task: Task, path: Path) -> None:

@@ -129,3 +129,26 @@ def test_vllm_serves_the_export_and_its_logprobs_are_the_trainers(trained_run: t
     ours = trainer.logprobs(batch)[0, len(prompt):]
     assert len(sampled["logprobs"]) == 12
     torch.testing.assert_close(ours, torch.tensor(sampled["logprobs"]), rtol=0, atol=1e-3)
+
+
+@pytest.mark.mpi
+def test_a_run_starts_from_another_runs_checkpoint(trained_run: tuple[Path, Path, TorchTrainer],
+                                                   tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from tests.conftest import run_recipe
+
+    run, _, trainer = trained_run
+    checkpoint = run / "checkpoints" / "step-000003"
+    run_dir, rows = run_recipe(tmp_path, f"name: from-run\nseed: 1\nengine: {{name: test}}\n"
+                                         f"model: {{init_from: {checkpoint}, max_seq_len: 128}}\n"
+                                         "algorithm: {group_size: 2}\nbudgets: {steps: 2, prompts_per_step: 2}\n"
+                                         "task: {name: next-letter}\n"
+                                         "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train]}\n"
+                                         "  rollout: {colocate_with: trainer}\n", timeout=600)
+    assert [r["version"] for r in rows] == [1, 2]
+    started = load_file(run_dir / "model" / "model.safetensors")  # the weights the new run began with
+    assert json.loads((run_dir / "model" / "sfhpc_export.json").read_text())["step"] == 3
+    for name, value in trainer.named_weights():
+        if name in started:
+            assert torch.equal(started[name], value), name  # float32: the trained master weights exactly

@@ -40,6 +40,14 @@ class ExportError(SfhpcError):
     """The export cannot be made (no checkpoint, a missing model folder, an existing output)."""
 
 
+def split_checkpoint_path(path: Path) -> tuple[Path, int | None]:
+    """A run folder, or one of its checkpoint folders (``RUN/checkpoints/step-N``), as (run folder, step)."""
+    name = path.name.split(".")[0]
+    if path.parent.name == "checkpoints" and name.startswith("step-") and name[5:].isdigit():
+        return path.parent.parent, int(name[5:])
+    return path, None
+
+
 def find_checkpoint(run_dir: Path, step: int | None = None) -> CheckpointInfo:
     """The newest sound checkpoint of `run_dir`, or the one of `step`."""
     checkpoints = RunCheckpoints(run_dir)
