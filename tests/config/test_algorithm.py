@@ -112,3 +112,15 @@ def test_the_learning_rate_decays_after_its_warm_up_to_the_floor(tmp_path: Path)
     bad.write_text(recipe.read_text().replace("min_learning_rate: 1.0e-5", "min_learning_rate: 1.0"))
     with pytest.raises(Exception, match="min_learning_rate: must be from 0 to learning_rate"):
         load_recipe(bad)
+
+
+def test_the_algorithm_page_lists_every_setting_with_its_default() -> None:
+    import yaml
+
+    from tests.conftest import ROOT
+
+    page = (ROOT / "docs" / "algorithm.md").read_text()
+    block = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    listed = yaml.safe_load(block)["algorithm"]
+    defaults = {f.name: getattr(AlgorithmSpec(), f.name) for f in dataclasses.fields(AlgorithmSpec)}
+    assert listed == defaults
