@@ -20,6 +20,9 @@ def local_cluster_map(recipe: Recipe) -> ClusterMap:
     nodes = sum(r.nodes for r in recipe.roles if r.owns_nodes)
     cpus = max(os.cpu_count() or 1, sum(r.num_tasks * r.cpus_per_task for r in recipe.roles))
     gpus = max(r.tasks_per_node * r.gpus_per_task for r in recipe.roles)
+    # Every "node" of the local map is this machine: each gets its share of the memory (the memory plan
+    # checks a CPU rank against its node's share).
+    host_mb = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
     pool = Pool(name="local", partition="local", nodes=nodes, tags=tags, cpus_per_node=cpus,
-                memory_mb=1, gpus_per_node=gpus)
+                memory_mb=max(1, host_mb // max(nodes, 1)), gpus_per_node=gpus)
     return ClusterMap(cluster="local", pools=(pool,), source="(this machine)")

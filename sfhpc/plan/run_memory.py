@@ -77,7 +77,7 @@ def rows_per_trainer(recipe: Recipe, data_parallel: int) -> int:
 def planned_ranks(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[PlannedRank]:
     """Every kind of trainer and engine rank of the run with its memory; empty when the model is sfhpc's own."""
     shape = model_shape(recipe)
-    if shape is None:
+    if shape is None or recipe.training.backend == "timing":  # a timing model holds no model
         return []
     pools = {p.name: p for p in cluster.pools}
     slots = plan.ranks()
