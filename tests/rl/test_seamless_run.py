@@ -66,8 +66,8 @@ roles:
 NO_LENDING_MAP = """\
 cluster: here
 pools:
-  trainers: {partition: train, nodes: 1, tags: [train], cpus_per_node: 8, memory_mb: 1, gpus_per_node: 0}
-  rollouts: {partition: rollout, nodes: 1, tags: [rollout], cpus_per_node: 8, memory_mb: 1, gpus_per_node: 0}
+  trainers: {partition: train, nodes: 1, tags: [train], cpus_per_node: 8, memory_mb: 8000, gpus_per_node: 0}
+  rollouts: {partition: rollout, nodes: 1, tags: [rollout], cpus_per_node: 8, memory_mb: 8000, gpus_per_node: 0}
 """
 
 
