@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sfhpc.plan.memory import GIB, ModelShape, TrainerSetup, trainer_memory
+from sfhpc.plan.memory import GIB, ModelShape, TrainerSetup, micro_batch_tokens, trainer_memory
 
 ROWS = (("qwen2.5-1.5b", (1, 8)), ("qwen2.5-7b", (1, 8, 16)), ("qwen2.5-14b", (8, 16, 32)),
         ("qwen2.5-32b", (16, 32, 64)))
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, counts in ROWS:
         model = ModelShape.from_config({**shape(name).config().to_dict(), "model_type": "qwen2"})
         for gpus in counts:
-            tokens = max(args.seq, args.micro_batch_tokens // args.seq * args.seq)
+            tokens = micro_batch_tokens(args.micro_batch_tokens, args.micro_batch_tokens // args.seq + 1, args.seq)
             plan = trainer_memory(model, TrainerSetup(
                 ranks=gpus, sharded=True, precision="bf16", micro_batch_tokens=tokens, activation_checkpointing=True,
                 logprob_chunk_tokens=args.chunk, device="gpu"), int(args.gpu_gib * GIB * USABLE))

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sfhpc.plan.memory import ModelShape, RankMemory, TrainerSetup, gib, trainer_memory
+from sfhpc.plan.memory import ModelShape, RankMemory, TrainerSetup, gib, micro_batch_tokens, trainer_memory
 from sfhpc.table import format_table
 
 SETTINGS = ("sharded-bf16-ckpt", "whole-fp32", "whole-fp32-full-batch")
@@ -84,9 +84,7 @@ def settings(names: list[str], ranks: int, micro: int) -> list[Setting]:
 def plan_for(shape: ModelShape, setting: Setting, *, local_rows: int, length: int, device: str, chunk: int,
              capacity: int) -> RankMemory:
     """The plan of one rank of `setting` that trains `local_rows` rows of `length` tokens a step."""
-    tokens = setting.micro_batch_tokens or local_rows * length
-    # Whole rows only: a micro-batch holds at least one row.
-    tokens = max(length, tokens // length * length)
+    tokens = micro_batch_tokens(setting.micro_batch_tokens, local_rows, length)
     return trainer_memory(shape, TrainerSetup(
         ranks=setting.ranks, sharded=setting.sharding == "full", precision=setting.precision,
         micro_batch_tokens=tokens, activation_checkpointing=setting.checkpointing, logprob_chunk_tokens=chunk,

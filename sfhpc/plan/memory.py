@@ -143,6 +143,13 @@ def gib(n: int | float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
+def micro_batch_tokens(budget: int | None, rows: int, length: int) -> int:
+    """Padded tokens in a rank's largest micro-batch of `rows` rows of `length`: whole rows within `budget`
+    (at least one row; None: all of them), as `sfhpc.trainer.micro_batches` cuts them."""
+    tokens = budget or rows * length
+    return min(max(tokens // length * length, length), rows * length)
+
+
 def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) -> RankMemory:
     """The peak bytes of one torch-backend trainer rank (module docstring)."""
     p = shape.params

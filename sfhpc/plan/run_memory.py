@@ -35,6 +35,7 @@ from sfhpc.plan.memory import (
     engine_items,
     gib,
     megatron_memory,
+    micro_batch_tokens,
     trainer_memory,
 )
 
@@ -114,8 +115,7 @@ def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool
                                pipeline_parallel=training.pipeline_parallel,
                                tokens=rows_per_trainer(recipe, data) * length, reference=reference, capacity=capacity)
     rows = rows_per_trainer(recipe, trainer_ranks)
-    tokens = training.micro_batch_tokens or rows * length
-    tokens = min(max(tokens // length * length, length), rows * length)  # whole rows, at most the rank's
+    tokens = micro_batch_tokens(training.micro_batch_tokens, rows, length)
     setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),
                          precision=training.compute_precision(on_gpu=on_gpu), micro_batch_tokens=tokens,
                          activation_checkpointing=training.activation_checkpointing,

@@ -49,11 +49,11 @@ class PolicyLM(torch.nn.Module):
         logps, ents = [], []
         for start in range(0, h.shape[0], self.chunk_tokens):
             end = start + self.chunk_tokens
-            args = (h[start:end], targets[start:end], temps[start:end])
+            args = (head.weight, head.bias, h[start:end], targets[start:end], temps[start:end])
             if torch.is_grad_enabled():
-                lp, ent = checkpoint(self._chunk, head.weight, *args, use_reentrant=False)
+                lp, ent = checkpoint(self._chunk, *args, use_reentrant=False)
             else:
-                lp, ent = self._chunk(head.weight, *args)
+                lp, ent = self._chunk(*args)
             logps.append(lp)
             ents.append(ent)
         shape = (rows, length - 1)
@@ -61,10 +61,10 @@ class PolicyLM(torch.nn.Module):
         entropy = torch.cat(ents).reshape(shape) if ents else h.new_zeros(shape, dtype=torch.float32)
         return torch.nn.functional.pad(logprobs, (1, 0)), torch.nn.functional.pad(entropy, (1, 0))
 
-    def _chunk(self, weight: torch.Tensor, hidden: torch.Tensor, targets: torch.Tensor,
+    def _chunk(self, weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor, targets: torch.Tensor,
                temperatures: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The head's own bias is rare in decoders; where there is one it is added as the model would.
-        logits = torch.nn.functional.linear(hidden, weight, getattr(self.lm.get_output_embeddings(), "bias", None))
+        logits = torch.nn.functional.linear(hidden, weight, bias)
         logits = logits.float()
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap

@@ -50,6 +50,32 @@ def parameters_on_meta() -> Iterator[None]:
         torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
+def empty_model(model_dir: Path) -> Any:
+    """The folder's causal LM (float32, no cache) with its parameters on the meta device and its buffers built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers before 5.x kept it here
+        from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef,attr-defined]
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.use_cache = False
+    with no_init_weights(), parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # a tie made on the meta device does not hold: made again, the head is the embedding
+    return model
+
+
+def materialize(root: torch.nn.Module, lm: torch.nn.Module, device: torch.device) -> None:
+    """Give `root`'s (sharded) parameters empty storage on `device`, keeping the buffers `lm` computed."""
+    buffers = {name: b.clone() for name, b in lm.named_buffers()}
+    root.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in lm.named_buffers():
+            b.copy_(buffers[name])
+
+
 def layer_modules(lm: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's repeated blocks (decoder layers), as transformers names them in ``_no_split_modules``:
     each becomes one unit of gathering."""

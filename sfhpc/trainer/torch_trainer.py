@@ -143,28 +143,13 @@ class TorchTrainer:
         """This rank's shard of the model (`sfhpc.trainer.sharding`): built on the meta device, sharded over the
         trainer ranks, each rank reading its own rows of the weights files."""
         from torch.distributed.device_mesh import init_device_mesh
-        from transformers import AutoConfig, AutoModelForCausalLM
 
-        try:
-            from transformers.initialization import no_init_weights
-        except ImportError:  # transformers before 5.x kept it here
-            from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef,attr-defined]
-
-        config = AutoConfig.from_pretrained(self.model_dir)
-        config.use_cache = False
-        with no_init_weights(), sharding.parameters_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.tie_weights()  # a tie made on the meta device does not hold: made again, the head is the embedding
+        model = sharding.empty_model(self.model_dir)
         if self.training.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         policy = PolicyLM(model, self.training.logprob_chunk_tokens)
-        mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
-        sharding.shard(policy, model, mesh, self.compute_dtype)
-        buffers = {name: b.clone() for name, b in model.named_buffers()}
-        policy.to_empty(device=self.device)
-        with torch.no_grad():
-            for name, b in model.named_buffers():
-                b.copy_(buffers[name])
+        sharding.shard(policy, model, init_device_mesh(self.device.type, (self.dist.world_size,)), self.compute_dtype)
+        sharding.materialize(policy, model, self.device)
         sharding.load_shards(model, self.model_dir)
         model.requires_grad_(requires_grad)
         return model.train(requires_grad), policy
