@@ -2,10 +2,14 @@
 
 Rank 1 is the trainer and, its node tagged ``rollout``, also holds a vLLM engine in CPU memory beside its
 trainer; rank 2 is a rollout rank. An untrained policy writes long replies (it rarely draws its end-of-turn
-token), so when a batch is ready the lent trainer's engine is mid-reply: those replies are cut there and
-finish on rank 2's engine from their prefix, in one reply the task judged as it is stored. The lent engine
-gets only the step's new episodes and runs dry before the rollout engine: it then takes half the replies
-the rollout engine holds (rebalancing); those it had begun go on from their prefix on the lent engine.
+token). Each engine holds two sequences at a time (``max_num_seqs: 2``), so each works through a queue of
+episodes oldest first, and what an engine holds when a move comes does not depend on the machine's speed: the
+lent engine gets only the step's new episodes and runs dry before the rollout engine, then takes half the
+replies the rollout engine holds (rebalancing), the two it had begun among them, which go on from their prefix
+on the lent engine; when the batch is ready the lent engine is mid-reply with a queue left, and those replies
+are cut there and finish on rank 2's engine from their prefix, in one reply the task judged as it is stored.
+(With vLLM's default every queued reply runs at once: the lent engine could finish all it held in the same
+decode step that made the batch ready, leaving nothing to cut.)
 
 The weights travel over the torch transport (``engine.weight_transport: torch``; gloo here): the rollout
 engine's vLLM worker joins the group and receives every version itself.
@@ -31,7 +35,7 @@ name: lend-vllm
 seed: 4
 algorithm: {{group_size: 2}}
 pipeline: {{mode: seamless, max_staleness: 2}}
-engine: {{name: vllm, weight_transport: torch}}
+engine: {{name: vllm, weight_transport: torch, max_num_seqs: 2}}
 budgets: {{steps: {STEPS}, prompts_per_step: 2, max_new_tokens: {REPLY_TOKENS}}}
 """ + task_and_roles(REPLY_TOKENS)
 
@@ -70,10 +74,9 @@ def test_a_lent_vllm_engine_is_reclaimed_and_its_replies_finish_on_the_rollout_e
                 moves[before.engine, after.engine] = moves.get((before.engine, after.engine), 0) + 1
     # Reclaimed: cut on the lent trainer's engine, finished on the rollout engine.
     assert moves.get(("vllm-r1", "vllm-r2"), 0) >= 1, moves
-    # Rebalanced: the lent engine ran dry while the trainer waited and took replies of the rollout engine.
-    # Whether the rollout engine had written tokens of a moved reply depends on the machine's speed (a quiet
-    # one may move replies it had not begun, which then start on the lent engine): a move after tokens is a
-    # cut that goes on from its prefix (the loop above holds every move to that), but one is not required.
+    # Rebalanced: the lent engine ran dry while the trainer waited, took replies the rollout engine had begun,
+    # and continued them from their prefix.
+    assert moves.get(("vllm-r2", "vllm-r1"), 0) >= 1, moves
     rebalanced = [e for e in events if e["event"] == "rebalanced"]
     assert rebalanced and sum(r["rebalanced"] for r in rows) == sum(e["moved"] for e in rebalanced), rebalanced
     assert all(e["drained"] == [1] and e["donors"] == {"2": e["moved"]} for e in rebalanced), rebalanced
