@@ -37,6 +37,7 @@ from sfhpc.rollout.agent import (
     ResumePoint,
     play_episode,
     reply_budget,
+    resumed_turn_budget,
 )
 from sfhpc.rollout.agent_host import AgentHostsClient
 from sfhpc.rollout.agent_process import AgentPrograms
@@ -205,7 +206,10 @@ class RolloutWorker:
         cut = bool(recorded) and recorded[-1][1]
         context = tuple(int(t) for t in trajectory.context())
         generated = tuple(bool(g) for g in trajectory.generated_mask())
-        remaining = reply_budget(self.task, self.recipe.budgets.max_new_tokens) - (len(replies[-1]) if cut else 0)
+        # The cut reply keeps its own turn's budget (the problem may bound it below the task-wide one).
+        earlier = [self.server.api.reply_message(r, self.task.tools) for r in replies[:-1]]
+        budget = resumed_turn_budget(self.task, episode.problem, earlier, self.recipe.budgets.max_new_tokens)
+        remaining = budget - (len(replies[-1]) if cut else 0)
         if cut and remaining > 0:
             # The continuation samples as the cut reply did: one reply, one temperature to train it at.
             cut_run = trajectory.segments[trajectory.reply_spans()[-1][-1][0]]

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sfhpc.endpoint.client import AsyncLocalClient
-from sfhpc.tasks.base import Problem, Task
+from sfhpc.tasks.base import Episode, Problem, Task
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +122,22 @@ def reply_budget(task: Task, max_tokens: int | None) -> int:
     return min(bounds)
 
 
+def turn_budget(episode: Episode, budget: int) -> int:
+    """Tokens the episode's next reply may hold: `budget` (`reply_budget`), narrowed by the problem's own bound
+    on that reply where it has one (`Episode.reply_tokens`)."""
+    bound = episode.reply_tokens()
+    return budget if bound is None else min(bound, budget)
+
+
+def resumed_turn_budget(task: Task, problem: Problem, earlier: Sequence[dict[str, Any]], max_tokens: int | None) -> int:
+    """`turn_budget` of the reply that follows the `earlier` ones (assistant messages, as the agent received
+    them): a reply cut short and continued elsewhere keeps the bound its own turn had."""
+    episode = task.episode(problem)
+    for message in earlier:
+        episode.step_message(message)
+    return turn_budget(episode, reply_budget(task, max_tokens))
+
+
 def reply_budget_line(task: Task, max_new_tokens: int) -> str:
     """What a run prints at its start about the reply budget: the recipe's, and the task's narrowing of it."""
     budget = reply_budget(task, max_new_tokens)
@@ -148,9 +164,8 @@ async def play_episode(backend: ChatBackend, task: Task, problem: Problem, *, gr
         if replayed:  # a reply the policy gave in the earlier allocation: the episode sees it again
             reply = Reply(replayed.pop(0), trajectory_id or "", "stop")
         else:
-            bound = episode.reply_tokens()  # the problem's own bound on this reply, if it has one
             reply = await backend.chat(messages, trajectory_id=trajectory_id, task=task.name, group=group,
-                                       max_tokens=reply_tokens if bound is None else min(bound, reply_tokens),
+                                       max_tokens=turn_budget(episode, reply_tokens),
                                        seed=None if seed is None else seed + turn, tools=task.tools)
         if trajectory_id is None and on_trajectory is not None:
             on_trajectory(reply.trajectory_id)

@@ -126,6 +126,10 @@ def test_a_lent_trainer_is_reclaimed_every_step_and_its_generations_finish_elsew
         generated = [s for s in t.segments if s.generated]
         assert sum(len(s) for s in generated) == len(reply) == t.num_generated  # no generated token discarded
         engines = [s.engine for s in generated]
+        # Every reply, a continued one too, keeps its problem's own bound (N + slack), not the task-wide one.
+        prompt = tokenizer.decode([int(x) for s in t.segments if not s.generated for x in s.tokens])
+        asked = int(re.search(r"write (\d+) [a-z]", prompt).group(1))  # type: ignore[union-attr]
+        assert len(reply) <= asked + 2, (asked, len(reply), [(s.engine, len(s)) for s in generated])
         for before, after in zip(generated, generated[1:]):
             if before.engine != after.engine:  # cut at a token boundary where it was, continued from the prefix
                 assert before.finish_reason == "abort", [(s.engine, s.finish_reason) for s in generated]
