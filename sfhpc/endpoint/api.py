@@ -56,6 +56,10 @@ class Call:
                 self._counts["tool_call_parse_failures"] += 1
                 log.warning("trajectory %s: a reply began a tool call that does not parse; returned as content",
                             builder.trajectory_id)
+            if parsed.unoffered:
+                self._counts["tool_calls_unoffered"] += 1
+                log.warning("trajectory %s: a reply called %s, which the request did not offer; returned as content",
+                            builder.trajectory_id, ", ".join(parsed.unoffered))
         reply_format = self.request.response_format
         if reply_format is not None and not (parsed is not None and parsed.calls):
             miss = reply_format.miss(builder.content)
@@ -122,7 +126,8 @@ class OpenAIApi:
     `tool_parser` names the format of the model's tool calls (by default the one its chat template writes).
     `max_n` is the most choices (``n``) one call may ask for; each is a trajectory of its own.
     `counts` holds what the replies held: ``tool_calls`` read, ``tool_call_parse_failures`` (replies that
-    began a call that does not parse, returned as content), ``response_format_misses`` (replies not in the
+    began a call that does not parse, returned as content), ``tool_calls_unoffered`` (replies that called a
+    function the request did not offer, returned as content), ``response_format_misses`` (replies not in the
     JSON format their call asked for, `sfhpc.endpoint.response_format`); ``GET /health`` shows them.
     """
 
@@ -151,6 +156,7 @@ class OpenAIApi:
         return {"status": "ok", "model": self.model_name, "engine": engine.name, "version": engine.version,
                 "paused": engine.paused, "tool_calls": self.counts["tool_calls"],
                 "tool_call_parse_failures": self.counts["tool_call_parse_failures"],
+                "tool_calls_unoffered": self.counts["tool_calls_unoffered"],
                 "response_format_misses": self.counts["response_format_misses"],
                 "history_respelled": self.history.respelled}
 

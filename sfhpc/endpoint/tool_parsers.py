@@ -21,7 +21,10 @@ tokenizer. The formats themselves are a few lines each; what a reply holds is pa
 whole, so no partial-JSON streaming state is needed (see `sfhpc.endpoint.protocol.ResponseBuilder`).
 
 Text that starts a call but does not parse (cut by ``max_tokens``, JSON the model got wrong) is no call:
-the reply is returned as content and `Parsed.failed` says so, for the endpoint to count.
+the reply is returned as content and `Parsed.failed` says so, for the endpoint to count. Nor is a call to a
+function the request did not offer: a plain JSON answer such as ``{"name": "Alice", "age": 31}`` reads as a
+call to ``Alice`` under the Llama 3.1 format, and a model may name a tool it saw in training; the reply is
+content then, and `Parsed.unoffered` names what it called.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import dataclasses
 import json
 import re
 import uuid
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 _DECODER = json.JSONDecoder()
@@ -46,11 +50,13 @@ class ToolCall:
 @dataclasses.dataclass(frozen=True)
 class Parsed:
     """A whole reply read for tool calls: the text around them (None when there is none) and the calls.
-    `failed`: the reply began a call that does not parse; it is all content then."""
+    `failed`: the reply began a call that does not parse; `unoffered`: the functions it called that the
+    request did not offer. Either way it is all content."""
 
     content: str | None
     calls: tuple[ToolCall, ...] = ()
     failed: bool = False
+    unoffered: tuple[str, ...] = ()
 
 
 def canonical_arguments(arguments: Any) -> str:
@@ -83,10 +89,19 @@ def partial_suffix(text: str, marker: str) -> int:
 
 
 class ToolCallParser:
-    """Reads one model family's tool calls. Subclasses say where calls may begin (`held_from`, for
-    streaming) and how a whole reply parses (`parse`)."""
+    """Reads one model family's tool calls to the `offered` functions. Subclasses say where calls may begin
+    (`held_from`, for streaming) and how a whole reply reads (`_read`)."""
 
     name: ClassVar[str]
+
+    def __init__(self, offered: Iterable[str]) -> None:
+        self.offered = frozenset(offered)
+
+    def parse(self, text: str) -> Parsed:
+        """A whole reply's calls; content only when any of them names a function that was not offered."""
+        parsed = self._read(text)
+        unoffered = tuple(dict.fromkeys(c.name for c in parsed.calls if c.name not in self.offered))
+        return Parsed(text, unoffered=unoffered) if unoffered else parsed
 
     def call_id(self) -> str:
         """A new call's id (OpenAI's ``call_`` and 24 characters)."""
@@ -97,7 +112,7 @@ class ToolCallParser:
         may): what is before it can be streamed as content now, the rest waits for the whole reply."""
         raise NotImplementedError
 
-    def parse(self, text: str) -> Parsed:
+    def _read(self, text: str) -> Parsed:
         raise NotImplementedError
 
 
@@ -111,7 +126,7 @@ class MarkerParser(ToolCallParser):
         at = text.find(self.marker)
         return at if at >= 0 else len(text) - partial_suffix(text, self.marker)
 
-    def parse(self, text: str) -> Parsed:
+    def _read(self, text: str) -> Parsed:
         at = text.find(self.marker)
         if at < 0:
             return Parsed(text)
@@ -195,7 +210,7 @@ class Llama3JsonParser(ToolCallParser):
             return 0
         return len(text)
 
-    def parse(self, text: str) -> Parsed:
+    def _read(self, text: str) -> Parsed:
         body = text.strip()
         tagged = body.startswith(self._TAG)
         body = body.removeprefix(self._TAG).strip()

@@ -73,7 +73,7 @@ def read_tools(body: Mapping[str, Any], *, template: str, parser_name: str | Non
                          param="tools", code="tools_not_supported")
     if chosen not in CHOICES:
         offered = [t for t in offered if t["function"]["name"] == chosen]
-    parser = None if chosen == "none" else PARSERS[name]()
+    parser = None if chosen == "none" else PARSERS[name](t["function"]["name"] for t in offered)
     return ToolRequest(tuple(offered), chosen, parallel, parser)
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sfhpc.endpoint.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, parser_for_template
+from sfhpc.endpoint.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, Parsed, parser_for_template
 from sfhpc.engine.hf_tokenizer import HFTokenizer
 from sfhpc.model.hf_folder import build_hf_model
 from tests.endpoint.conftest import SERVED_MODEL as MODEL
@@ -119,6 +119,17 @@ def test_replies_without_a_parsable_call_are_content_and_counted(qwen: Served) -
     assert len(reply.choices[0].message.tool_calls) == 1
 
 
+def test_a_call_to_a_function_not_offered_is_content_and_counted(qwen: Served) -> None:
+    lookup = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    qwen.will_reply(CALL)
+    reply = qwen.client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "time?"}],
+                                                tools=lookup)
+    assert reply.choices[0].message.content == CALL and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "stop"
+    health = qwen.api.health()
+    assert health["tool_calls_unoffered"] == 1 and health["tool_calls"] == 0
+
+
 def test_bad_tool_input_is_one_400_naming_the_field_and_nothing_is_recorded(qwen: Served) -> None:
     user = [{"role": "user", "content": "time?"}]
     call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{not json"}}
@@ -168,19 +179,24 @@ def test_parsers_read_their_formats_and_are_chosen_from_the_template(qwen_folder
     assert parser_for_template(HFTokenizer.from_folder(llama_folder).chat_template) == "llama3_json"
     assert parser_for_template("{{ '[TOOL_CALLS]' + tool_calls | tojson }}") == "mistral"
     assert parser_for_template("{% for m in messages %}{{ m.content }}{% endfor %}") is None
-    v3 = MistralParser().parse('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
-    v11 = MistralParser().parse('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}')
+    v3 = MistralParser("ab").parse('[TOOL_CALLS][{"name": "a", "arguments": {"x": 1}}, {"name": "b", "arguments": {}}]')
+    v11 = MistralParser("ab").parse('[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}')
     assert [(c.name, c.arguments) for c in v3.calls] == [(c.name, c.arguments) for c in v11.calls] == [
         ("a", '{"x": 1}'), ("b", "{}")]
-    assert MistralParser().parse("[TOOL_CALLS][{\"name\": ").failed
-    two = Llama3JsonParser().parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
+    assert MistralParser("ab").parse("[TOOL_CALLS][{\"name\": ").failed
+    two = Llama3JsonParser("ab").parse('<|python_tag|>{"name": "a", "parameters": {"x": 1}}; '
                                    '{"name": "b", "arguments": {}}')
     assert [c.name for c in two.calls] == ["a", "b"] and two.content is None
-    assert Llama3JsonParser().parse("the answer is 4").calls == ()
-    assert not Llama3JsonParser().parse("the answer is 4").failed
-    assert HermesParser().parse(CALL + " trailing words").failed  # text after a call: not a finished call
-    assert HermesParser().held_from("let me look <tool_") == len("let me look ")
-    assert Llama3JsonParser().held_from('  {"na') == 0 and Llama3JsonParser().held_from("plain") == 5
+    assert Llama3JsonParser("ab").parse("the answer is 4").calls == ()
+    assert not Llama3JsonParser("ab").parse("the answer is 4").failed
+    assert HermesParser({"get_time"}).parse(CALL + " trailing words").failed  # text after a call: not a finished call
+    assert HermesParser({"get_time"}).held_from("let me look <tool_") == len("let me look ")
+    assert Llama3JsonParser("ab").held_from('  {"na') == 0 and Llama3JsonParser("ab").held_from("plain") == 5
+    # A call to a function the request did not offer is no call: a plain JSON answer stays content.
+    answer = '{"name": "Alice", "age": 31}'
+    assert Llama3JsonParser({"get_time"}).parse(answer) == Parsed(answer, unoffered=("Alice",))
+    assert HermesParser({"lookup"}).parse(CALL) == Parsed(CALL, unoffered=("get_time",))
+    assert MistralParser("a").parse('[TOOL_CALLS]a[ARGS]{}[TOOL_CALLS]b[ARGS]{}').unoffered == ("b",)
 
 
 def test_the_responses_api_is_a_chat_turn_with_items(qwen: Served) -> None:
