@@ -32,8 +32,10 @@ from pathlib import Path
 from sfhpc import __version__
 from sfhpc.config import ClusterMap, Recipe, load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import LaunchPlan, resolve
+from sfhpc.plan.launch_plan import LaunchPlan
+from sfhpc.plan.resolve import resolve
 from sfhpc.rundir import RunPaths
+from sfhpc.terminal import printable
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
 FOLLOW_TICK_S = 0.05  # traj summary --follow: how soon a Ctrl-C ends the wait between reads
@@ -243,7 +245,7 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
         raise SfhpcError(f"--interval {args.interval:g}: give a number of seconds above 0")
     with open_run(args.store) as run:
         summary = summarize(run)
-        print(summary.format(), flush=True)
+        print(printable(summary.format()), flush=True)
         if not args.follow:
             return 0
         print(f"following {run.path} every {args.interval:g} s (Ctrl-C ends)", flush=True)
@@ -258,14 +260,14 @@ def cmd_traj_summary(args: argparse.Namespace) -> int:
                     time.sleep(min(FOLLOW_TICK_S, max(0.0, wake - time.monotonic())))
                 if not stopped and run.refresh():
                     summary, previous = summarize(run), summary
-                    print(update_line(run, previous, summary), flush=True)
+                    print(printable(update_line(run, previous, summary)), flush=True)
         finally:
             signal.signal(signal.SIGINT, earlier)
         if stopped:
             print("stopped following", flush=True)
             return 0
         run.refresh()
-        print(f"the run finished\n\n{summarize(run).format()}", flush=True)
+        print(f"the run finished\n\n{printable(summarize(run).format())}", flush=True)
     return 0
 
 
@@ -292,7 +294,7 @@ def cmd_traj_show(args: argparse.Namespace) -> int:
 
     with open_run(args.store) as run:
         trajectory = run.trajectory(args.id)
-        print(format_conversation(run, trajectory, run.consumed_by(args.id), tokens=args.tokens))
+        print(printable(format_conversation(run, trajectory, run.consumed_by(args.id), tokens=args.tokens)))
     return 0
 
 
@@ -362,7 +364,7 @@ def cmd_traj_compare(args: argparse.Namespace) -> int:
     out = _new_file(Path(args.out)) if args.out else None
     with open_run(args.a) as a, open_run(args.b) as b:
         comparison = compare(a, b)
-    print(comparison.format())
+    print(printable(comparison.format()))
     if out is not None:
         plot_rewards(comparison, out)
         print(f"wrote {out}")
@@ -565,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except SfhpcError as exc:
-        print(f"sfhpc: error: {exc}", file=sys.stderr)
+        # One line whatever it quotes (an id a client chose, text from a store): its controls escaped.
+        print(f"sfhpc: error: {printable(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("sfhpc: interrupted", file=sys.stderr)

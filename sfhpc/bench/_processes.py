@@ -2,7 +2,7 @@
 
 Slurm signals every process of a step (``proctrack/linuxproc`` and ``cgroup`` both reach the tasks and
 everything they started, vLLM's engine processes included), not mpiexec; a benchmark or test that plays
-Slurm on one machine signals the same processes: the Python interpreters running ``-m sfhpc.runtime``
+Slurm on one machine signals the same processes: the Python interpreters running ``-m sfhpc.rank``
 with the run folder on their command line (`rank_pids`), and their descendants (`step_pids`).
 """
 
@@ -23,7 +23,7 @@ def rank_pids(run_dir: Path) -> list[int]:
         except OSError:  # ended meanwhile, or not ours to read
             continue
         is_python = "python" in Path(argv[0].decode(errors="replace")).name
-        if is_python and b"sfhpc.runtime" in argv and wanted in argv:
+        if is_python and b"sfhpc.rank" in argv and wanted in argv:
             pids.append(int(entry.name))
     return sorted(pids)
 

@@ -73,6 +73,13 @@ def hopeless(policy_version: int, oldest: int | None, max_token_lag: int | None)
     return max_token_lag is not None and oldest is not None and policy_version - oldest > max_token_lag
 
 
+def overdue(policy_version: int, oldest: int | None, lag: int) -> bool:
+    """Whether a group that still plays, its oldest token of version `oldest` (None: no token yet), is overdue
+    at `policy_version`: that token lags `lag` or more versions (`PipelinePolicy.overdue_lag`). The one rule
+    the run's trajectory manager and the simulator both count by."""
+    return oldest is not None and policy_version - oldest >= lag
+
+
 def _oldest(lives: Sequence[LiveTrajectory]) -> int | None:
     """The oldest policy version among the members' generated tokens (None: no token yet)."""
     return min((v for v in (live.oldest_version() for live in lives) if v is not None), default=None)
@@ -200,14 +207,17 @@ class GroupBook:
         newest = [v for v in (live.newest_version() for live in lives) if v is not None]
         return trainable(policy_version, _oldest(lives), max(newest, default=None), self.max_token_lag)
 
-    def overdue(self, policy_version: int, lag: int) -> int:
-        """How many groups in flight still play (a member running or interrupted) with their oldest token
-        `lag` or more versions older than `policy_version`."""
+    def overdue(self, policy_version: int, lag: int, group_size: int | None = None) -> int:
+        """How many groups in flight still play with their oldest token `lag` or more versions older than
+        `policy_version` (`overdue`). A group still plays while a member runs or is interrupted, or while
+        fewer than `group_size` of its episodes have a finished member (one not begun yet plays too)."""
         count = 0
         for key in self._in_flight:
             lives = self._lives(key)
-            if any(live.status.is_open for live in lives) and (oldest := _oldest(lives)) is not None:
-                count += policy_version - oldest >= lag
+            finished = {episode_of(live.id, live.metadata_json) for live in lives if live.status is Status.FINISHED}
+            playing = (any(live.status.is_open for live in lives)
+                       or (group_size is not None and len(finished) < group_size))
+            count += playing and overdue(policy_version, _oldest(lives), lag)
         return count
 
     def drop_hopeless(self, policy_version: int) -> list[str]:

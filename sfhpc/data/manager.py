@@ -283,11 +283,12 @@ class TrajectoryManager:
         with self._lock:
             return len(self._groups.in_flight())
 
-    def overdue_groups(self, policy_version: int, lag: int) -> int:
-        """Groups in flight that still play with their oldest token `lag` or more versions behind
-        `policy_version` (`GroupBook.overdue`): the pipeline policy's admission leaves them out."""
+    def overdue_groups(self, policy_version: int, lag: int, group_size: int | None = None) -> int:
+        """Groups in flight that still play (some of their `group_size` episodes not ended) with their oldest
+        token `lag` or more versions behind `policy_version` (`GroupBook.overdue`): the pipeline policy's
+        admission leaves them out."""
         with self._lock:
-            return self._groups.overdue(policy_version, lag)
+            return self._groups.overdue(policy_version, lag, group_size)
 
     def in_flight(self, group: str) -> bool:
         """Whether `group` is booked and neither trained on nor dropped yet."""

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import IO
 
 from sfhpc.errors import SfhpcError
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.plan.local_map import LOCAL_MAP_NAME
-from sfhpc.plan.resolve import LaunchPlan
 from sfhpc.runtime.slurm_env import PLAN_SHOWN_VAR, TASKS_PER_COMPONENT_VAR
 
 
@@ -32,7 +32,7 @@ def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None
     # (sfhpc.runtime.preemption) and would announce a checkpoint that never comes.
     command = [mpiexec, *([] if verbose else ["--quiet"]), "--oversubscribe", "--bind-to", "none",
                "--mca", "odls_base_sigkill_timeout", "0",
-               "-n", str(plan.world_size), sys.executable, "-m", "sfhpc.runtime", recipe_path,
+               "-n", str(plan.world_size), sys.executable, "-m", "sfhpc.rank", recipe_path,
                "--run-dir", str(run_dir), "--cluster", cluster_path or LOCAL_MAP_NAME]
     return command + (["--probe"] if probe else []) + (["--verbose"] if verbose else [])
 

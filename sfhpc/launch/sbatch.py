@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.config.schema import is_control
-from sfhpc.plan.resolve import Component, LaunchPlan
+from sfhpc.plan.launch_plan import Component, LaunchPlan
 
 FlagValue = str | int | bool | None
 

@@ -5,7 +5,7 @@ Two scripts come from the same plan and the same renderer:
 * the *launch* script (``sfhpc launch``): submitit pickles a `RankProgram` into the run folder and every
   rank unpickles and runs it;
 * the *template* script (``sfhpc render --template``, ``slurm_templates/``): every rank runs
-  ``python -m sfhpc.runtime "$@"``, so ``sbatch TEMPLATE RECIPE.yaml`` runs any recipe of that shape.
+  ``python -m sfhpc.rank "$@"``, so ``sbatch TEMPLATE RECIPE.yaml`` runs any recipe of that shape.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from sfhpc.config.cluster import ClusterMap
 from sfhpc.config.recipe import Recipe
 from sfhpc.launch.sbatch import SbatchSpec, double_quoted, render_sbatch, spec_for_plan
 from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rank.program import RankProgram
 from sfhpc.rundir import RunPaths, record_job
 
@@ -81,7 +81,7 @@ def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:
     # The map's path comes from the command line: escaped, it stays one word whatever it holds.
     default_map = f'export SFHPC_CLUSTER_MAP="${{SFHPC_CLUSTER_MAP:-{double_quoted(cluster.source)}}}"'
     spec = spec_for_plan(
-        plan, recipe, f'{python} -m sfhpc.runtime "$@"', output=None, python=python,
+        plan, recipe, f'{python} -m sfhpc.rank "$@"', output=None, python=python,
         agent_hosts=None if plan.agent_hosts is None else agent_hosts_command(python, '"$@"'),
         setup=(usage, default_map),
         header=(*_header(recipe, cluster, plan),

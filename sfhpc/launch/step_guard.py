@@ -7,7 +7,7 @@ launch in thirty on the development host), but it turns a finished run into a TI
 
 So the batch script runs srun through this guard:
 
-    python -m sfhpc.launch.step_guard --ranks 4 -- srun --het-group=0,1 ... python -m sfhpc.runtime ...
+    python -m sfhpc.launch.step_guard --ranks 4 -- srun --het-group=0,1 ... python -m sfhpc.rank ...
 
 Every rank, at interpreter exit (after its results are written, before MPI finalizes), leaves a mark:
 one small file holding its outcome, in the folder the guard exports as ``$SFHPC_STEP_MARKS``. While

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.config.recipe import Recipe
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.plan.memory import (
     DTYPE_BYTES,
     ENGINE_RESERVE,
@@ -38,9 +38,6 @@ from sfhpc.plan.memory import (
     micro_batch_tokens,
     trainer_memory,
 )
-
-if TYPE_CHECKING:
-    from sfhpc.plan.resolve import LaunchPlan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,8 @@
-"""``python -m sfhpc.runtime RECIPE [--cluster MAP] [--run-dir DIR] [--probe] [--verbose]``: run one rank of a
+"""``python -m sfhpc.rank RECIPE [--cluster MAP] [--run-dir DIR] [--probe] [--verbose]``: run one rank of a
 recipe (``--probe``: only the launch report, no RL; ``--verbose``: the libraries' INFO lines on the console
 too, not only in the rank's log).
 
-This is what sbatch templates and ``sfhpc run`` start on every rank (the command line names
-``sfhpc.runtime``, whose ``__main__`` only forwards here). The cluster map comes from
+This is what sbatch templates and ``sfhpc run`` start on every rank. The cluster map comes from
 ``--cluster`` (``local``: this machine alone), else ``$SFHPC_CLUSTER_MAP``, else
 ``recipes/cluster-dev.yaml``.
 """
@@ -25,7 +24,7 @@ DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sfhpc.runtime", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sfhpc.rank", description=__doc__)
     parser.add_argument("recipe")
     parser.add_argument("--cluster", default=os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP))
     parser.add_argument("--run-dir", default=os.environ.get("SFHPC_RUN_DIR"))

@@ -1,7 +1,7 @@
 """The program every rank runs: learn who it is, join the MPI world, do the recipe's work.
 
 `RankProgram` is what `sfhpc launch` hands to submitit (it is pickled into the job folder) and what
-``python -m sfhpc.runtime`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank. Every
+``python -m sfhpc.rank`` (sbatch templates, ``sfhpc run``) builds from the recipe on each rank. Every
 run starts with the launch report; a *probe* (``sfhpc probe``, ``--probe``) is that report alone: where
 the ranks landed, proven over MPI, with no RL and no task.
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault, fault_injection, liveness, preemption, rank_log, step_marks
 from sfhpc.runtime.gpu_binding import bind_one_gpu

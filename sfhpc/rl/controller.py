@@ -32,7 +32,7 @@ from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fractio
 from sfhpc.data.run_log import read_log, repair_log
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
@@ -138,7 +138,8 @@ class Controller:
         key = (self.version, sum(self.server.episodes_ended.values()), self.groups_out)
         if key != self._overdue_at:
             self._overdue_at = key
-            self._overdue = self.manager.overdue_groups(self.version, self.policy.overdue_lag)
+            self._overdue = self.manager.overdue_groups(self.version, self.policy.overdue_lag,
+                                                        self.recipe.algorithm.group_size)
         return self.policy.admit(self.groups_out, self._overdue)
 
     def keep_rollouts_busy(self) -> None:

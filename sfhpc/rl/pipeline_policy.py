@@ -73,6 +73,11 @@ class PipelinePolicy:
         longer be trained within the bound."""
         return self.max_staleness + 1
 
+    def overdue(self, policy_version: int, oldest: int | None) -> bool:
+        """Whether a group that still plays, its oldest token of version `oldest`, is overdue (the trajectory
+        manager's rule, `sfhpc.data.groups.overdue`)."""
+        return groups.overdue(policy_version, oldest, self.overdue_lag)
+
     def admit(self, in_flight: int, overdue: int = 0) -> int:
         """How many new groups to hand out now: `in_flight` groups are handed out and not yet trained on or
         dropped, `overdue` of them still play with their oldest token `overdue_lag` versions behind (those

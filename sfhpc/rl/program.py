@@ -10,7 +10,7 @@ from typing import Any
 
 from sfhpc.config.recipe import Recipe
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl.trackers import tracker_problems
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault

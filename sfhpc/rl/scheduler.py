@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rl.timeline import Timeline
 from sfhpc.table import format_table

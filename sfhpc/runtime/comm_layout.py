@@ -23,7 +23,7 @@ import dataclasses
 from typing import Any
 
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import LaunchPlan
+from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.table import format_table
 
 CONTROLLER_RANK = 0

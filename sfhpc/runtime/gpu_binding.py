@@ -14,7 +14,7 @@ import os
 from collections.abc import MutableMapping
 
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import Component
+from sfhpc.plan.launch_plan import Component
 from sfhpc.runtime.slurm_env import RankEnvironment
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import LaunchPlan, RankSlot
+from sfhpc.plan.launch_plan import LaunchPlan, RankSlot
 from sfhpc.runtime.slurm_env import RankEnvironment
 
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.errors import SfhpcError
-from sfhpc.plan.resolve import Component, LaunchPlan
+from sfhpc.plan.launch_plan import Component, LaunchPlan
 from sfhpc.sim.cost_model import GPUS
 
 

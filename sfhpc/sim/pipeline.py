@@ -219,9 +219,7 @@ class PipelineSim:
     def _keep_rollouts_busy(self) -> None:
         """The controller's hand-out: the groups the policy admits, by load."""
         cfg = self.config
-        lag = self.policy.overdue_lag
-        overdue = sum(1 for g in self.playing
-                      if g.oldest_version is not None and self.version - g.oldest_version >= lag)
+        overdue = sum(1 for g in self.playing if self.policy.overdue(self.version, g.oldest_version))
         new = self.policy.admit(self.groups_out, overdue)
         if not new:
             return

@@ -11,7 +11,8 @@ import pytest
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import SfhpcError
 from sfhpc.launch.sbatch import component_flags
-from sfhpc.plan.resolve import LaunchPlan, resolve
+from sfhpc.plan.launch_plan import LaunchPlan
+from sfhpc.plan.resolve import resolve
 from sfhpc.runtime.gpu_binding import bind_one_gpu, visible_device
 from sfhpc.runtime.slurm_env import read_rank_environment
 from tests.conftest import RECIPES

@@ -132,3 +132,19 @@ def test_the_manager_counts_overdue_and_complete_groups_without_taking_them() ->
     assert manager.overdue_groups(1, lag=2) == 0
     assert manager.complete_groups(2, group_size=1) == 1 and manager.groups_in_flight() == 3
     assert manager.take_batch(2, 1, group_size=1) is not None and manager.groups_in_flight() == 2
+
+
+def test_a_group_with_a_member_not_begun_still_plays_for_the_manager_and_the_simulator_alike() -> None:
+    """One rule counts overdue groups (`sfhpc.data.groups.overdue`, asked through the policy): a group whose
+    begun member finished on version 0 while its other member has not begun still plays, so at version 3
+    (S = 2: lag 3) it is overdue for the run's manager, as the simulator counts its own playing groups."""
+    policy = PipelinePolicy("async", 1, 2)
+    manager = TrajectoryManager()
+    manager.book_group("half")
+    begun = manager.start([1], group="half")
+    manager.add_generated(begun, [2], [-0.1], 0)
+    manager.finish(begun, 1.0)
+    assert manager.overdue_groups(3, policy.overdue_lag, group_size=2) == 1  # the second member plays yet
+    assert manager.overdue_groups(2, policy.overdue_lag, group_size=2) == 0
+    assert manager.overdue_groups(3, policy.overdue_lag, group_size=1) == 0  # complete: it holds its place
+    assert policy.overdue(3, 0) and not policy.overdue(2, 0) and not policy.overdue(9, None)
