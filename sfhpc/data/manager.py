@@ -226,6 +226,22 @@ class TrajectoryManager:
             self._groups.spoil(live)
             self.flush()  # a failure is rare and worth seeing at once (`sfhpc traj summary` while it runs)
 
+    def finish_episode(self, trajectory_id: str, reward: float | None = None, *,
+                       turn_rewards: Sequence[float] | None = None,
+                       others: Sequence[tuple[str, float | None]] = ()) -> None:
+        """An episode ended with a reward: `finish` its trajectory and those of its other agents (`others`,
+        each with its own reward). One call per episode, however many trajectories it left: what a rank's
+        count of running episodes is kept by (`sfhpc.data.service.EPISODE_ENDS`)."""
+        self.finish(trajectory_id, reward, turn_rewards=turn_rewards)
+        for other, other_reward in others:
+            self.finish(other, other_reward)
+
+    def fail_episode(self, trajectory_ids: Sequence[str], reason: str) -> None:
+        """An episode failed: `fail` every trajectory it started (one per agent, or per choice of a call that
+        asked for several). One call per episode, as `finish_episode`."""
+        for trajectory_id in trajectory_ids:
+            self.fail(trajectory_id, reason)
+
     def _note_failure(self, reason: str) -> None:
         if len(self._fail_reasons) < FIRST_REASONS and reason not in self._fail_reasons:
             self._fail_reasons.append(reason)  # distinct: every member of a group often fails alike

@@ -46,13 +46,15 @@ log = logging.getLogger("sfhpc")
 REQUEST_TAG = 0x5F10
 REPLY_TAG = 0x5F11
 GOODBYE = "__goodbye__"
-ONE_WAY = frozenset({"add_generated", "interrupt", "finish", "fail"})
-EPISODE_ENDS = frozenset({"finish", "fail"})  # the calls that end an episode, one per episode
+ONE_WAY = frozenset({"add_generated", "interrupt", "finish", "fail", "finish_episode", "fail_episode"})
+# The calls that end an episode, exactly one per episode whatever the number of its trajectories (several
+# agents, or a call that asked for n > 1 choices): a rank's running episodes are counted by them.
+EPISODE_ENDS = frozenset({"finish_episode", "fail_episode"})
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
     "start", "exists", "status", "context", "observe", "add_generated", "interrupt", "interrupt_all",
-    "continuation", "finish", "fail", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
+    "continuation", "finish", "fail", "finish_episode", "fail_episode", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
 })
 
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-3  # poll back-off: quick answers stay quick, idle waits cost no CPU
@@ -256,6 +258,16 @@ class ManagerClient:
 
     def fail(self, trajectory_id: str, reason: str) -> None:
         self._call("fail", trajectory_id, reason)
+
+    def finish_episode(self, trajectory_id: str, reward: float | None = None, *,
+                       turn_rewards: Sequence[float] | None = None,
+                       others: Sequence[tuple[str, float | None]] = ()) -> None:
+        self._call("finish_episode", trajectory_id, reward,
+                   turn_rewards=None if turn_rewards is None else list(turn_rewards),
+                   others=[(other, reward) for other, reward in others])
+
+    def fail_episode(self, trajectory_ids: Sequence[str], reason: str) -> None:
+        self._call("fail_episode", list(trajectory_ids), reason)
 
     def abort(self, trajectory_id: str) -> None:
         self._call("abort", trajectory_id)

@@ -27,9 +27,10 @@ class EpisodeRecorder(Protocol):
     def start(self, prompt_tokens: Sequence[int], *, task: str = "", group: str | None = None,
               metadata: dict | None = None, trajectory_id: str | None = None) -> str: ...
 
-    def finish(self, trajectory_id: str, reward: float | None = None, *, turn_rewards: Any = None) -> None: ...
+    def finish_episode(self, trajectory_id: str, reward: float | None = None, *, turn_rewards: Any = None,
+                       others: Sequence[tuple[str, float | None]] = ()) -> None: ...
 
-    def fail(self, trajectory_id: str, reason: str) -> None: ...
+    def fail_episode(self, trajectory_ids: Sequence[str], reason: str) -> None: ...
 
 
 def describe_failure(exc: BaseException) -> str:
@@ -68,11 +69,10 @@ async def play_or_fail(play: Callable[[Callable[[str], None]], Awaitable[Episode
             reason = describe_failure(exc)
             log.warning("episode of group %s failed: %s", group, reason, exc_info=exc)
     else:
-        recorder.finish(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards))
-        for other, reward in outcome.others:  # the other agents of an episode of several
-            recorder.finish(other, reward)
+        # One end per episode, its other agents' trajectories with it.
+        recorder.finish_episode(outcome.trajectory_id, outcome.reward, turn_rewards=list(outcome.turn_rewards),
+                                others=outcome.others)
         return outcome
     # Every trajectory the episode started fails with it (one per agent of an episode of several).
-    for trajectory_id in known or [recorder.start([], task=task, group=group)]:
-        recorder.fail(trajectory_id, reason)
+    recorder.fail_episode(known or [recorder.start([], task=task, group=group)], reason)
     return None

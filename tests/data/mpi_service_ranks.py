@@ -28,7 +28,7 @@ def controller(comm, out: Path) -> dict:
         summary = reader.summary()
         marks = [(m.step, m.trajectory_id) for m in reader.marks()]
     first = server.first_one_way_failure
-    return {"served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status,
+    return {"episodes_ended": server.episodes_ended, "served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status,
             "marks": marks, "first_one_way": None if first is None else [first.rank, first.method, first.message],
             "heard_from": sorted(server.last_seen),
             "generated_tokens": summary.generated_tokens, "cpu_seconds": time.process_time() - began,
@@ -47,10 +47,15 @@ def agent(comm, rank: int) -> dict:
             result[f"continuation-{j}"] = [cont.prompt_tokens, cont.remaining_tokens]
             client.add_generated(tid, [200 + j] * cont.remaining_tokens, [-0.5] * cont.remaining_tokens,
                                  [2] * cont.remaining_tokens, engine=f"rank-{rank}", finish_reason="length")
-            client.finish(tid, reward=float(rank))
+            client.finish_episode(tid, reward=float(rank))
         result["status"] = client.status(ids[0])
         # An episode whose agent raised: one-way, with the reason; it spoils its own group only.
-        client.fail(client.start([rank], task="mpi", group=f"bad-{rank}"), "ValueError: not a digit: '²'")
+        client.fail_episode([client.start([rank], task="mpi", group=f"bad-{rank}")], "ValueError: not a digit: '²'")
+        # Episodes of two agents, one trajectory each: one end per episode, finished or failed.
+        duo = [client.start([rank], task="mpi", group=f"duo-{rank}") for _ in range(2)]
+        client.finish_episode(duo[0], 1.0, others=[(duo[1], 0.5)])
+        client.fail_episode([client.start([rank], task="mpi", group=f"bad-duo-{rank}") for _ in range(2)],
+                            "RuntimeError: the checker crashed")
         record = client.trajectory(ids[1])
         result["versions"] = record.token_versions().tolist()
         for name, call, error in (
