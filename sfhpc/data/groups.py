@@ -292,6 +292,16 @@ class GroupBook:
         lives = sorted(self._lives(group), key=lambda live: live.created)
         return [(live.id, live.status, live.oldest_version()) for live in lives]
 
+    def episodes(self, group: str) -> list[list[tuple[str, Status, int | None]]]:
+        """A group's members still held (as `members`), one list per episode (an episode of several agents
+        holds a trajectory per agent: `episode_of`), the oldest episode first."""
+        lives = sorted(self._lives(group), key=lambda live: live.created)
+        by_episode: dict[str, list[tuple[str, Status, int | None]]] = {}
+        for live in lives:
+            by_episode.setdefault(episode_of(live.id, live.metadata_json), []).append(
+                (live.id, live.status, live.oldest_version()))
+        return list(by_episode.values())
+
     def live_groups(self) -> list[str]:
         """Keys of the groups with members still held (running, interrupted or finished), oldest first."""
         return list(self._members)

@@ -316,6 +316,11 @@ class TrajectoryManager:
         with self._lock:
             return self._groups.members(group)
 
+    def group_episodes(self, group: str) -> list[list[tuple[str, Status, int | None]]]:
+        """`group_members` of `group`, one list per episode (`GroupBook.episodes`), oldest first."""
+        with self._lock:
+            return self._groups.episodes(group)
+
     def live_groups(self) -> list[str]:
         """Keys of the groups with members still held (running, interrupted or finished), oldest first."""
         with self._lock:

@@ -10,10 +10,13 @@ store holds (the manager reloaded them; running ones came back interrupted):
   neither trained on nor continued;
 - under ``pipeline.max_token_lag``, a group whose oldest generated token is more than that many versions
   behind the restored policy is dropped whole, as stale (GRPO needs whole groups), and counted;
-- otherwise each member trajectory that is still open is *continued* from its recorded prefix on a
-  new engine (an `EpisodeTicket` with ``resume_id``), finished members wait for a batch as they are, and
-  episodes without a trajectory held (never started, aborted above, or trained on by the lost steps)
-  are played again from the start, so the group is trained whole by the restored run;
+- otherwise the group's held trajectories are taken episode by episode (an episode of several agents holds
+  one per agent), each episode matched with one of the group's hand-outs: an episode of one trajectory still
+  open is *continued* from its recorded prefix on a new engine (an `EpisodeTicket` with ``resume_id``); one
+  of several agents still open is aborted whole and played again (its programs' state died with the
+  allocation); finished episodes wait for a batch as they are; episodes without a trajectory held (never
+  started, aborted above, or trained on by the lost steps) are played again from the start, so the group is
+  trained whole by the restored run; held episodes beyond the hand-outs (none should be) are aborted;
 - groups the checkpoint does not know were handed out after it (the run died without a stop
   checkpoint). Their problem is not recorded, so they cannot be continued: a whole group of finished
   members, fresh for the restored policy, is trained as its own group; any other is aborted and counted.
@@ -125,7 +128,8 @@ class ResumePlan:
     dropped_stale: int = 0  # trajectories dropped as too stale to continue or train
     dropped_newer: int = 0  # trajectories aborted for tokens of a policy newer than the restored one
     newer_tokens: int = 0  # those tokens
-    abandoned: int = 0  # trajectories of groups handed out after the checkpoint that cannot be whole (aborted)
+    abandoned: int = 0  # trajectories aborted that cannot be continued: of groups handed out after the checkpoint
+    # that cannot be whole, of episodes of several agents (played again), of episodes beyond the hand-outs
     finished: int = 0  # finished trajectories waiting for a batch
 
     def describe(self) -> str:
@@ -144,29 +148,42 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_token
     books the groups kept in `manager`."""
     plan = ResumePlan([], {}, 0)
     plan.dropped_newer, plan.newer_tokens = manager.drop_newer(state.version)
-    for group, episodes in state.open_groups.items():
-        members = manager.group_members(group)
-        oldest = [v for _, _, v in members if v is not None]
+    for group, tickets in state.open_groups.items():
+        held = manager.group_episodes(group)
+        oldest = [v for members in held for _, _, v in members if v is not None]
         if hopeless(state.version, min(oldest, default=None), max_token_lag):
             plan.dropped_stale += manager.drop_group(group, Status.STALE)
             continue
-        # Members are alike (one problem, seeds of their own): the held trajectories take the first episodes.
-        for (trajectory_id, status, _), episode in zip(members, episodes):
-            if status.is_open:
-                plan.episodes.append(dataclasses.replace(episode, resume_id=trajectory_id))
+        # A group's episodes are alike (one problem, seeds of their own): the held episodes take the first
+        # tickets, one each, however many trajectories (agents) an episode holds.
+        for members, ticket in zip(held, tickets):
+            still_open = [trajectory_id for trajectory_id, status, _ in members if status.is_open]
+            if not still_open:
+                plan.finished += len(members)
+            elif len(members) == 1:
+                plan.episodes.append(dataclasses.replace(ticket, resume_id=still_open[0]))
                 plan.resumed += 1
-            elif status is Status.FINISHED:
-                plan.finished += 1
-        again = episodes[len(members):]
+            else:  # several agents' programs, whose state died with the allocation: played again whole
+                for trajectory_id, _, _ in members:
+                    manager.abort(trajectory_id)
+                plan.abandoned += len(members)
+                plan.episodes.append(ticket)
+                plan.replayed += 1
+        for members in held[len(tickets):]:  # more episodes than were handed out: none can be matched
+            for trajectory_id, _, _ in members:
+                manager.abort(trajectory_id)
+            plan.abandoned += len(members)
+        again = tickets[len(held):]
         plan.episodes += again
         plan.replayed += len(again)
-        plan.groups[group] = episodes
+        plan.groups[group] = tickets
         manager.book_group(group, again=True)
     for group in manager.live_groups():
         if group in state.open_groups:
             continue
         members = manager.group_members(group)
-        whole = len(members) >= group_size and all(status is Status.FINISHED for _, status, _ in members)
+        whole = (len(manager.group_episodes(group)) >= group_size
+                 and all(status is Status.FINISHED for _, status, _ in members))
         oldest = [v for _, _, v in members if v is not None]
         if whole and hopeless(state.version, min(oldest, default=None), max_token_lag):
             plan.dropped_stale += manager.drop_group(group, Status.STALE)

@@ -142,3 +142,34 @@ def test_a_pickled_controller_state_is_refused_and_runs_nothing(tmp_path: Path) 
     with pytest.raises(ControllerStateError, match="cannot read the controller state"):
         ControllerState.load(tmp_path / "controller.json", NextLetterTask())
     assert not (tmp_path / "ran").exists()
+
+
+def test_episodes_of_two_agents_are_matched_with_their_hand_outs_episode_by_episode(tmp_path: Path) -> None:
+    """A group of 2 episodes x 2 agents (a solver and a checker, one trajectory each): one episode ended,
+    the other was cut. Each held episode takes one hand-out: the ended one waits for the batch, the cut one
+    is played again whole (its programs died), and no trajectory is left interrupted."""
+    store_path = tmp_path / "t.h5"
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)
+
+    def agents(episode: str) -> list[str]:
+        ids = []
+        for agent in ("solver", "checker"):
+            tid = manager.start([1, 2], group="duo", metadata={"episode": episode, "agent": agent})
+            manager.add_generated(tid, [3], [-0.1], 5)
+            ids.append(tid)
+        return ids
+
+    ended, cut = agents("e1"), agents("e2")
+    manager.finish_episode(ended[0], 1.0, others=[(ended[1], 0.0)])
+    manager.close()
+
+    manager = TrajectoryManager(TrajectoryStore.open(store_path), max_token_lag=1)  # the restarted run
+    assert [manager.status(t) for t in cut] == ["interrupted", "interrupted"]
+    state = ControllerState(step=5, version=5, rng=random.Random(0).getstate(), next_group=1,
+                            open_groups={"duo": episodes("duo")})
+    plan = plan_resume(state, manager, max_token_lag=1, group_size=2)
+    assert [(e.group, e.seed, e.resume_id) for e in plan.episodes] == [("duo", 1, None)]  # the second hand-out
+    assert (plan.finished, plan.resumed, plan.replayed, plan.abandoned) == (2, 0, 1, 2)
+    assert [manager.status(t) for t in cut] == [Status.ABORTED, Status.ABORTED]
+    assert [manager.status(t) for t in ended] == [Status.FINISHED, Status.FINISHED]
+    manager.close()
