@@ -158,7 +158,8 @@ class OpenAIApi:
                 "tool_call_parse_failures": self.counts["tool_call_parse_failures"],
                 "tool_calls_unoffered": self.counts["tool_calls_unoffered"],
                 "response_format_misses": self.counts["response_format_misses"],
-                "history_respelled": self.history.respelled}
+                "history_respelled": self.history.respelled,
+                "turns_refused_after_move": self.endpoint.refused_after_hand_off}
 
     @contextlib.asynccontextmanager
     async def call(self, route: Route, body: Any, identity: Identity | None = None) -> AsyncIterator[Call]:

@@ -108,9 +108,11 @@ class TurnRequest:
     group: str | None = None
     metadata: dict[str, Any] | None = None
     prompt_param: str = "prompt"
-    # Whether the reply so far (its token ids) has met a stop condition of the agent's (OpenAI's ``stop``
-    # strings): the generation ends there with "stop", its tokens kept as generated.
-    stop_when: Callable[[Sequence[int]], bool] | None = dataclasses.field(default=None, compare=False)
+    # A stop condition of the agent's (OpenAI's ``stop`` strings): makes one matcher per turn, which is fed
+    # the reply's new token ids as they arrive (across pauses too) and says whether the reply so far has met
+    # it: the generation ends there with "stop", its tokens kept as generated. Fed only what is new, a matcher
+    # works in time linear in the reply (`sfhpc.endpoint.protocol.StopMatcher`).
+    stop_when: Callable[[], Callable[[Sequence[int]], bool]] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +154,8 @@ class AgentEndpoint:
         self._closing = asyncio.Event()
         self._refusing = False  # turns give up instead of waiting: the rank was taken back from rollout
         self._turn_tasks: dict[str, set[asyncio.Task[Any]]] = {}  # trajectory -> the tasks running its turns
+        self._handed_off: set[str] = set()  # trajectories moved to another rank: their turns are refused here
+        self.refused_after_hand_off = 0  # turns refused for that (a late call of a moved episode's agent)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -213,6 +217,29 @@ class AgentEndpoint:
         for task in tasks:
             task.cancel()
         return len(tasks)
+
+    async def hand_off(self, trajectory_ids: Iterable[str], timeout: float = 30.0) -> int:
+        """These trajectories move to another rank: from now on this endpoint refuses their turns (HTTP 503,
+        counted in `refused_after_hand_off`), and the turns running now are cancelled and awaited, each
+        recording what it generated (a partial segment, ``abort``) before this returns. An HTTP handler would
+        otherwise go on generating after its agent's call was cancelled (aiohttp does not cancel a handler
+        when its peer goes away) and append a whole reply to a trajectory another rank continues. Returns
+        how many turns were cut."""
+        ids = set(trajectory_ids)
+        self._handed_off |= ids
+        running = {task for tid in ids for task in self._turn_tasks.get(tid, ()) if task is not asyncio.current_task()}
+        for task in running:
+            task.cancel()
+        if running:
+            _, late = await asyncio.wait(running, timeout=timeout)
+            if late:
+                log.warning("%d turns of moved trajectories still running %.0f s after they were cancelled",
+                            len(late), timeout)
+        return len(running)
+
+    def take_back(self, trajectory_id: str) -> None:
+        """A trajectory handed off earlier continues here again: its turns are served."""
+        self._handed_off.discard(trajectory_id)
 
     def turn_trajectory(self, task: asyncio.Task[Any]) -> str | None:
         """The trajectory whose turn `task` runs now (None: it runs none), before its agent may have heard the
@@ -329,6 +356,10 @@ class Turn:
         self.trajectory_id = tid
         await self._hold()
         try:
+            if tid in ep._handed_off:
+                ep.refused_after_hand_off += 1
+                log.info("a turn of trajectory %s refused: it moved to another rank", tid)
+                raise ShuttingDown(f"trajectory {tid!r} moved to another rank; its turns continue there")
             try:
                 # One call records the turn and answers "is it known, is it open" (the manager refuses both).
                 # It may be a round trip to another rank: made from a worker thread, so the loop keeps
@@ -402,6 +433,7 @@ class Turn:
         versions: list[int] = []
         interruptions = 0
         interrupted = False  # the sink was told; told again only after new tokens
+        stop_met = req.stop_when() if req.stop_when is not None else None
         while True:
             engine = await ep._running_engine()
             epoch = engine.pauses
@@ -421,7 +453,9 @@ class Turn:
                         finish = chunk.finish_reason
                     if chunk.token_ids:
                         yield TokenDelta(chunk.token_ids, chunk.logprobs, chunk.versions)
-                    if finish is None and req.stop_when is not None and req.stop_when(tokens + seg_tokens):
+                    # Every token goes to the matcher (the reply's text is continuous across segments).
+                    met = stop_met is not None and bool(chunk.token_ids) and stop_met(chunk.token_ids)
+                    if finish is None and met:
                         finish = "stop"  # closing the stream (below) ends the request on the engine
                         break
             except (GeneratorExit, asyncio.CancelledError, Exception):

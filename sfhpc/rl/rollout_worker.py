@@ -135,6 +135,8 @@ class RolloutWorker:
             self.refusing_turns = False
             self.server.loop.call_soon_threadsafe(self.endpoint.refuse_turns, False)
         for episode in episodes:
+            if episode.resume_id is not None:  # it may come back to a rank that handed it off earlier
+                self.server.loop.call_soon_threadsafe(self.endpoint.take_back, episode.resume_id)
             self.playing.append(asyncio.run_coroutine_threadsafe(self._play_held(episode), self.server.loop))
 
     async def _play_held(self, episode: EpisodeTicket) -> EpisodeOutcome | None:
@@ -323,46 +325,55 @@ class RolloutWorker:
         return self.server.call(self._release(count), timeout=60)
 
     async def _release(self, count: int) -> tuple[EpisodeTicket, ...]:
-        chosen: list[tuple[asyncio.Task[Any], EpisodeTicket, str]] = []
+        chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
         for task, (episode, started) in self.held.items():
             if len(chosen) == count:
                 break
             # An episode's trajectory: the one its agent heard of, or the one its first turn runs now.
             trajectory = started[0] if started else self.endpoint.turn_trajectory(task)
             if trajectory is not None and not task.done():
-                chosen.append((task, episode, trajectory))
-        self.releasing.update(task for task, _, _ in chosen)
-        try:
-            for task, _, _ in chosen:
-                task.cancel()
-            outcomes = await asyncio.gather(*(task for task, _, _ in chosen), return_exceptions=True)
-        finally:
-            self.releasing.clear()
-        return tuple(dataclasses.replace(episode, resume_id=trajectory)
-                     for (_, episode, trajectory), outcome in zip(chosen, outcomes)
-                     if not isinstance(outcome, EpisodeOutcome))
+                chosen[task] = (episode, [trajectory])
+        return await self._move_out(chosen)
 
     async def _reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
-        cut = await self.endpoint.quiesce()
+        cut = await self.endpoint.quiesce()  # every generation cut at once
         self.endpoint.refuse_turns(True)  # turns of HTTP agents (not tasks of this rank's own) give up too
-        held, self.held = self.held, {}
-        for task in held:
-            task.cancel()
-        outcomes = await asyncio.gather(*held, return_exceptions=True)
-        await self.engine.resume()
         assert self.starts is not None, "reclaim is for lendable ranks"
         unnamed = self.starts.unclaimed()  # group -> trajectories started here whose agent never heard the id
-        self.starts.clear()  # nothing plays here any more
-        moved = []
-        for (episode, started), outcome in zip(held.values(), outcomes):
-            if isinstance(outcome, EpisodeOutcome):
-                continue  # finished before the cut: it stays
+        chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
+        for task, (episode, started) in self.held.items():
             if not started and unnamed.get(episode.group):
                 # Members of a group are alike (one problem, seeds of their own): an episode cut in its first
                 # turn takes any such trajectory of its group, each one once.
                 started = [unnamed[episode.group].pop()]
+            chosen[task] = (episode, list(started))
+        moved = await self._move_out(chosen)
+        await self.engine.resume()
+        self.starts.clear()  # nothing plays here any more
+        return cut, moved
+
+    async def _move_out(self, chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]]
+                        ) -> tuple[EpisodeTicket, ...]:
+        """The one way an episode leaves this rank to continue on another (release, reclaim): its trajectories
+        are handed off at the endpoint (their running turns, HTTP handlers too, cut and recorded; later turns
+        refused), then its task is cancelled without counting as failed. Returns the tickets of those that
+        had not finished meanwhile, each naming its trajectory (``resume_id``) where one started, for the
+        controller to continue elsewhere. (The caller's round trip to the manager makes sure the cut
+        segments' one-way records arrived before the controller hands the episodes out.)"""
+        self.releasing.update(chosen)  # first: a cut turn fails its agent's call, which is no failed episode
+        try:
+            await self.endpoint.hand_off(tid for _, ids in chosen.values() for tid in ids)
+            for task in chosen:
+                task.cancel()
+            outcomes = await asyncio.gather(*chosen, return_exceptions=True)
+        finally:
+            self.releasing.clear()
+        moved = []
+        for (episode, started), outcome in zip(chosen.values(), outcomes):
+            if isinstance(outcome, EpisodeOutcome):
+                continue  # finished before the cut: it stays
             moved.append(dataclasses.replace(episode, resume_id=started[0]) if started else episode)
-        return cut, tuple(moved)
+        return tuple(moved)
 
     def close(self) -> None:
         """Wind down in dependency order: engine paused (what is in flight is recorded), agents, HTTP site

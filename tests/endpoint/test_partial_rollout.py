@@ -169,3 +169,43 @@ def test_cancelled_turns_end_their_generation_and_keep_what_was_recorded(sink: R
         assert 5 <= len(segments[0].tokens) < MAX_TOKENS  # cut mid-way, not run to its budget
         assert "error" in seen or int(seen["tokens"]) < MAX_TOKENS  # type: ignore[call-overload]
         assert server.call(cancel(), timeout=10) == 0  # nothing runs for it any more
+
+
+def test_a_handed_off_trajectory_stops_here_even_when_its_caller_went_away(sink: RecordingManager) -> None:
+    """What a rollout rank does for an episode it releases to another rank: the episode's agent (a
+    non-streamed HTTP call, as a multi-turn task's) is cancelled and goes away, but the handler serving its
+    call would generate on. `hand_off` cuts that turn and returns once its partial segment is recorded; a
+    later call for the trajectory is refused here (503) until it is taken back."""
+    engine = make_engine(seed=3, delay=0.01, vocab=LETTERS)
+    with EndpointServer(OpenAIApi(AgentEndpoint(engine, sink), model_name=MODEL)) as server:
+        first = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=30)
+        opened = first.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2)
+        tid = opened.model_extra["trajectory_id"]  # type: ignore[index]
+        history = [{"role": "user", "content": "x"}, opened.choices[0].message.model_dump(exclude_none=True),
+                   {"role": "user", "content": "more"}]
+        # The agent's second call gives up after 0.3 s, as a cancelled episode's call does: its handler runs on.
+        impatient = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=0.3)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.chat.completions.create(model=MODEL, messages=history, max_tokens=MAX_TOKENS,
+                                              extra_headers={"X-Trajectory-Id": tid})
+        assert engine.in_flight == 1  # still generating for nobody
+
+        async def hand_off() -> int:
+            return await server.api.endpoint.hand_off([tid])
+
+        assert server.call(hand_off(), timeout=30) == 1
+        cut = sink.generated(tid)[-1]
+        assert cut.finish_reason == "abort" and 0 < len(cut.tokens) < MAX_TOKENS
+        time.sleep(0.3)  # nothing more is appended: the donor stopped
+        assert sink.generated(tid)[-1] == cut and engine.in_flight == 0
+        with pytest.raises(openai.InternalServerError, match="moved to another rank"):
+            first.chat.completions.create(model=MODEL, messages=history, max_tokens=2,
+                                          extra_headers={"X-Trajectory-Id": tid})
+        assert server.api.health()["turns_refused_after_move"] == 1
+
+        async def take_back() -> None:
+            server.api.endpoint.take_back(tid)
+
+        server.call(take_back(), timeout=10)
+        assert first.chat.completions.create(model=MODEL, messages=history, max_tokens=2,
+                                             extra_headers={"X-Trajectory-Id": tid}).choices[0].message.content
