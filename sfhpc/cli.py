@@ -102,7 +102,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     recipe, cluster, plan = _load(args)
     check_runnable(recipe)
     executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
-    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     submission = submit(recipe, cluster, plan, run_dir)
     print(plan.describe())
     print(f"submitted job {submission.job_id}; run folder {run_dir}")
@@ -123,7 +123,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
         recipe = load_recipe(args.recipe)
         plan = resolve(recipe, local_cluster_map(recipe))
-        run_dir = new_run_dir(recipe.output_dir, recipe.name)
+        run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
         print(plan.describe())
         print(f"run folder {run_dir}", flush=True)
         return run_local(plan, args.recipe, None, run_dir, probe=True, plan_shown=True)
@@ -131,7 +131,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
 
     recipe, cluster, plan = _load(args)
     executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
-    run_dir = new_run_dir(recipe.output_dir, recipe.name)
+    run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     submission = submit(recipe, cluster, plan, run_dir, probe=True)
     print(plan.describe())
     print(f"submitted job {submission.job_id}; run folder {run_dir}")
@@ -179,7 +179,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         run_dir = check_resumable(Path(args.resume), recipe)
     else:
-        run_dir = new_run_dir(recipe.output_dir, recipe.name)
+        run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     print(plan.describe())
     print(f"run folder {run_dir}", flush=True)
     code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose, plan_shown=True)

@@ -5,6 +5,10 @@ Every run writes into one folder: ``<output_dir>/<recipe>-<UTC time>`` for ``sfh
 requeued job keeps its id, so it finds its folder again). ``<output_dir>/jobs.tsv`` maps job ids to
 run folders, so that ``sfhpc status|logs JOB`` can find them. `RunPaths` names every file and folder
 inside a run folder: the one place that spells them.
+
+A run folder holds the recipe, logs, prompts and replies, and the agent hosts' tokens: it is created mode 0700,
+its user's alone, whatever the umask. A recipe's ``output_group`` shares it with one Unix group instead
+(mode 2750, that group: its members read, nobody writes but the user, and new folders inside keep the group).
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import fcntl
+import grp
 import os
 from pathlib import Path
+
+from sfhpc.errors import SfhpcError
 
 INDEX_NAME = "jobs.tsv"
 DAMAGED_SUFFIX = ".damaged"  # a log's cut last line is kept beside it, in <log name> + this (sfhpc.data.run_log)
@@ -109,19 +116,54 @@ class RunPaths:
         return self.root / "slurm-%j.out"
 
 
-def new_run_dir(output_dir: str | Path, recipe_name: str) -> Path:
-    """Create and return a fresh, absolute run folder (never one that exists)."""
+PRIVATE_MODE = 0o700  # a run folder: its user's alone
+SHARED_MODE = 0o2750  # shared with a group (recipe key output_group): it reads, and new folders inherit the group
+
+
+def new_run_dir(output_dir: str | Path, recipe_name: str, *, group: str | None = None) -> Path:
+    """Create and return a fresh, absolute run folder (never one that exists): mode 0700, or with `group`
+    (the recipe's ``output_group``) that group's and mode 2750."""
     base = Path(output_dir).absolute()
     base.mkdir(parents=True, exist_ok=True)
     stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d-%H%M%S")
     for suffix in ["", *(f"-{i}" for i in range(1, 1000))]:
         path = base / f"{recipe_name}-{stamp}{suffix}"
         try:
-            path.mkdir()
-            return path
+            path.mkdir(mode=PRIVATE_MODE)
         except FileExistsError:
             continue
+        _protect(path, group)
+        return path
     raise RuntimeError(f"cannot create a run folder under {base}")
+
+
+def make_run_dir(path: Path, *, group: str | None = None) -> Path:
+    """`path` as a run folder: created as `new_run_dir` creates one when it does not exist yet (a job's own
+    folder); an existing folder (a requeue's, or one the user gave) keeps its mode."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=PRIVATE_MODE)
+    except FileExistsError:
+        return path
+    _protect(path, group)
+    return path
+
+
+def _protect(path: Path, group: str | None) -> None:
+    """The mode of a run folder just made (0700 whatever the umask; mkdir's mode went through it): its logs,
+    recipe, trajectories and tokens are the user's; with `group`, readable by that group."""
+    if group is None:
+        os.chmod(path, PRIVATE_MODE)
+        return
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        os.chown(path, -1, gid)
+    except (KeyError, OSError) as exc:
+        path.rmdir()
+        why = "no such group here" if isinstance(exc, KeyError) else f"{exc.strerror}: you must be a member"
+        raise SfhpcError(f"output_group {group!r}: cannot give run folders to that group ({why}); "
+                         "set output_group to a group of yours (`id -Gn` lists them), or null") from None
+    os.chmod(path, SHARED_MODE)
 
 
 def job_run_dir(output_dir: str | Path, recipe_name: str, job_id: str) -> Path:

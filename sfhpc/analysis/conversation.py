@@ -13,6 +13,7 @@ from sfhpc.analysis.run import Run
 from sfhpc.data.store import ConsumptionMark
 from sfhpc.data.trajectory import NO_VERSION, Segment, SegmentKind, Trajectory
 from sfhpc.table import format_table
+from sfhpc.terminal import one_line, printable
 
 ROLES = {SegmentKind.PROMPT: "prompt", SegmentKind.OBSERVATION: "user observation",
          SegmentKind.GENERATED: "assistant"}
@@ -24,14 +25,17 @@ def format_conversation(run: Run, trajectory: Trajectory, mark: ConsumptionMark 
     """The text ``sfhpc traj show`` prints; `mark`: the training step that consumed it, if one did."""
     lines = [_header(trajectory, mark)]
     branch = dict(trajectory.branch())
-    reply_of = {index: turn for turn, span in enumerate(trajectory.reply_spans()) for index, _ in span}
-    reply_versions = [sorted({int(v) for i, used in span for v in trajectory.segments[i].versions[:used]})
-                      for span in trajectory.reply_spans()]
+    numbers = trajectory.segment_turns()
+    reply_of = {index: numbers[index] for index, segment in enumerate(trajectory.segments) if segment.generated}
+    reply_versions = {numbers[span[-1][0]]: sorted({int(v) for i, used in span
+                                                    for v in trajectory.segments[i].versions[:used]})
+                      for span in trajectory.reply_spans()}
     for index, segment in enumerate(trajectory.segments):
         lines.append("")
         lines.append(_segment_line(trajectory, index, branch, reply_of, reply_versions))
         text = run.decode(segment.tokens)
-        lines += [INDENT + line for line in (text.splitlines() or ["(no tokens)"])]
+        # Recorded text may hold terminal controls (a model's or an agent's): shown escaped, acting on nothing.
+        lines += [INDENT + printable(line) for line in (text.splitlines() or ["(no tokens)"])]
         if segment.generated and segment.finish_reason == "abort":
             lines.append(INDENT + _cut_note(trajectory, index))
         if tokens and len(segment):
@@ -45,7 +49,7 @@ def _header(trajectory: Trajectory, mark: ConsumptionMark | None) -> str:
              f"status {trajectory.status.value}", f"reward {reward}"]
     if trajectory.fail_reason:
         parts.append(f"failed: {trajectory.fail_reason}")
-    lines = ["  ".join(parts)]
+    lines = [one_line("  ".join(parts))]  # ids, task and group names may be a client's choice
     generated = trajectory.token_versions()[trajectory.generated_mask()]
     versions = sorted(set(generated.tolist()))
     by = f" by {'version' if len(versions) == 1 else 'versions'} {_join(versions)}" if versions else ""
@@ -59,7 +63,7 @@ def _header(trajectory: Trajectory, mark: ConsumptionMark | None) -> str:
 
 
 def _segment_line(trajectory: Trajectory, index: int, branch: dict[int, int], reply_of: dict[int, int],
-                  reply_versions: list[list[int]]) -> str:
+                  reply_versions: dict[int, list[int]]) -> str:
     segment = trajectory.segments[index]
     parts = [f"[{index}] {ROLES[segment.kind]}"]
     if index in reply_of:
@@ -87,7 +91,7 @@ def _segment_line(trajectory: Trajectory, index: int, branch: dict[int, int], re
         parts.append("off the current branch")
     elif branch[index] < len(segment):
         parts.append(f"current branch uses its first {branch[index]}")
-    return "  ".join(parts)
+    return one_line("  ".join(parts))
 
 
 def _continues(trajectory: Trajectory, index: int) -> bool:

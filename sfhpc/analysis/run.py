@@ -280,7 +280,9 @@ def _versions_of(values: np.ndarray) -> tuple[int | None, int | None, int]:
 
 def _turn_rows(trajectory: Trajectory) -> list[dict[str, Any]]:
     rows = []
-    for turn, span in enumerate(trajectory.reply_spans()):
+    numbers = trajectory.segment_turns()
+    for span in trajectory.reply_spans():  # each reply as its agent received it (all it generated that turn)
+        turn = numbers[span[-1][0]]
         parts = [trajectory.segments[i] for i, _ in span]
         versions = np.concatenate([seg.versions[:used] for seg, (_, used) in zip(parts, span)])
         oldest, newest, count = _versions_of(versions)

@@ -687,6 +687,8 @@ class Recipe:
                                                   "TensorBoard")
     seed: int = setting(0, "seeds the controller's draws of problems, the engines' sampling and the built model")
     output_dir: str = setting("runs", "the folder that run folders are made in (relative to the working folder)")
+    output_group: str | None = setting(None, "a Unix group that may read the run folders (mode 2750, that group); "
+                                             "null: they are the user's alone (mode 0700)")
     source: str = dataclasses.field(default="", compare=False, metadata={"yaml": False})
 
     def role(self, name: str) -> Role | None:
@@ -700,6 +702,9 @@ class Recipe:
 
     def validate(self, where: Where) -> None:
         check_name(self.name, where.child("name"), "recipe name")
+        if self.output_group is not None and (not self.output_group or any(
+                c.isspace() or c in "/:," for c in self.output_group)):
+            raise where.child("output_group").error(f"must be a Unix group's name, found {self.output_group!r}")
         for key, why in _unused_timing(self):
             raise where.child("timing_model").child(key).error(why)
         roles = where.child("roles")

@@ -13,6 +13,10 @@ class StoreError(SfhpcError):
     """A trajectory store cannot be created, opened or read; the message names the file."""
 
 
+class StoreFull(StoreError):
+    """The store's disk is full (or the user's quota spent): a write failed with ENOSPC / EDQUOT."""
+
+
 class StoreExists(StoreError):
     """Creating a store would overwrite a file that is already there."""
 
@@ -47,6 +51,6 @@ class ServiceError(SfhpcError):
 # The MPI service sends errors by class name and raises the same class on the calling rank.
 WIRE_ERRORS: dict[str, type[SfhpcError]] = {
     cls.__name__: cls
-    for cls in (SfhpcError, StoreError, StoreExists, UnknownTrajectory, TrajectoryConflict, TrajectoryFinished,
-                TrajectoryExists, InvalidRequest, ServiceError)
+    for cls in (SfhpcError, StoreError, StoreFull, StoreExists, UnknownTrajectory, TrajectoryConflict,
+                TrajectoryFinished, TrajectoryExists, InvalidRequest, ServiceError)
 }

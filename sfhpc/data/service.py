@@ -54,7 +54,8 @@ EPISODE_ENDS = frozenset({"finish_episode", "fail_episode"})
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
     "start", "exists", "status", "context", "observe", "add_generated", "interrupt", "interrupt_all",
-    "continuation", "finish", "fail", "finish_episode", "fail_episode", "abort", "take_batch", "trajectory", "ids", "counts", "flush",
+    "continuation", "finish", "fail", "finish_episode", "fail_episode", "abort", "take_batch", "trajectory", "ids",
+    "counts", "flush",
 })
 
 _MIN_SLEEP, _MAX_SLEEP = 50e-6, 2e-3  # poll back-off: quick answers stay quick, idle waits cost no CPU

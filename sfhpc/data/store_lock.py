@@ -8,11 +8,16 @@ never blocks its restart.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from pathlib import Path
 
 from sfhpc.data.errors import StoreError
+
+# What flock answers on a file system that has no locks (NFS mounted 'nolock', Lustre without 'flock'), as
+# opposed to EWOULDBLOCK / EAGAIN: another process holds the lock.
+NO_FLOCK = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 
 
 def lock_path(path: Path) -> Path:
@@ -30,8 +35,14 @@ def take_writer_lock(path: Path) -> int:
         raise StoreError(f"{path}: cannot create its writer lock {lock} ({exc.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except OSError as exc:
         os.close(fd)
+        if exc.errno in NO_FLOCK:
+            raise StoreError(
+                f"{path}: its file system does not support file locks (flock: {exc.strerror}), which keep two "
+                f"runs from writing one store; have it mounted with locks (NFS: without 'nolock'; Lustre: "
+                f"'flock', or 'localflock', enough since one node writes the store), or set the recipe's "
+                f"output_dir to a file system that has them (a node-local disk for a one-node run)") from None
         raise StoreError(f"{path}: another process is writing this store (it holds {lock}); "
                          "a store has one writer: stop that run first") from None
     return fd

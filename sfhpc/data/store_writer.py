@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import os
+import re
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -26,7 +29,7 @@ import h5py
 import numpy as np
 
 from sfhpc.data import layout
-from sfhpc.data.errors import InvalidRequest, StoreError, StoreExists, UnknownTrajectory
+from sfhpc.data.errors import InvalidRequest, StoreError, StoreExists, StoreFull, UnknownTrajectory
 from sfhpc.data.h5native import CRASHED_WRITER_MESSAGE, open_clearing_crash_mark
 from sfhpc.data.rank_intervals import RankInterval
 from sfhpc.data.store_lock import release_writer_lock, take_writer_lock
@@ -298,9 +301,10 @@ class TrajectoryStore:
                 pending.clear()
             append_commit(self._ds[layout.COMMITS], self._committed, session=self.session)
             self._file.flush()
-        except OSError as exc:  # what is not committed stays buffered; a later flush may still succeed
-            raise StoreError(f"{self.path}: writing failed ({exc}); records since the last flush are not on "
-                             "disk yet (is the disk full?)") from None
+        # What is not committed stays buffered; a later flush may still succeed. HDF5 reports a failed write
+        # as OSError or RuntimeError (a flush of a dataset's chunks), the system's errno in its message.
+        except (OSError, RuntimeError) as exc:
+            raise write_error(self.path, exc, "records since the last flush are not on disk yet") from None
         self.stats.flushes += 1
         self.stats.seconds_flushing += time.perf_counter() - began
 
@@ -315,10 +319,17 @@ class TrajectoryStore:
             return
         try:
             self.flush()
-            self._file.close()
         finally:
             self._closed = True
-            release_writer_lock(self._lock_fd)
+            try:
+                self._file.close()
+            except (OSError, RuntimeError) as exc:
+                # After a failed flush (a full disk) closing fails the same way: the flush's error is the one
+                # to tell, and the file still reopens at its last commit.
+                if not self.has_pending:
+                    raise write_error(self.path, exc, "its last records may not be on disk") from None
+            finally:
+                release_writer_lock(self._lock_fd)
 
     @property
     def closed(self) -> bool:
@@ -333,6 +344,25 @@ class TrajectoryStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How HDF5 quotes the system's error inside its own (h5py raises RuntimeError or OSError with this text).
+_NO_SPACE_TEXT = re.compile(r"errno = (28|122)\b|no space left on device|disk quota exceeded", re.IGNORECASE)
+
+
+def write_error(path: Path, exc: BaseException, lost: str) -> StoreError:
+    """The one-line error of a write to the store at `path` that failed with `exc`: `StoreFull` for a full disk
+    (or spent quota), which says so and what to do, else `StoreError` quoting HDF5's first line. `lost`: what
+    the failure leaves unwritten."""
+    if (isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS) or _NO_SPACE_TEXT.search(str(exc)):
+        free = ""
+        with contextlib.suppress(OSError):
+            free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free on its file system"
+        return StoreFull(f"{path}: cannot write the trajectory store (No space left on device{free}); {lost}; "
+                         "free space (or quota) there, and a restarted run resumes from its last checkpoint")
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return StoreError(f"{path}: writing failed ({first}); {lost}")
 
 
 def append_commit(commits: h5py.Dataset, counts: dict[str, int], *, session: int) -> None:

@@ -284,6 +284,30 @@ class Trajectory:
         parts = [np.full(used, self.segments[i].generated) for i, used in self.branch()]
         return np.concatenate(parts) if parts else np.zeros(0, bool)
 
+    def segment_turns(self) -> list[int]:
+        """Per segment, the turn (the agent's call, from 0) it belongs to, on every branch: the prompt opens
+        turn 0, every other prompt or observation segment the turn after its parent's (each call records one;
+        a fork's is the call that forked), and a generated segment belongs to its parent's turn. The turn
+        boundaries are the manager's records, not runs of generated tokens: a fork that re-rendered a whole
+        earlier reply (a template that drops reasoning) leaves that reply no token on the new branch, and the
+        replies after it keep their numbers."""
+        turns: list[int] = []
+        for segment in self.segments:
+            if segment.parent < 0:
+                turns.append(0)
+            elif segment.generated:
+                turns.append(turns[segment.parent])
+            else:
+                turns.append(turns[segment.parent] + 1)
+        return turns
+
+    def token_turns(self) -> np.ndarray:
+        """Per token of `context()`: the turn of a generated token (`segment_turns`), -1 for other tokens.
+        What a trainer numbers replies by (turn rewards, per-turn baselines)."""
+        turns = self.segment_turns()
+        parts = [np.full(used, turns[i] if self.segments[i].generated else -1, np.int64) for i, used in self.branch()]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def token_versions(self) -> np.ndarray:
         """Per token of `context()`: the policy version that generated it, -1 for other tokens."""
         return _along(self.segments, "versions", np.int32)
@@ -317,22 +341,28 @@ class Trajectory:
         return int(versions.min()) if len(versions) else None
 
     def reply_spans(self) -> list[list[tuple[int, int]]]:
-        """The policy's replies along the current branch, one per turn, each as its (segment index, tokens
-        used) pairs. Consecutive generated segments are one reply (a weight update or a restart split it);
-        a prompt or observation segment ends a reply."""
-        spans: list[list[tuple[int, int]]] = []
-        previous_generated = False
-        for index, used in self.branch():
-            generated = self.segments[index].generated
-            if generated and not previous_generated:
-                spans.append([])
-            if generated:
-                spans[-1].append((index, used))
-            previous_generated = generated
+        """The policy's replies, one per turn that generated (`segment_turns`), in turn order, each as its
+        (segment index, tokens used) pairs: the runs of the turn's latest generation, up from its last
+        segment through the generated segments it continued (a weight update, a move or a restart split a
+        reply into runs). That is the reply as its agent received it, on whichever branch it lies: a later
+        turn's fork may have kept only part of it on the current branch."""
+        turns = self.segment_turns()
+        last: dict[int, int] = {}
+        for index, segment in enumerate(self.segments):
+            if segment.generated:
+                last[turns[index]] = index
+        spans = []
+        for turn in sorted(last):
+            index = last[turn]
+            span = [(index, len(self.segments[index]))]
+            while (parent := self.segments[index].parent) >= 0 and self.segments[parent].generated:
+                span.append((parent, self.segments[index].fork_at))
+                index = parent
+            spans.append(span[::-1])
         return spans
 
     def replies(self) -> list[tuple[np.ndarray, bool]]:
-        """The policy's replies along the current branch (see `reply_spans`): (its tokens, whether it was
+        """The policy's replies, one per turn that generated (see `reply_spans`): (its tokens, whether it was
         cut short: its last engine run ended with ``abort``)."""
         out = []
         for span in self.reply_spans():

@@ -152,13 +152,36 @@ def _stop_strings(value: Any) -> tuple[str, ...]:
     return tuple(dict.fromkeys(v for v in values if v))
 
 
-def _stop_when(stop: tuple[str, ...], tokenizer: ChatTokenizer) -> Callable[[Sequence[int]], bool]:
-    """Whether a reply's text (decoded whole: a stop string may span tokens, and a reply is short) holds
-    one of the stop strings."""
-    def met(token_ids: Sequence[int]) -> bool:
-        text = tokenizer.decode(token_ids)
-        return any(s in text for s in stop)
-    return met
+def _stop_when(stop: tuple[str, ...], tokenizer: ChatTokenizer) -> Callable[[], Callable[[Sequence[int]], bool]]:
+    """A new `StopMatcher` for each turn of the request (a request of ``n`` choices has several)."""
+    return lambda: StopMatcher(stop, tokenizer)
+
+
+class StopMatcher:
+    """Whether a reply holds one of the stop strings, fed the reply's new token ids as they arrive.
+
+    Incremental: the new tokens are decoded once (a stream decoder; a stop string may span tokens) and only
+    the new text is searched, with the last ``max(len(stop)) - 1`` characters before it, where a stop string
+    that the new text completes begins. A reply of n tokens costs O(n), not O(n^2) as decoding the whole
+    reply after every chunk did. ``searched`` counts the characters searched (what the tests bound)."""
+
+    def __init__(self, stop: Sequence[str], tokenizer: ChatTokenizer) -> None:
+        self.stop = tuple(s for s in stop if s)
+        self._keep = max((len(s) for s in self.stop), default=1) - 1
+        self._decoder = tokenizer.stream_decoder(skip_special=True)
+        self._tail = ""
+        self.searched = 0
+
+    def __call__(self, token_ids: Sequence[int]) -> bool:
+        new = self._decoder.feed(token_ids)
+        if not new:
+            return False
+        window = self._tail + new
+        self.searched += len(window)
+        if any(s in window for s in self.stop):
+            return True
+        self._tail = window[-self._keep:] if self._keep else ""
+        return False
 
 
 def _chat_prompt(fields: Fields, tokenizer: ChatTokenizer, tools: ToolRequest | None,
@@ -244,6 +267,9 @@ class ResponseBuilder:
         self._text_length = 0
         self._reply = ""  # the reply so far, and how much of it went out as content
         self._sent = 0
+        # Where the first stop string in the reply begins (its length without one), searched incrementally.
+        self._stop_index = 2**62
+        self._stop_overlap = max((len(s) for s in request.stop), default=1) - 1
 
     # -- pieces --------------------------------------------------------------------------------
     def _text(self, token_ids: Sequence[int]) -> tuple[str, list[int]]:
@@ -356,8 +382,12 @@ class ResponseBuilder:
     def _content(self, text: str) -> str:
         """Of newly decoded text, what can be sent as content now: not what may still become a stop string
         or a tool call (held until the reply is whole), nor a stop string and what follows it."""
+        searched = max(0, len(self._reply) - self._stop_overlap)  # a stop string met now begins here or later
         self._reply = reply = self._reply + text
-        sendable = min([self._stop_at(reply), *(len(reply) - partial_suffix(reply, s) for s in self.request.stop)])
+        stops = self.request.stop
+        found = [at for at in (reply.find(s, searched) for s in stops) if at >= 0]
+        self._stop_index = min([self._stop_index, *found])
+        sendable = min([self._stop_index, len(reply), *(len(reply) - partial_suffix(reply, s) for s in stops)])
         if self.parser is not None:
             sendable = min(sendable, self.parser.held_from(reply))
         start, self._sent = self._sent, max(self._sent, sendable)

@@ -19,6 +19,12 @@ host name when bound to all addresses).
 With a token (a run always gives one: `sfhpc.endpoint.new_run_token`), every request, on every route and on
 loopback too, needs ``Authorization: Bearer <token>``; one without it or with another gets a 401 in OpenAI's
 error shape.
+
+Connections (`serve_app`, also what agent hosts serve with): a request's head must arrive whole within
+`HEAD_TIMEOUT_S` of the connection opening (or of its first byte on a kept-alive connection) and its body
+within `BODY_TIMEOUT_S`; an idle kept-alive connection closes after `IDLE_TIMEOUT_S`; at most
+`max_connections()` are open at once: at the cap a new connection closes the oldest one that has no request
+in progress, and is itself refused when every open one is serving a request.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ import asyncio
 import ipaddress
 import json
 import logging
+import resource
 import socket
 import threading
+import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -54,6 +62,22 @@ AGENT_PREFIX = "/episodes/{episode}/agents/{agent}"  # one agent of an episode o
 TRAJECTORY_HEADER = "X-Trajectory-Id"
 TASK_HEADER = "X-Task"
 GROUP_HEADER = "X-Group"
+
+# Connection limits of the HTTP servers (the endpoint, agent hosts), against clients that connect and never
+# finish (a slowloris, a scanner, a client frozen mid-request) and would otherwise hold a socket each for
+# minutes. A client on a cluster network writes a request's head (a few hundred bytes) at once: 10 s only
+# ends connections that stalled, and a client that hangs up retries.
+HEAD_TIMEOUT_S = 10.0
+# An idle kept-alive connection closes after this long: longer than the clients' own idle limits (httpx under the
+# openai client drops its idle connections after 5 s, aiohttp's client after 15 s), so a client always lets go of
+# an idle connection first and never reuses one the server is closing; short enough that abandoned connections
+# do not pile up. (aiohttp's keep-alive timer; it also closes a connection that never sent a byte.)
+IDLE_TIMEOUT_S = 20.0
+# A request's body, once its head arrived: up to the 1 MiB aiohttp accepts, milliseconds on any network.
+BODY_TIMEOUT_S = 30.0
+# Open connections at most (also at most half the process's file descriptors, see `max_connections`): well
+# above the agents a rank or host serves at once, each of which holds one connection per call in flight.
+MAX_CONNECTIONS = 1024
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -194,8 +218,17 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
     return app
 
 
+class RequestTimeout(EndpointError):
+    status = 408
+    default_code = "request_timeout"
+
+
 async def _json_body(request: web.Request) -> Any:
-    raw = await request.read()
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
+    except TimeoutError:
+        raise RequestTimeout(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s") from None
     try:
         # NaN and the infinities are decoded, not refused here: the decoder cannot say in which field it
         # met them, and `sfhpc.endpoint.fields` refuses them naming the field.
@@ -223,21 +256,167 @@ async def start_site(api: OpenAIApi, *, host: str = DEFAULT_HOST, port: int = 0,
     port (the chosen one when `port` is 0). The token is `token`, else ``api.token``."""
     token = _token(api, token)
     check_exposure(host, token)
-    # A closing rank gives open requests 5 s, then cancels them (their tokens are recorded already):
-    # aiohttp's default of 60 s would hold a stopping rank past a preemption's grace.
-    runner = web.AppRunner(build_app(api, token=token), access_log=None, shutdown_timeout=5.0)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
     try:
-        await site.start()
+        # A closing rank gives open requests 5 s, then cancels them (their tokens are recorded already):
+        # aiohttp's default of 60 s would hold a stopping rank past a preemption's grace.
+        return await serve_app(build_app(api, token=token), host=host, port=port, shutdown_timeout=5.0)
     except OSError as exc:
-        await runner.cleanup()
         raise EndpointConfigError(f"the agent endpoint cannot listen on {host}:{port}: {exc.strerror}; "
                                   f"choose another port (0 picks a free one)") from exc
-    server = site._server  # aiohttp keeps the listening sockets there
-    # (typed AbstractServer, which has no `sockets`; the loop's server, asyncio's or uvloop's, has them)
-    bound = server.sockets[0].getsockname()[1] if server is not None and server.sockets else port  # type: ignore[attr-defined]
-    return runner, bound
+
+
+async def serve_app(app: web.Application, *, host: str, port: int = 0, shutdown_timeout: float = 5.0,
+                    connections: int | None = None) -> tuple[web.AppRunner, int]:
+    """Serve `app` on the running loop at `host`:`port` with the connection limits of the module doc (the
+    endpoint's and the agent hosts' one way to serve); returns the runner (``await runner.cleanup()`` stops
+    it) and the bound port. `connections`: the cap (default `max_connections()`). Raises OSError when the
+    address cannot be bound."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout, keepalive_timeout=IDLE_TIMEOUT_S)
+    await runner.setup()
+    site = _GuardedSite(runner, host, port, guard=ConnectionGuard(connections or max_connections()))
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    return runner, site.port
+
+
+def max_connections() -> int:
+    """`MAX_CONNECTIONS`, or half the process's file descriptors if fewer: the other half stays for the
+    store, the engine, the agent programs' pipes."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 2))
+
+
+def _idle(handler: asyncio.Protocol) -> bool:
+    """Whether an aiohttp connection has no request in progress: none being handled or answered
+    (``RequestHandler._request_in_progress``) and no whole head waiting to be (``_messages``); a connection
+    still sending a head, or not started yet, is idle. Should aiohttp rename these, every connection counts as
+    busy: none is closed for being idle, and aiohttp's own keep-alive timer still ends idle ones."""
+    if not (hasattr(handler, "_request_in_progress") and hasattr(handler, "_messages")):
+        return False
+    return not handler._request_in_progress and not handler._messages
+
+
+def _heads(handler: asyncio.Protocol) -> int:
+    """Request heads an aiohttp connection has received whole so far (-1: unknown)."""
+    return int(getattr(handler, "_request_count", -1))
+
+
+class ConnectionGuard:
+    """The connections of one server: each gets `HEAD_TIMEOUT_S` for a request's head, and at most `cap`
+    are open (see the module doc). Counts what it closed, for tests and logs."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.open: dict[_GuardedConnection, None] = {}  # in order of arrival: the first idle one is the oldest
+        self.head_timeouts = self.evicted = self.refused = 0
+        self._warned = 0.0
+
+    def admit(self, connection: _GuardedConnection) -> bool:
+        if len(self.open) >= self.cap:
+            oldest_idle = next((c for c in self.open if _idle(c.handler)), None)
+            if oldest_idle is None:
+                self.refused += 1
+                self._warn(f"{self.cap} connections are serving requests; a new one was refused")
+                return False
+            self.evicted += 1
+            self._warn(f"{self.cap} connections are open; the oldest idle one was closed for a new one")
+            oldest_idle.close()
+        self.open[connection] = None
+        return True
+
+    def _warn(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._warned > 60:  # once a minute: a flood of connections must not flood the log
+            self._warned = now
+            log.warning("HTTP server: %s (evicted %d, refused %d so far)", message, self.evicted, self.refused)
+
+
+class _GuardedConnection(asyncio.Protocol):
+    """An aiohttp connection (its `RequestHandler`, to which every event goes) under a `ConnectionGuard`."""
+
+    def __init__(self, guard: ConnectionGuard, handler: asyncio.Protocol) -> None:
+        self.guard, self.handler = guard, handler
+        self.admitted = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._heads_at_timer = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        if not self.guard.admit(self):
+            assert isinstance(transport, asyncio.Transport)  # a TCP server's
+            transport.abort()
+            return
+        self.admitted = True
+        self.handler.connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if not self.admitted:
+            return
+        if self._timer is None and _idle(self.handler):
+            self._arm()  # the first bytes of a request on a kept-alive connection: its head has HEAD_TIMEOUT_S
+        self.handler.data_received(data)
+        if self._timer is not None and _heads(self.handler) != self._heads_at_timer:
+            self._disarm()  # the head came whole
+
+    def eof_received(self) -> bool | None:
+        return self.handler.eof_received() if self.admitted else None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        self.guard.open.pop(self, None)
+        if self.admitted:
+            self.handler.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.handler.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.handler.resume_writing()
+
+    def close(self) -> None:
+        self._disarm()
+        self.guard.open.pop(self, None)
+        force_close = getattr(self.handler, "force_close", None)
+        if force_close is not None:
+            force_close()
+
+    def _arm(self) -> None:
+        self._heads_at_timer = _heads(self.handler)
+        self._timer = asyncio.get_running_loop().call_later(HEAD_TIMEOUT_S, self._head_overdue)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_overdue(self) -> None:
+        self._timer = None
+        if _heads(self.handler) == self._heads_at_timer and _idle(self.handler):
+            self.guard.head_timeouts += 1
+            self.close()
+
+
+class _GuardedSite(web.TCPSite):
+    """aiohttp's TCP site, its connections under a `ConnectionGuard`."""
+
+    __slots__ = ("guard",)
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int, *, guard: ConnectionGuard) -> None:
+        super().__init__(runner, host, port)
+        self.guard = guard
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site with its runner (what TCPSite.start begins with)
+        server = self._runner.server
+        assert server is not None
+        guard = self.guard
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _GuardedConnection(guard, server()), self._host, self._port, backlog=self._backlog)
+        sockets = getattr(self._server, "sockets", None)
+        self._bound_port = sockets[0].getsockname()[1] if sockets else self._port
 
 
 class EndpointServer:

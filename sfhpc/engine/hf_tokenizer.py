@@ -55,31 +55,41 @@ class HFStreamDecoder:
     """Decodes a reply as its tokens arrive: text is sent once a character is whole (a byte-level token may
     hold half of one), and never taken back.
 
-    Each call decodes the whole reply so far: only the whole sequence decodes right (a token may complete a
-    character an earlier one began, a sentencepiece decoder drops a leading space per call), and a reply is
-    at most a few hundred tokens.
+    Decoding goes by windows: each call decodes the tokens since the text last sent began (`_start`, with the
+    new ones) and sends what that window's text adds to the text of its tokens already sent (`_read`). Only a
+    whole sequence decodes right in general (a token may complete a character an earlier one began, a
+    sentencepiece decoder drops a leading space per call), and a window starts on a token whose text was
+    sent whole, so the difference is what the whole decode would add; each token is decoded a bounded number
+    of times, so a reply of n tokens costs O(n) (decoding the whole reply at every token cost O(n^2): 8,000
+    tokens took seconds).
     """
 
     def __init__(self, tokenizer: Any, *, skip_special: bool) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special
         self._ids: list[int] = []
-        self._sent = 0
+        self._start = 0  # the window: ids[_start:] is decoded at each call
+        self._read = 0  # ids[_start:_read]: the tokens whose text went out already
 
     def feed(self, ids: Iterable[int]) -> str:
         self._ids.extend(int(t) for t in ids)
-        text = self._tokenizer.decode(self._ids, skip_special=self._skip_special)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the token that completes it
+        if len(self._ids) == self._read:
             return ""
-        return self._take(text)
+        sent = self._decode(self._ids[self._start:self._read])
+        text = self._decode(self._ids[self._start:])
+        if text.endswith("\ufffd") or len(text) <= len(sent):
+            return ""  # an incomplete UTF-8 sequence (or nothing yet): wait for the token that completes it
+        self._start, self._read = self._read, len(self._ids)
+        return text[len(sent):]
 
     def flush(self) -> str:
-        return self._take(self._tokenizer.decode(self._ids, skip_special=self._skip_special))
+        sent = self._decode(self._ids[self._start:self._read])
+        text = self._decode(self._ids[self._start:])
+        self._start = self._read = len(self._ids)
+        return text[len(sent):]
 
-    def _take(self, text: str) -> str:
-        new = text[self._sent:]
-        self._sent = max(self._sent, len(text))
-        return new
+    def _decode(self, ids: list[int]) -> str:
+        return str(self._tokenizer.decode(ids, skip_special=self._skip_special)) if ids else ""
 
 
 class HFTokenizer:

@@ -17,7 +17,7 @@ from sfhpc.errors import SfhpcError
 from sfhpc.plan.local_map import LOCAL_MAP_NAME, local_cluster_map
 from sfhpc.plan.resolve import resolve
 from sfhpc.rank.program import RankProgram, report_user_error, run_rank_main
-from sfhpc.rundir import given_or_job_run_dir, new_run_dir, record_job
+from sfhpc.rundir import given_or_job_run_dir, make_run_dir, new_run_dir, record_job
 from sfhpc.runtime.slurm_env import read_rank_environment
 
 DEFAULT_CLUSTER_MAP = "recipes/cluster-dev.yaml"
@@ -39,10 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         plan = resolve(recipe, local_cluster_map(recipe) if local else load_cluster_map(args.cluster))
         run_dir = given_or_job_run_dir(recipe.output_dir, recipe.name, args.run_dir, env.job_id)
         if run_dir is None and env.world_size == 1:
-            run_dir = new_run_dir(recipe.output_dir, recipe.name)
+            run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
         elif run_dir is None:
             raise SfhpcError("several ranks need one shared run folder: pass --run-dir or set SFHPC_RUN_DIR")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_run_dir(run_dir, group=recipe.output_group)  # a job's own folder: 0700 (or the group's)
         if env.world_rank == 0 and env.job_id is not None and env.restart_count == 0 and not args.run_dir:
             record_job(recipe.output_dir, env.job_id, run_dir, recipe.source)
     except SfhpcError as exc:

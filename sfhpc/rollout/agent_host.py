@@ -42,6 +42,7 @@ from aiohttp import ClientConnectionError, ClientError, ClientSession, ClientTim
 
 from sfhpc.config.recipe import AgentSpec
 from sfhpc.endpoint.auth import authorized, new_run_token
+from sfhpc.endpoint.server import serve_app
 from sfhpc.rollout.agent_process import AgentProgramFailed, EpisodeTimedOut, LocalPrograms
 from sfhpc.rollout.supervise import describe_failure
 
@@ -145,12 +146,7 @@ async def serve_host(spec: AgentSpec, recipe_source: str, register: Path, name: 
     """Serve episodes until `stop` is set; the record in `register` says where."""
     token = new_run_token()
     host = AgentHost(spec, recipe_source, timeout_s=timeout_s, token=token)
-    runner = web.AppRunner(host.app(), access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, bind, 0)
-    await site.start()
-    server = site._server  # the loop's server: the port chosen for 0
-    port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await serve_app(host.app(), host=bind, shutdown_timeout=2.0)  # with the endpoint's connection limits
     advertised = socket.gethostname() if bind == "0.0.0.0" else bind
     url = f"http://{advertised}:{port}"
     record = publish(register, name, {"name": name, "url": url, "token": token, "workers": spec.workers,

@@ -45,6 +45,9 @@ class TrainRow:
     temperatures: Sequence[float] | np.ndarray | None = None
     # per reply, its own reward (`Trajectory.turn_rewards`); fewer than the replies: the rest have none
     turn_rewards: Sequence[float] = ()
+    # per token, the turn of a generated token, -1 elsewhere (`Trajectory.token_turns`); None: replies are
+    # the runs of generated tokens
+    turns: Sequence[int] | np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -67,6 +70,9 @@ class TrainBatch:
     temperatures: torch.Tensor = None  # type: ignore[assignment]  # filled in __post_init__
     # float32 [B, K]: the reward of each row's reply k (``credit: turn``), NaN where a row has none; None: none
     turn_rewards: torch.Tensor | None = None
+    # int64 [B, T]: the turn each generated token belongs to, as the trajectory manager recorded the turns
+    # (`Trajectory.token_turns`), -1 elsewhere; None: the runs of generated tokens number the replies
+    reply_turns: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
@@ -74,8 +80,8 @@ class TrainBatch:
             object.__setattr__(self, "temperatures", torch.ones((b, t), dtype=torch.float32))
         elif not bool((self.temperatures > 0).all()):
             raise BatchError("TrainBatch.temperatures must be more than 0 everywhere (1 where nothing was sampled)")
-        for name in ("generated", "behaviour_logprobs", "versions", "temperatures"):
-            if tuple(getattr(self, name).shape) != (b, t):
+        for name in ("generated", "behaviour_logprobs", "versions", "temperatures", "reply_turns"):
+            if getattr(self, name) is not None and tuple(getattr(self, name).shape) != (b, t):
                 raise BatchError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected {(b, t)} like tokens")
         if self.turn_rewards is not None and (self.turn_rewards.dim() != 2 or self.turn_rewards.shape[0] != b):
@@ -128,6 +134,15 @@ class TrainBatch:
             logprobs[i, :n] = torch.as_tensor(np.asarray(r.logprobs, dtype=np.float32))
             versions[i, :n] = torch.as_tensor(np.asarray(r.versions, dtype=np.int64))
             temperatures[i, :n] = torch.as_tensor(temps)
+        reply_turns = None
+        if any(r.turns is not None for r in rows):
+            reply_turns = torch.full((b, width), -1, dtype=torch.int64)
+            for i, r in enumerate(rows):
+                if r.turns is None:
+                    raise BatchError(f"row {i} has no turns where other rows of the batch have them")
+                if len(r.turns) != len(r.tokens):
+                    raise BatchError(f"row {i}: {len(r.tokens)} tokens but {len(r.turns)} turns")
+                reply_turns[i, :len(r.tokens)] = torch.as_tensor(np.asarray(r.turns, dtype=np.int64))
         replies = max(len(r.turn_rewards) for r in rows)
         turn_rewards = torch.full((b, replies), float("nan"), dtype=torch.float32) if replies else None
         for i, r in enumerate(rows):
@@ -138,12 +153,15 @@ class TrainBatch:
                    rewards=torch.tensor([float(r.reward) for r in rows], dtype=torch.float32),
                    groups=tuple(r.group if r.group is not None else i for i, r in enumerate(rows)),
                    advantages=None if advantages is None else torch.tensor(advantages, dtype=torch.float32),
-                   temperatures=temperatures, turn_rewards=turn_rewards)
+                   temperatures=temperatures, turn_rewards=turn_rewards, reply_turns=reply_turns)
 
     @classmethod
     def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
         """A batch of finished trajectories: each row is the current branch, grouped by ``advantage_group``
-        (the GRPO group, and in an episode of several agents the agent)."""
+        (the GRPO group, and in an episode of several agents the agent). Only the current branch is trained:
+        a fork (an agent's history that re-rendered an earlier reply) leaves the replaced tokens on the old
+        branch, never trained on; each generated token keeps its turn as recorded (`reply_turns`), so a reply
+        after a fork is trained with its own turn's reward and baseline."""
         rows = []
         for traj in trajectories:
             if traj.reward is None:
@@ -151,7 +169,8 @@ class TrainBatch:
             rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
                                   logprobs=traj.token_logprobs(), versions=traj.token_versions(),
                                   reward=traj.reward, group=traj.advantage_group,
-                                  temperatures=token_temperatures(traj), turn_rewards=traj.turn_rewards))
+                                  temperatures=token_temperatures(traj), turn_rewards=traj.turn_rewards,
+                                  turns=traj.token_turns()))
         return cls.from_rows(rows, pad_id=pad_id)
 
     def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
@@ -173,7 +192,8 @@ class TrainBatch:
                           rewards=self.rewards[idx], groups=tuple(self.groups[i] for i in idx.tolist()),
                           advantages=None if self.advantages is None else self.advantages[idx],
                           temperatures=self.temperatures[idx],
-                          turn_rewards=None if self.turn_rewards is None else self.turn_rewards[idx])
+                          turn_rewards=None if self.turn_rewards is None else self.turn_rewards[idx],
+                          reply_turns=None if self.reply_turns is None else self.reply_turns[idx])
 
 
 def segment_temperature(trajectory: Trajectory, index: int, segment: Segment) -> float:

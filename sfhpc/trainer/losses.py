@@ -160,17 +160,19 @@ def reply_index(generated: torch.Tensor) -> torch.Tensor:
 
 def turn_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], generated: torch.Tensor, *,
                     eps: float = 1e-6, normalise: bool = True, turn_rewards: torch.Tensor | None = None,
-                    turn_weight: float = 0.0) -> torch.Tensor:
+                    turn_weight: float = 0.0, reply_turns: torch.Tensor | None = None) -> torch.Tensor:
     """Advantages per token with a baseline per turn (module docstring, "Credit per turn"): the tokens of
     row ``i``'s reply ``k`` get ``R_i`` minus the mean reward of the rows of ``i``'s group that made a reply
     ``k``, divided by the group's reward std (+ `eps`) when `normalise`; plus, with `turn_weight` and
     `turn_rewards` (``[batch, replies]``, NaN where a row has none), the reply's own reward against those
-    rows' rewards for reply ``k``. Returns ``[batch, seq]`` float32, 0 where nothing was generated."""
+    rows' rewards for reply ``k``. Replies are numbered by `reply_turns` (``[batch, seq]``, the turns the
+    trajectory manager recorded, `TrainBatch.reply_turns`) where given, else by runs of generated tokens
+    (`reply_index`). Returns ``[batch, seq]`` float32, 0 where nothing was generated."""
     if rewards.dim() != 1 or len(groups) != rewards.shape[0] or generated.shape[0] != rewards.shape[0]:
         raise ValueError(f"need one group and one row per reward: {len(groups)} groups and "
                          f"{generated.shape[0]} rows for rewards of shape {tuple(rewards.shape)}")
     rewards = rewards.to(torch.float32)
-    turns = reply_index(generated)
+    turns = reply_index(generated) if reply_turns is None else torch.where(generated.to(torch.bool), reply_turns, -1)
     made = [set(row[row >= 0].tolist()) for row in turns]  # the replies each row made
     members: dict[Hashable, list[int]] = {}
     for i, g in enumerate(groups):
@@ -207,7 +209,8 @@ def reply_reward_advantages(turn_rewards: torch.Tensor | None, rows: Sequence[in
 
 def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor, groups: Sequence[Hashable],
                          generated: torch.Tensor | None = None,
-                         turn_rewards: torch.Tensor | None = None) -> torch.Tensor:
+                         turn_rewards: torch.Tensor | None = None,
+                         reply_turns: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages `algorithm` trains with when none are given: GRPO's `group_advantages` (with its
     ``advantage_eps``) or PPO-clip's `baseline_advantages`; with ``credit: turn``, `turn_advantages` of the
     `generated` mask (``[batch, seq]``) and the replies' `turn_rewards` (``[batch, replies]``), per token."""
@@ -217,9 +220,9 @@ def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor, groups
         weight = algorithm.turn_reward_weight
         if algorithm.name == "grpo":
             return turn_advantages(rewards, groups, generated, eps=algorithm.advantage_eps,
-                                   turn_rewards=turn_rewards, turn_weight=weight)
+                                   turn_rewards=turn_rewards, turn_weight=weight, reply_turns=reply_turns)
         return turn_advantages(rewards, [0] * len(groups), generated, normalise=False, turn_rewards=turn_rewards,
-                               turn_weight=weight)
+                               turn_weight=weight, reply_turns=reply_turns)
     if algorithm.name == "grpo":
         return group_advantages(rewards, groups, algorithm.advantage_eps)
     return baseline_advantages(rewards)

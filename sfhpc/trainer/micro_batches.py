@@ -69,7 +69,7 @@ def empty_like(batch: TrainBatch) -> TrainBatch:
         temperatures=torch.ones(1, 1), rewards=one.rewards[:1] * 0,
         advantages=None if one.advantages is None else (one.advantages[:, :1] if one.advantages.dim() == 2
                                                         else one.advantages[:1]) * 0,
-        turn_rewards=None)
+        turn_rewards=None, reply_turns=None)
 
 
 def pad_to(pieces: list[TrainBatch], count: int, like: TrainBatch) -> list[TrainBatch]:

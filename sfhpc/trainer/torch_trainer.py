@@ -82,7 +82,8 @@ def batch_advantages(batch: TrainBatch, algorithm: AlgorithmSpec) -> torch.Tenso
     Shared by every training backend, so they agree on what a step optimises."""
     if batch.advantages is not None:
         return batch.advantages
-    return algorithm_advantages(algorithm, batch.rewards, batch.groups, batch.generated, batch.turn_rewards)
+    return algorithm_advantages(algorithm, batch.rewards, batch.groups, batch.generated, batch.turn_rewards,
+                                batch.reply_turns)
 
 
 class TorchTrainer:

@@ -53,11 +53,48 @@ def source_backend() -> str:
 
 def open_group(size: int, *, timeout_s: float = 300.0) -> tuple[WeightGroup, Any]:
     """On the source: open the store the members meet at (a free port); returns the group's address and the
-    store, which the source passes to `join` as member 0 and keeps while the group lives."""
+    store, which the source passes to `join` as member 0 and keeps while the group lives.
+
+    The store listens on the address the members connect to (`HOST_VARIABLE`, else this node's host name, as
+    resolved here), not on every interface. torch's TCPStore binds every interface whatever host name it is
+    given; it listens on one address only when handed a socket bound there (``master_listen_fd``), which is
+    what this does. A host name that resolves here to a loopback address although it is no loopback name (a
+    name mapped to 127.0.1.1 in /etc/hosts, as Debian does) says nothing about the address other nodes reach
+    this one at: then the store listens on every interface, as before; set `HOST_VARIABLE` to pin it."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = torch.distributed.TCPStore("0.0.0.0", 0, size, is_master=True, wait_for_workers=False, timeout=timeout)
     host = os.environ.get(HOST_VARIABLE) or socket.gethostname()
-    return WeightGroup(host, store.port, size, source_backend(), timeout_s), store
+    listening = listening_socket(host, pinned=bool(os.environ.get(HOST_VARIABLE)))
+    if listening is None:
+        store = torch.distributed.TCPStore("0.0.0.0", 0, size, is_master=True, wait_for_workers=False,
+                                           timeout=timeout)
+        return WeightGroup(host, store.port, size, source_backend(), timeout_s), store
+    port = listening.getsockname()[1]
+    # The store owns the socket from here (libuv closes it with the store).
+    store = torch.distributed.TCPStore(host, port, size, is_master=True, wait_for_workers=False, timeout=timeout,
+                                       master_listen_fd=listening.detach(), use_libuv=True)
+    return WeightGroup(host, port, size, source_backend(), timeout_s), store
+
+
+def listening_socket(host: str, *, pinned: bool = False) -> socket.socket | None:
+    """A socket listening on a free port of the address `host` resolves to here; None where that address does not
+    tell the interface the members use (see `open_group`), or `host` does not resolve. `pinned`: the address
+    was named for this purpose (`HOST_VARIABLE`), loopback included."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, IndexError):
+        return None
+    ip = str(address[0])
+    loopback = ip.startswith("127.") or ip == "::1"
+    if loopback and not pinned and host not in ("localhost", "127.0.0.1", "::1"):
+        return None
+    listening = socket.socket(family, kind, proto)
+    try:
+        listening.bind((ip, 0, *address[2:]))
+        listening.listen(512)
+    except OSError:
+        listening.close()
+        return None
+    return listening
 
 
 def join(group: WeightGroup, member: int, store: Any = None) -> Any:

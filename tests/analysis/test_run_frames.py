@@ -134,7 +134,8 @@ def test_a_forked_trajectory_keeps_both_branches(tmp_path: Path) -> None:
         first = len(trajectory.segments[1])
         assert list(segments["used"]) == [len(trajectory.segments[0]), first // 2, 0, 0, 5,
                                           len(trajectory.segments[5])]
-        assert list(run.turns()["tokens"]) == [first // 2, len(trajectory.segments[5])]
+        # Each reply as its agent received it: the first whole, though the branch keeps half of it.
+        assert list(run.turns()["tokens"]) == [first, len(trajectory.segments[5])]
         text = format_conversation(run, run.trajectory(trajectory.id), tokens=True)
     assert "[2] user observation" in text and text.count("off the current branch") == 2
     assert f"forks from [1] at token {first // 2} of {first}" in text

@@ -28,7 +28,8 @@ def controller(comm, out: Path) -> dict:
         summary = reader.summary()
         marks = [(m.step, m.trajectory_id) for m in reader.marks()]
     first = server.first_one_way_failure
-    return {"episodes_ended": server.episodes_ended, "served": server.served, "failed_one_way": server.failed_one_way, "by_status": summary.by_status,
+    return {"episodes_ended": server.episodes_ended, "served": server.served, "failed_one_way": server.failed_one_way,
+            "by_status": summary.by_status,
             "marks": marks, "first_one_way": None if first is None else [first.rank, first.method, first.message],
             "heard_from": sorted(server.last_seen),
             "generated_tokens": summary.generated_tokens, "cpu_seconds": time.process_time() - began,

@@ -78,7 +78,9 @@ def test_arguments_in_other_json_are_returned_canonical_and_the_mismatch_is_coun
     # before the first that differs, and holds the re-rendered rest as an observation, never trained on as
     # if the policy wrote it.
     assert any(list(s.tokens) == generated for s in trajectory.segments if s.generated)
-    (kept, _), (last, _) = trajectory.replies()
+    (received, _), (last, _) = trajectory.replies()  # each reply as its agent received it
+    assert list(received) == generated
+    kept = trajectory.context()[trajectory.token_turns() == 0]  # what the trained branch holds of it
     assert 0 < len(kept) < len(generated) and list(kept) == generated[:len(kept)]
     assert list(last) == qwen.tok.encode("noon") + [qwen.tok.chat_stop_ids[0]]
 
