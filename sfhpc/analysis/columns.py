@@ -18,7 +18,7 @@ import pandas as pd
 
 from sfhpc.analysis.trajectories import trajectory_row
 from sfhpc.data.store import ConsumptionMark, StoreView
-from sfhpc.data.trajectory import NO_VERSION, SegmentKind, Status
+from sfhpc.data.trajectory import NO_VERSION, SegmentKind, Status, agent_of, episode_of
 
 GENERATED = SegmentKind.GENERATED.code
 FAILED = Status.FAILED.code
@@ -122,7 +122,7 @@ def store_columns(store: StoreView) -> StoreColumns:
 
     columns: dict[str, np.ndarray | list] = {
         "id": store.ids(), "task": _texts(records["task"]),
-        "group": _texts(records["group"]),
+        "group": _texts(records["group"]), **_agents_and_episodes(store, records),
         "status": STATUS_NAMES[status_code], "reward": reward, "turns": turns, "tokens": tokens,
         "generated_tokens": generated_tokens, "min_version": oldest, "max_version": newest,
         "consumed_step": step, "trained_version": trained, "staleness": staleness, "created": created,
@@ -215,6 +215,24 @@ def _mark(mark: np.void, records: np.ndarray) -> ConsumptionMark:
 
 def _text(value: bytes) -> str:
     return value.decode("utf-8")
+
+
+def _agents_and_episodes(store: StoreView, records: np.ndarray) -> dict[str, list[str]]:
+    """Each trajectory's agent ("" for none) and episode (its own id unless its metadata names one), read
+    from the metadata blob at once (one range: trajectories' metadata are recorded in start order)."""
+    ids = store.ids()
+    agents, episodes = [""] * len(ids), list(ids)
+    rows = np.flatnonzero(records["meta_count"] > 0)
+    if not len(rows):
+        return {"agent": agents, "episode": episodes}
+    starts, counts = records["meta_start"][rows].astype(np.int64), records["meta_count"][rows].astype(np.int64)
+    low = int(starts.min())
+    blob = store.data("blobs/metadata", low, int((starts + counts).max())).tobytes()
+    for row, start, count in zip(rows.tolist(), (starts - low).tolist(), counts.tolist()):
+        meta = blob[start:start + count].decode("utf-8")
+        agents[row] = agent_of(meta) or ""
+        episodes[row] = episode_of(ids[row], meta)
+    return {"agent": agents, "episode": episodes}
 
 
 def _texts(values: np.ndarray) -> list[str]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from sfhpc.analysis.run import Run
 from sfhpc.data.store import ConsumptionMark
-from sfhpc.data.trajectory import NO_VERSION, Segment, SegmentKind, Trajectory
+from sfhpc.data.trajectory import NO_VERSION, Segment, SegmentKind, Trajectory, episode_of
 from sfhpc.table import format_table
 from sfhpc.terminal import one_line, printable
 
@@ -47,6 +47,9 @@ def _header(trajectory: Trajectory, mark: ConsumptionMark | None) -> str:
     reward = "-" if trajectory.reward is None else f"{trajectory.reward:g}"
     parts = [f"trajectory {trajectory.id}", f"task {trajectory.task or '-'}", f"group {trajectory.group or '-'}",
              f"status {trajectory.status.value}", f"reward {reward}"]
+    agent = trajectory.agent
+    if agent is not None:  # one conversation of an episode of several agents
+        parts[3:3] = [f"agent {agent}", f"episode {episode_of(trajectory.id, trajectory.metadata_json)}"]
     if trajectory.fail_reason:
         parts.append(f"failed: {trajectory.fail_reason}")
     lines = [one_line("  ".join(parts))]  # ids, task and group names may be a client's choice

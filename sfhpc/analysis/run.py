@@ -49,7 +49,8 @@ from sfhpc.rundir import RunPaths
 # Column -> dtype. Nullable types (Int64, Float64, string) so that "none" stays <NA> and survives Parquet.
 STR, INT, OPT_INT, FLOAT, OPT_FLOAT, BOOL = "string", "int64", "Int64", "float64", "Float64", "bool"
 TRAJECTORY_DTYPES: dict[str, str] = {
-    "id": STR, "task": STR, "group": STR, "status": STR, "reward": OPT_FLOAT, "turns": INT, "tokens": INT,
+    "id": STR, "task": STR, "group": STR, "agent": STR, "episode": STR, "status": STR, "reward": OPT_FLOAT,
+    "turns": INT, "tokens": INT,
     "generated_tokens": INT, "min_version": OPT_INT, "max_version": OPT_INT, "consumed_step": OPT_INT,
     "trained_version": OPT_INT, "staleness": OPT_INT, "created": FLOAT, "updated": FLOAT, "fail_reason": STR,
     "versions": INT, "interruptions": INT,

@@ -7,7 +7,9 @@
         rows = list(trajectory_rows(store))     # dicts with the TRAJECTORY_COLUMNS keys
     # pandas.DataFrame(rows), if pandas is at hand
 
-Columns: the record's id, task, GRPO group, status and reward; its number of turns (the policy's replies
+Columns: the record's id, task, GRPO group, agent and episode (in an episode of several agents, the agent
+whose conversation it is and the episode its agents share; else empty and the trajectory's own id), status
+and reward; its number of turns (the policy's replies
 along the current branch, as `sfhpc traj show` numbers them: `Trajectory.reply_spans`); tokens on its
 current branch and how many the policy generated; the oldest and newest policy version among those
 tokens; the training step that consumed it and the trainer's version then (empty if none did), hence the
@@ -27,12 +29,12 @@ from typing import Any
 import numpy as np
 
 from sfhpc.data.store import ConsumptionMark, StoreView
-from sfhpc.data.trajectory import Trajectory
+from sfhpc.data.trajectory import Trajectory, episode_of
 from sfhpc.errors import SfhpcError
 from sfhpc.rundir import RunPaths
 
-TRAJECTORY_COLUMNS = ("id", "task", "group", "status", "reward", "turns", "tokens", "generated_tokens",
-                      "min_version", "max_version", "consumed_step", "trained_version", "staleness",
+TRAJECTORY_COLUMNS = ("id", "task", "group", "agent", "episode", "status", "reward", "turns", "tokens",
+                      "generated_tokens", "min_version", "max_version", "consumed_step", "trained_version", "staleness",
                       "created", "updated", "fail_reason")
 EXTRA_COLUMNS = ("versions", "interruptions")  # in the data frames and Parquet/JSONL, not the CSV
 
@@ -66,6 +68,7 @@ def trajectory_row(trajectory: Trajectory, mark: ConsumptionMark | None) -> dict
                         if trajectory.segments[i].generated and trajectory.segments[i].finish_reason == "abort")
     return {
         "id": trajectory.id, "task": trajectory.task, "group": trajectory.group or "",
+        "agent": trajectory.agent or "", "episode": episode_of(trajectory.id, trajectory.metadata_json),
         "status": str(trajectory.status.value), "reward": trajectory.reward,
         # A turn is a reply of the policy, whether or not the agent reported a reward for it (an agent
         # program reports none per turn).

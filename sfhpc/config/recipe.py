@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterator, Mapping
@@ -490,6 +491,7 @@ class TaskSpec:
 
 
 SFHPC_PYTHON = ("python", "python3")  # in an agent command: the interpreter sfhpc runs under
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\*?$")  # agent.env: a variable's name, or a prefix and *
 
 
 @dataclasses.dataclass(frozen=True)
@@ -508,7 +510,12 @@ class AgentSpec:
     program path is read from the recipe's folder, a bare name from ``PATH``; a bare ``python`` or ``python3``
     is the interpreter sfhpc runs under (the one with the ``openai`` package sfhpc installs), so a recipe runs
     the same from any shell; name a path for another. With ``container`` the command runs after that prefix
-    (``[apptainer, exec, image.sif]``), as the image names it."""
+    (``[apptainer, exec, image.sif]``), as the image names it.
+
+    Containment: every process a program starts ends with its episode (``containment``: a cgroup of its own, a
+    PID namespace, or its session and descendants); it sees a minimal environment plus the names in ``env``; its
+    ``OPENAI_API_KEY`` opens its own episode only; its reward comes from ``reward_source``; the problem's data
+    (which holds its answer) is in its input only with ``answer_to_program``."""
 
     command: tuple[str, ...] = setting((), "the argv of the agent program started once per episode (a relative program "
                                            "path: from the recipe's folder; a bare name: from PATH; a bare python or "
@@ -530,6 +537,27 @@ class AgentSpec:
     advertise_host: str | None = setting(None, "the host name in the URL handed to programs (null: the bound address, "
                                                "or the node's host name for 0.0.0.0)")
     port: int = setting(0, "the endpoint's TCP port (0: a free one)")
+    env: tuple[str, ...] = setting((), "names of environment variables the program gets beside the minimal set "
+                                       "(PATH, HOME, LANG, ...: see the agents page); a name may end in * "
+                                       "(SLURM_*); secrets (*_API_KEY, *_TOKEN, *_SECRET, WANDB_*, HF_*) pass only "
+                                       "when named exactly")
+    max_file_mb: int | None = setting(1024, "the largest file each agent process may write, in MiB (RLIMIT_FSIZE); "
+                                            "null: no limit")
+    max_cpu_s: int | None = setting(3600, "the CPU seconds each agent process may use (RLIMIT_CPU); null: no limit")
+    max_processes: int | None = setting(512, "the processes and threads an agent program may add to those its user "
+                                             "runs on the node (RLIMIT_NPROC; not applied to root); null: no "
+                                             "limit")
+    reward_source: Literal["stdout", "post", "verifier"] = setting(
+        "stdout", "where an episode's reward comes from: stdout (the program's end line), post (what it POSTs to "
+                  "its episode's /reward route; refused otherwise) or verifier (the task's verifier on the final "
+                  "reply, whatever the program says); without one, the verifier")
+    answer_to_program: bool = setting(False, "the program's input (stdin) carries the problem's data, which holds its "
+                                             "answer (a program that plays the environment, as guess-number's); never "
+                                             "in the environment")
+    containment: Literal["auto", "cgroup", "namespace", "session"] = setting(
+        "auto", "how every process of an episode is ended with it: cgroup (a cgroup v2 per episode, where "
+                "delegated), namespace (a PID namespace by unshare), session (its session and descendants, tracked); "
+                "auto: the first of these the node allows")
 
     def program(self, recipe_source: str) -> Path | str:
         """The executable `command` starts: a path, or the problem with it (a string)."""
@@ -581,6 +609,17 @@ class AgentSpec:
             raise where.child("memory_mb").error(f"must be at least 16 MiB (or null: no limit), found {self.memory_mb}")
         if not 0 <= self.port <= 65535:
             raise where.child("port").error(f"must be a TCP port (0: a free one), found {self.port}")
+        for key in ("max_cpu_s", "max_processes"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise where.child(key).error(f"must be at least 1 (or null: no limit), found {value}")
+        if self.max_file_mb is not None and self.max_file_mb < 1:
+            raise where.child("max_file_mb").error(f"must be at least 1 MiB (or null: no limit), found "
+                                                   f"{self.max_file_mb}")
+        for name in self.env:
+            if not ENV_NAME.match(name):
+                raise where.child("env").error(f"{name!r} is no environment variable name (letters, digits and "
+                                               "'_', not starting with a digit; a trailing * for a prefix)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from sfhpc.endpoint import responses
-from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat, parse_reward
-from sfhpc.endpoint.errors import BadRequest
+from sfhpc.endpoint.episodes import Episodes, OpenEpisode, Seat
+from sfhpc.endpoint.errors import BadRequest, Forbidden
 from sfhpc.endpoint.history import RecordedContexts
 from sfhpc.endpoint.protocol import ApiRequest, Identity, ResponseBuilder, Route, models_body, parse, read_calls
 from sfhpc.endpoint.service import AgentEndpoint, SamplingRule, Turn, TurnRequest
@@ -159,7 +159,8 @@ class OpenAIApi:
                 "tool_calls_unoffered": self.counts["tool_calls_unoffered"],
                 "response_format_misses": self.counts["response_format_misses"],
                 "history_respelled": self.history.respelled,
-                "turns_refused_after_move": self.endpoint.refused_after_hand_off}
+                "turns_refused_after_move": self.endpoint.refused_after_hand_off,
+                "rewards_refused": self.episodes.rewards_refused}
 
     @contextlib.asynccontextmanager
     async def call(self, route: Route, body: Any, identity: Identity | None = None) -> AsyncIterator[Call]:
@@ -256,6 +257,10 @@ class OpenAIApi:
     def post_reward(self, episode_id: str, body: Any, agent: str = "") -> dict[str, Any]:
         """``POST /episodes/<id>[/agents/<name>]/reward``: the program's own reward for its episode, or for one
         of its agents (the latest one counts)."""
-        seat = self.episodes.get(episode_id).seat(agent)
-        seat.reward = parse_reward(body)
-        return {"episode": episode_id, **({"agent": agent} if agent else {}), "reward": seat.reward}
+        try:
+            reward = self.episodes.post_reward(episode_id, agent, body)
+        except Forbidden:
+            log.warning("agent endpoint: the agent program of episode %s posted a reward, refused (agent."
+                        "reward_source is not post)", episode_id)
+            raise
+        return {"episode": episode_id, **({"agent": agent} if agent else {}), "reward": reward}

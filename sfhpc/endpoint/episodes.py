@@ -10,8 +10,14 @@ trajectory:
   trajectory under that id;
 - every later call ``observe``s its prompt on that trajectory (a conversation that grows is one branch, one
   that goes back forks), whether it names the id again or not; a call naming another id is refused;
-- the program may report a reward (``POST /episodes/<id>/reward``); the episode keeps the text of the last
-  reply, which the task's verifier judges when the program reports none.
+- the program may report a reward (``POST /episodes/<id>/reward``) where the run takes posted rewards
+  (``agent.reward_source: post``); elsewhere the post is refused (403) and counted, so that code the model
+  wrote cannot pay itself. The episode keeps the text of the last reply, which the task's verifier judges
+  when the program reports none.
+
+Each episode has a key of its own (``OPENAI_API_KEY`` of its program): it opens that episode's URLs and no
+other (403 elsewhere), so one episode's program cannot touch another's trajectories. The endpoint keeps the
+last refusal of an episode's calls, so an episode that got no reply fails naming why.
 
 Several agents. An episode may be played by several agents (a solver and a checker, the players of one
 game): ``/episodes/<id>/agents/<name>/v1`` is agent ``<name>``'s URL, and each agent's calls are a
@@ -27,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import secrets
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from sfhpc.data.trajectory import AGENT_KEY, EPISODE_KEY
-from sfhpc.endpoint.errors import BadRequest, NotFound
+from sfhpc.endpoint.errors import BadRequest, EndpointError, Forbidden, NotFound
 from sfhpc.endpoint.fields import Fields
 
 AGENT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -86,7 +93,11 @@ class OpenEpisode:
     metadata: dict[str, Any] | None = None
     #: hears each trajectory id as soon as a first call has started it (a failure later must fail it)
     on_trajectory: Callable[[str], None] | None = None
+    takes_posted_reward: bool = False  # agent.reward_source: post
     seats: dict[str, Seat] = dataclasses.field(default_factory=dict)
+    #: the bearer key of this episode's program: it opens this episode's URLs alone
+    key: str = dataclasses.field(default_factory=lambda: secrets.token_urlsafe(24))
+    refusal: str | None = None  # the last call refused: "400 <message>"
 
     def seat(self, agent: str = "") -> Seat:
         if agent and not AGENT_NAME.match(agent):
@@ -120,13 +131,45 @@ class Episodes:
 
     def __init__(self) -> None:
         self._open: dict[str, OpenEpisode] = {}
+        self._by_key: dict[str, OpenEpisode] = {}
+        self.rewards_refused = 0  # reward posts refused: the run takes its rewards elsewhere
 
     def open(self, *, task: str = "", group: str | None = None, metadata: dict[str, Any] | None = None,
-             on_trajectory: Callable[[str], None] | None = None) -> OpenEpisode:
-        # A random id: one episode's URL says nothing about another's (the run's token guards them all).
-        episode = OpenEpisode(uuid.uuid4().hex, task, group, metadata, on_trajectory)
+             on_trajectory: Callable[[str], None] | None = None, takes_posted_reward: bool = False) -> OpenEpisode:
+        # A random id: one episode's URL says nothing about another's (its key guards it).
+        episode = OpenEpisode(uuid.uuid4().hex, task, group, metadata, on_trajectory, takes_posted_reward)
         self._open[episode.id] = episode
+        self._by_key[episode.key] = episode
         return episode
+
+    def check_key(self, key: str, episode_id: str | None) -> bool:
+        """Whether `key` is an open episode's and opens `episode_id` (False: it is no episode's key at all);
+        `Forbidden` when it is another episode's, or the route is not an episode's."""
+        episode = self._by_key.get(key)
+        if episode is None:
+            return False
+        if episode.id != episode_id:
+            raise Forbidden(f"this key opens the URLs of episode {episode.id!r} alone, not "
+                            f"{'episode ' + repr(episode_id) if episode_id else 'this route'}", param="episode")
+        return True
+
+    def refused(self, episode_id: str, error: EndpointError) -> None:
+        """Keep `error` as the episode's last refused call (no-op for an episode not open)."""
+        episode = self._open.get(episode_id)
+        if episode is not None:
+            episode.refusal = f"{error.status} {error.message}"
+
+    def post_reward(self, episode_id: str, agent: str, body: Any) -> float:
+        """A program's posted reward for its episode (or one of its agents), where the episode takes one."""
+        episode = self.get(episode_id)
+        if not episode.takes_posted_reward:
+            self.rewards_refused += 1
+            raise Forbidden("this run does not take rewards posted by agent programs (agent.reward_source is not "
+                            "post): the reward comes from the program's end line or the task's verifier",
+                            param="reward", code="reward_not_taken")
+        seat = episode.seat(agent)
+        seat.reward = parse_reward(body)
+        return seat.reward
 
     def get(self, episode_id: str) -> OpenEpisode:
         episode = self._open.get(episode_id)
@@ -136,7 +179,10 @@ class Episodes:
         return episode
 
     def close(self, episode_id: str) -> OpenEpisode | None:
-        return self._open.pop(episode_id, None)
+        episode = self._open.pop(episode_id, None)
+        if episode is not None:
+            self._by_key.pop(episode.key, None)
+        return episode
 
     def __len__(self) -> int:
         return len(self._open)

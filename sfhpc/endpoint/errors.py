@@ -43,6 +43,14 @@ class Unauthorized(EndpointError):
     default_code = "invalid_api_key"
 
 
+class Forbidden(EndpointError):
+    """A valid key used beyond what it opens (an episode's key on another episode)."""
+
+    status = 403
+    error_type = "permission_error"
+    default_code = "forbidden"
+
+
 class NotFound(EndpointError):
     status = 404
     default_code = "not_found"

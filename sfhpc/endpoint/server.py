@@ -8,8 +8,9 @@ trajectory.
 
 Per-episode routes, for agent programs that know nothing of trajectories (`sfhpc.endpoint.episodes`): the
 same OpenAI routes under ``/episodes/<id>/v1/``, every call of which is a turn of that episode's
-trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}``; the same under
-``/episodes/<id>/agents/<name>/`` for each agent of an episode of several, a trajectory each.
+trajectory without any header, and ``POST /episodes/<id>/reward`` with ``{"reward": x}`` (taken only where
+the episode takes posted rewards; else 403 and counted); the same under ``/episodes/<id>/agents/<name>/``
+for each agent of an episode of several, a trajectory each. An episode's key opens its own routes alone.
 
 Exposure: the server binds 127.0.0.1 unless told otherwise, and refuses any other address without a
 bearer token. Agents on other nodes reach it when it binds an address they can route to (``0.0.0.0``: all
@@ -117,13 +118,19 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+        episode = _episode_of(request.path)
         try:
-            # Before routing: without the token a caller learns nothing, not even which routes exist.
-            if expected is not None and not authorized(request.headers.get("Authorization"), expected):
+            # Before routing: without a key a caller learns nothing, not even which routes exist. The run's
+            # token opens every route; an episode's key (its program's) opens that episode's alone.
+            header = request.headers.get("Authorization")
+            if expected is not None and not authorized(header, expected) and not api.episodes.check_key(
+                    (header or "").removeprefix("Bearer "), episode):
                 raise Unauthorized("missing or wrong bearer token: send 'Authorization: Bearer <token>' "
                                    "(the openai client's api_key)")
             return await handler(request)
         except EndpointError as exc:
+            if episode is not None:  # an episode that gets no reply fails naming this
+                api.episodes.refused(episode, exc)
             return _error_response(exc)
         except web.HTTPNotFound:
             return _error_response(NotFound(f"no route {request.method} {request.path}; see GET /v1/models"))
@@ -216,6 +223,12 @@ def build_app(api: OpenAIApi, *, token: str | None = None) -> web.Application:
         app.router.add_get(f"{prefix}/v1/models", models)
         app.router.add_post(f"{prefix}/reward", reward)
     return app
+
+
+def _episode_of(path: str) -> str | None:
+    """The episode id of an episode's route (``/episodes/<id>/...``), else None."""
+    parts = path.split("/", 3)
+    return parts[2] if len(parts) > 3 and parts[1] == "episodes" and parts[2] else None
 
 
 class RequestTimeout(EndpointError):

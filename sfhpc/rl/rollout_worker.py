@@ -41,6 +41,7 @@ from sfhpc.rollout.agent import (
 )
 from sfhpc.rollout.agent_host import AgentHostsClient
 from sfhpc.rollout.agent_process import AgentPrograms
+from sfhpc.rollout.containment import STOP_GRACE_S
 from sfhpc.rollout.supervise import play_or_fail
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import fault_injection, preemption
@@ -80,7 +81,7 @@ class RolloutWorker:
         # The recipe's own agent program plays the episodes instead of the built-in agent, if it names one.
         self.programs = None if recipe.agent is None else AgentPrograms(
             recipe.agent, recipe_source=recipe.source, episodes=self.server.api.episodes,
-            url_of=self.server.episode_url, token=self.server.token, model=recipe.model.name,
+            url_of=self.server.episode_url, model=recipe.model.name,
             # With an agents role the programs run on agent hosts, nodes of their own.
             runner=None if recipe.agent_hosts is None or agent_hosts is None else AgentHostsClient(agent_hosts))
 
@@ -375,6 +376,15 @@ class RolloutWorker:
             moved.append(dataclasses.replace(episode, resume_id=started[0]) if started else episode)
         return tuple(moved)
 
+    async def _wind_down_episodes(self) -> None:
+        """Wait (bounded) until the cancelled episodes have ended (an agent program's launcher ends all it
+        started within milliseconds), then end the serving programs: no program, nor a task reading its
+        pipes, outlives the loop (asyncio would complain of each on the console)."""
+        if self.held:
+            await asyncio.wait(list(self.held), timeout=STOP_GRACE_S + 2)
+        if self.programs is not None:
+            await self.programs.close()
+
     def close(self) -> None:
         """Wind down in dependency order: engine paused (what is in flight is recorded), agents, HTTP site
         (its open requests still need the engine), engine (on its own loop), event loop, and last the
@@ -387,8 +397,10 @@ class RolloutWorker:
         self.server.loop.call_soon_threadsafe(self.endpoint.close)  # waiting turns give up: the site can close
         for future in self.playing:
             future.cancel()
-        if self.programs is not None:
-            self.server.loop.call_soon_threadsafe(self.programs.close)  # serving agent programs, between episodes
+        try:
+            self.server.call(self._wind_down_episodes(), timeout=STOP_GRACE_S + 10)
+        except Exception as exc:  # noqa: BLE001 - the launchers die with the rank: the rank must close
+            log.warning("rank %d: episodes did not end at close (%s)", self.rank, exc)
         self.server.close_site()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:

@@ -76,7 +76,10 @@ class OpenAIChat(ChatBackend):
     def __init__(self, base_url: str, model: str, api_key: str = "unused") -> None:
         import openai
 
-        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        # trust_env=False: a site's HTTP_PROXY must not receive the run's key and prompts (the endpoint is
+        # on the cluster's own network).
+        self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600,
+                                         http_client=openai.DefaultAsyncHttpxClient(trust_env=False))
         self.model = model
 
     async def chat(self, messages: list[dict[str, Any]], *, trajectory_id: str | None, task: str, group: str,

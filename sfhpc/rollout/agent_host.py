@@ -155,9 +155,7 @@ async def serve_host(spec: AgentSpec, recipe_source: str, register: Path, name: 
     try:
         await stop.wait()
     finally:
-        host.runner.close()
-        with contextlib.suppress(TimeoutError):
-            await host.runner.wait_closed()
+        await host.runner.close()
         await runner.cleanup()
         print(f"sfhpc agent host {name}: stopped after {host.played} episode(s)", flush=True)
 
@@ -289,8 +287,8 @@ class AgentHostsClient:
         end = last.get("end")
         return end if isinstance(end, dict) else None
 
-    def close(self) -> None:
+    async def close(self) -> None:
         if self._session is not None:
             session, self._session = self._session, None
-            asyncio.get_running_loop().create_task(session.close())
+            await session.close()
 

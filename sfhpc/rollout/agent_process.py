@@ -1,17 +1,20 @@
 """Agent programs: the user's own executable plays an episode, knowing nothing of sfhpc but the OpenAI API.
 
 Per episode the rollout rank opens an episode URL on its endpoint (`sfhpc.endpoint.episodes`) and starts
-the recipe's ``agent.command`` in a process group of its own, with
+the recipe's ``agent.command``, contained (`sfhpc.rollout.containment`), with a minimal environment
+(`program_environment`: no secret of the rank's unless ``agent.env`` names it) and
 
-- ``OPENAI_BASE_URL`` = ``http://HOST:PORT/episodes/<id>/v1`` and ``OPENAI_API_KEY`` = the run's token, which
-  every OpenAI client reads by itself: every call it makes is a turn of the episode's trajectory;
+- ``OPENAI_BASE_URL`` = ``http://HOST:PORT/episodes/<id>/v1`` and ``OPENAI_API_KEY`` = the episode's key
+  (it opens that episode's URLs alone), which every OpenAI client reads by itself: every call it makes is
+  a turn of the episode's trajectory;
   ``OPENAI_MODEL`` = the served model's name (any name is accepted, so a program may keep its own);
 - the switches that keep agent frameworks from reaching outside the run: the OpenAI Agents SDK's trace
   export (``OPENAI_AGENTS_DISABLE_TRACING``) and LangSmith's tracing (``LANGCHAIN_TRACING_V2``,
   ``LANGSMITH_TRACING``) are off;
-- the episode's input, one JSON object, on stdin and in ``SFHPC_EPISODE``: ``episode_id``, ``task``,
-  ``model`` (the name to send), ``messages`` (the task's opening messages), ``problem`` (``key`` and
-  ``data``: the task instance) and ``max_tokens`` (the reply budget).
+- the episode's input, one JSON object, on stdin (and without the problem's data in ``SFHPC_EPISODE``):
+  ``episode_id``, ``task``, ``model`` (the name to send), ``messages`` (the task's opening messages),
+  ``problem`` (``key``, and ``data``, the task instance with its answer, only with
+  ``agent.answer_to_program``) and ``max_tokens`` (the reply budget).
 
 The input also names ``base_url`` and ``api_key``, so that one program can play several episodes: with
 ``agent.serve`` each of the rank's ``agent.workers`` slots keeps one program running, which reads one
@@ -29,21 +32,23 @@ An episode of one trajectory may also reward each reply: ``"turn_rewards": [1, 0
 number per call in order (what ``credit: turn`` with ``turn_reward_weight`` trains on; `sfhpc.trainer.losses`).
 
 The program drives the conversation: for a multi-turn task it sends a follow-up message after a reply and
-asks again, as an agent with its own tools or environment would. Its reward is, in this order: the last
-line of its stdout that is a JSON object with a numeric ``"reward"``, else the last reward it posted to
-``.../episodes/<id>/reward``, else the task's verifier on its final reply (the latest reply of the episode,
-judged as the answer to the task's problem: `Episode.step` of a fresh episode; not done counts 0).
+asks again, as an agent with its own tools or environment would. Its reward comes from
+``agent.reward_source``: ``stdout`` (default) the last line of its stdout that is a JSON object with a
+numeric ``"reward"``; ``post`` the last reward it posted to ``.../episodes/<id>/reward`` (refused, 403,
+under the other sources); either way else, and under ``verifier`` always, the task's verifier on its final
+reply (the latest reply of the episode, judged as the answer to the task's problem: `Episode.step` of a
+fresh episode; not done counts 0).
 
-Each episode runs in a working folder of its own (``agent.workdir``, default the node's ``$TMPDIR``), made
-before the program starts and removed after the episode: the program's working folder, or, for a serving
-program, ``workdir`` in the episode's input. Every process of the program may take at most
-``agent.memory_mb`` of address space (``RLIMIT_AS``: no cgroups needed) and dies with the process that
-started it; ``agent.container`` is a command prefix (``[apptainer, exec, image.sif]``).
+Each episode runs in a private (0700) working folder of its own (``agent.workdir``, default the node's
+``$TMPDIR``), made before the program starts and removed after the episode: the program's working folder
+and ``TMPDIR``, or, for a serving program (which has a private folder of its own), ``workdir`` in the
+episode's input. Every process of the program is bound by `ProgramLimits` (address space, file size, CPU
+time, processes); ``agent.container`` is a command prefix (``[apptainer, exec, image.sif]``).
 
 An exit status other than 0, a death by signal, or a program that made no call at all fails the episode
-with the reason (and the last line of stderr); at the timeout the whole process group is killed (a serving
-program too: the slot starts a new one for its next episode). Either way the run goes on
-(`sfhpc.rollout.supervise`).
+with the reason (the last line of stderr, and the endpoint's last refusal of the episode's calls, if any);
+at the timeout the program is ended with every process it started (a serving program too: the slot starts
+a new one for its next episode). Either way the run goes on (`sfhpc.rollout.supervise`).
 
 Where the programs run is a `ProgramRunner`'s business: `LocalPrograms` starts them on this node (a rollout
 rank, or an agent host), `sfhpc.rollout.agent_host.AgentHostsClient` hands them to the agent hosts of an
@@ -55,17 +60,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import ctypes
 import json
 import logging
 import math
 import os
-import resource
 import shutil
 import signal
 import socket
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -73,6 +76,14 @@ from sfhpc.config.recipe import AgentSpec
 from sfhpc.endpoint.episodes import Episodes
 from sfhpc.errors import SfhpcError
 from sfhpc.rollout.agent import EpisodeOutcome
+from sfhpc.rollout.containment import (
+    NO_LIMITS,
+    STOP_GRACE_S,
+    ContainedProgram,
+    Containment,
+    ProgramLimits,
+    program_environment,
+)
 from sfhpc.tasks.base import Problem, Task
 
 log = logging.getLogger("sfhpc")
@@ -100,12 +111,14 @@ class EpisodeTimedOut(AgentProgramFailed):
 
 
 def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int,
-                  base_url: str = "", api_key: str = "") -> dict[str, Any]:
-    """The JSON object an agent program reads on stdin (and in ``SFHPC_EPISODE``); the runner adds the
-    episode's ``workdir``."""
+                  base_url: str = "", api_key: str = "", with_data: bool = False) -> dict[str, Any]:
+    """The JSON object an agent program reads on stdin (``SFHPC_EPISODE`` holds it without the problem's
+    data); the runner adds the episode's ``workdir``. The problem's data, which holds its answer, only
+    `with_data` (``agent.answer_to_program``: a program that plays the environment)."""
+    data = {"data": task.problem_to_json(problem.data)} if with_data else {}
     return {"episode_id": episode_id, "task": task.name, "model": model,
             "messages": task.episode(problem).opening(),
-            "problem": {"key": problem.key, "data": task.problem_to_json(problem.data)},
+            "problem": {"key": problem.key, **data},
             "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key,
             "agents_base_url": base_url.removesuffix("/v1") + "/agents" if base_url else ""}
 
@@ -187,46 +200,17 @@ class ProgramRun:
         return f"the agent program {what}" + (f"; its stderr ends: {last.strip()}" if last else "")
 
 
-class ProcessLimits:
-    """What a program's process may take: address space (``RLIMIT_AS``, in MiB, None: no limit); and it dies
-    with the process that started it (``PR_SET_PDEATHSIG``), so a killed rank or agent host leaves none
-    behind. Applied in the child between fork and exec."""
-
-    def __init__(self, memory_mb: int | None = None) -> None:
-        self.memory_mb = memory_mb
-        self._prctl = _libc_prctl()  # looked up before the fork: the child only calls it
-
-    def __call__(self) -> None:
-        if self.memory_mb is not None:
-            limit = self.memory_mb << 20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        if self._prctl is not None:
-            self._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+READERS_S = 5.0  # after the program ended, how long its output may still drain
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _libc_prctl() -> Any:
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the program outlives a killed parent until its calls fail
-        return None
-
-
-async def _start(command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None,
-                 limits: ProcessLimits | None) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env=dict(env), cwd=cwd, start_new_session=True, limit=LINE_LIMIT, preexec_fn=limits)
-
-
-async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin: str, cwd: str | None,
-                      limits: ProcessLimits | None = None) -> ProgramRun:
-    """Run `command` to its end in a new process group; cancelling (a timeout, the rank closing) kills the
-    whole group. Whatever the program leaves behind in its group is killed when it exits."""
+async def run_program(command: Sequence[str], *, env: Mapping[str, str], stdin: str, cwd: str | None,
+                      containment: Containment | None = None, limits: ProgramLimits = NO_LIMITS) -> ProgramRun:
+    """Run `command` to its end, contained (`sfhpc.rollout.containment`): when it exits, or when this is
+    cancelled (a timeout, the rank closing), every process it started is ended with it."""
     run = ProgramRun()
-    process = await _start(command, env=env, cwd=cwd, limits=limits)
+    program = await ContainedProgram.start(command, containment=containment or Containment.choose(), limits=limits,
+                                           env=env, cwd=cwd, line_limit=LINE_LIMIT)
+    process = program.process
 
     async def feed() -> None:
         assert process.stdin is not None
@@ -247,18 +231,18 @@ async def run_program(command: tuple[str, ...], *, env: Mapping[str, str], stdin
 
     readers = [asyncio.ensure_future(f()) for f in (feed, read_stdout, read_stderr)]
     try:
-        run.returncode = await process.wait()
+        run.returncode = await program.exited()
     finally:
-        _kill_group(process.pid)
-        if run.returncode is None:  # cancelled: reap the killed program before giving up the slot
+        if run.returncode is None:  # cancelled: end it all before giving up the slot
             with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(process.wait())
-        # The pipes close once the group is gone; a child that left the group may hold them: stop reading.
-        done, pending = await asyncio.wait(readers, timeout=5)
+                await asyncio.shield(program.end())
+        # Every process of it has ended, so its pipes are closed; a bound all the same.
+        done, pending = await asyncio.wait(readers, timeout=READERS_S)
         for reader in pending:
             reader.cancel()
         for reader in done:
-            reader.exception()  # a reader's own error (a pipe gone) is no error of the episode
+            if not reader.cancelled():
+                reader.exception()  # a reader's own error (a pipe gone) is no error of the episode
     return run
 
 
@@ -282,18 +266,22 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
 
 class ServingProgram:
     """One long-lived agent program (``agent.serve``): episodes go in as lines on its stdin, and each ends
-    with its ``{"episode_id": ..., ...}`` line on stdout (see the module). One episode at a time."""
+    with its ``{"episode_id": ..., ...}`` line on stdout (see the module). One episode at a time; it works
+    in a private folder of its own, removed when it ends."""
 
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
+    def __init__(self, program: ContainedProgram, folder: Path) -> None:
+        self.program, self.process, self.folder = program, program.process, folder
         self.stderr: collections.deque[str] = collections.deque(maxlen=STDERR_LINES)
         self._ends: dict[str, asyncio.Future[dict[str, Any]]] = {}
         self._readers = [asyncio.ensure_future(self._read_stdout()), asyncio.ensure_future(self._read_stderr())]
 
     @classmethod
-    async def start(cls, command: tuple[str, ...], *, env: Mapping[str, str], cwd: str | None,
-                    limits: ProcessLimits | None = None) -> ServingProgram:
-        return cls(await _start(command, env=env, cwd=cwd, limits=limits))
+    async def start(cls, command: Sequence[str], *, env: Mapping[str, str], folder: Path,
+                    containment: Containment, limits: ProgramLimits) -> ServingProgram:
+        program = await ContainedProgram.start(command, containment=containment, limits=limits,
+                                               env={**env, "TMPDIR": str(folder)}, cwd=str(folder),
+                                               line_limit=LINE_LIMIT)
+        return cls(program, folder)
 
     @property
     def alive(self) -> bool:
@@ -302,7 +290,7 @@ class ServingProgram:
     async def play(self, episode_id: str, payload: str) -> dict[str, Any]:
         """Send one episode and wait for its end line; raises `AgentProgramFailed` if the program ends first."""
         ended = self._ends[episode_id] = asyncio.get_running_loop().create_future()
-        exited = asyncio.ensure_future(self.process.wait())
+        exited = asyncio.ensure_future(self.program.exited())
         try:
             assert self.process.stdin is not None
             self.process.stdin.write(payload.encode() + b"\n")
@@ -319,10 +307,15 @@ class ServingProgram:
         raise AgentProgramFailed((run.failure() or "the agent program exited") + " before its episode's end line")
 
     def kill(self) -> None:
-        """Kill the program's whole process group (a timeout, a cancelled episode, the rank closing)."""
-        _kill_group(self.process.pid)
+        """End the program and all it started (a timeout, a cancelled episode, the rank closing)."""
+        self.program.stop()
         for reader in self._readers:
             reader.cancel()
+
+    async def ended(self, timeout_s: float) -> None:
+        """Wait (bounded) until a killed program has ended, then remove its folder."""
+        await self.program.exited(timeout_s)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     async def _read_stdout(self) -> None:
         assert self.process.stdout is not None
@@ -336,11 +329,6 @@ class ServingProgram:
         assert self.process.stderr is not None
         async for line in _lines(self.process.stderr):
             self.stderr.append(line.rstrip("\n"))
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
 
 
 class ProgramRunner(Protocol):
@@ -358,12 +346,19 @@ class ProgramRunner(Protocol):
 
     async def run(self, episode: dict[str, Any]) -> dict[str, Any] | None: ...
 
-    def close(self) -> None: ...
+    async def close(self) -> None:
+        """End what runs between episodes and wait (bounded) until it has: nothing outlives the loop."""
+        ...
 
 
 def episode_folder_base(spec: AgentSpec) -> Path:
     """The folder under which episodes get their working folders on this node."""
     return Path(spec.workdir or os.environ.get("TMPDIR") or tempfile.gettempdir())
+
+
+def program_limits(spec: AgentSpec) -> ProgramLimits:
+    return ProgramLimits(memory_mb=spec.memory_mb, file_mb=spec.max_file_mb, cpu_s=spec.max_cpu_s,
+                         processes=spec.max_processes)
 
 
 class LocalPrograms:
@@ -381,10 +376,11 @@ class LocalPrograms:
         self.spec = spec
         self.command = spec.argv(recipe_source)
         self.base = episode_folder_base(spec)
-        self.limits = ProcessLimits(spec.memory_mb)
+        self.limits = program_limits(spec)
+        self.containment = Containment.choose(spec.containment)
         self._slots: asyncio.Semaphore | None = None
         self._serving: list[ServingProgram] = []  # agent.serve: the programs between episodes
-        self._closed: list[ServingProgram] = []
+        self._retiring: set[asyncio.Task[None]] = set()  # ended serving programs, waited for in the background
 
     def slot(self) -> asyncio.Semaphore:
         if self._slots is None:  # made on the loop that uses it
@@ -395,15 +391,19 @@ class LocalPrograms:
     def timed_here(self) -> bool:
         return True
 
-    def environment(self, episode: Mapping[str, Any], episode_json: str) -> dict[str, str]:
+    def environment(self, episode: Mapping[str, Any], folder: Path) -> dict[str, str]:
+        """The program's environment: the minimal set and ``agent.env`` (`program_environment`), its episode's
+        URL and key, and its input without the problem's data (any process it starts reads its environment)."""
         url = str(episode["base_url"])
-        env = {**os.environ, **OFFLINE, "OPENAI_BASE_URL": url, "OPENAI_API_KEY": str(episode["api_key"]),
-               "OPENAI_MODEL": str(episode["model"])}
-        if episode_json and len(episode_json) <= ENV_INPUT_LIMIT:
-            env[EPISODE_VAR] = episode_json
-        else:
-            env.pop(EPISODE_VAR, None)
-        # A cluster's HTTP proxy must not carry calls to the endpoint away from the cluster.
+        env = {**program_environment(self.spec.env), **OFFLINE, "OPENAI_BASE_URL": url,
+               "OPENAI_API_KEY": str(episode["api_key"]), "OPENAI_MODEL": str(episode["model"]),
+               "TMPDIR": str(folder)}
+        if episode.get("episode_id") is not None:
+            public = json.dumps({**episode, "problem": {"key": (episode.get("problem") or {}).get("key")},
+                                 "workdir": str(folder)}, default=str)
+            if len(public) <= ENV_INPUT_LIMIT:
+                env[EPISODE_VAR] = public
+        # The calls go to the endpoint directly, never through a proxy the program might be told of.
         host = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)[0].strip("[]")
         for var in ("NO_PROXY", "no_proxy"):
             env[var] = ",".join(p for p in (env.get(var, ""), host) if p)
@@ -411,13 +411,13 @@ class LocalPrograms:
 
     async def run(self, episode: dict[str, Any]) -> dict[str, Any] | None:
         self.base.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=f"sfhpc-episode-{episode['episode_id']}-", dir=self.base))
+        folder = _private_folder(self.base, f"sfhpc-episode-{episode['episode_id']}-")
         try:
             payload = json.dumps({**episode, "workdir": str(folder)}, default=str)
             if self.spec.serve:
                 return await self._serve(episode, payload)
-            run = await run_program(self.command, env=self.environment(episode, payload), stdin=payload + "\n",
-                                    cwd=str(folder), limits=self.limits)
+            run = await run_program(self.command, env=self.environment(episode, folder), stdin=payload + "\n",
+                                    cwd=str(folder), containment=self.containment, limits=self.limits)
             failure = run.failure()
             if failure is not None:
                 log.warning("agent program of episode %s: %s\n%s", episode["episode_id"], failure,
@@ -429,47 +429,60 @@ class LocalPrograms:
 
     async def _serve(self, episode: Mapping[str, Any], payload: str) -> dict[str, Any]:
         """An episode on a serving program (a running one between episodes, else a new one); a program whose
-        episode did not end cleanly (cancelled, timed out, failed) is killed, never given another."""
+        episode did not end cleanly (cancelled, timed out, failed) is ended, never given another."""
         while self._serving and not self._serving[-1].alive:
-            self._serving.pop().kill()
+            self._retire(self._serving.pop())
         if self._serving:
             program = self._serving.pop()
         else:  # its own URL names no episode: calls must go to each episode's base_url
-            nowhere = {**episode, "base_url": str(episode["base_url"]).rsplit("/episodes/", 1)[0] + "/episodes/none/v1"}
-            program = await ServingProgram.start(self.command, env=self.environment(nowhere, ""), cwd=str(self.base),
-                                                 limits=self.limits)
+            nowhere = {"base_url": str(episode["base_url"]).rsplit("/episodes/", 1)[0] + "/episodes/none/v1",
+                       "api_key": "none", "model": episode["model"]}
+            folder = _private_folder(self.base, "sfhpc-serving-")
+            program = await ServingProgram.start(self.command, env=self.environment(nowhere, folder), folder=folder,
+                                                 containment=self.containment, limits=self.limits)
         try:
             end = await program.play(str(episode["episode_id"]), payload)
         except BaseException:
-            program.kill()
+            self._retire(program)
             raise
         self._serving.append(program)
         return end
 
-    def close(self) -> None:
-        """Kill the serving programs (they would also end at the end of their stdin, when the rank exits)."""
-        self._closed = list(self._serving)
+    def _retire(self, program: ServingProgram) -> None:
+        program.kill()
+        task = asyncio.get_running_loop().create_task(program.ended(STOP_GRACE_S + 1))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def close(self) -> None:
+        """End the serving programs and wait until they, and those retired before, have exited: a process
+        that outlived this loop would leave asyncio's child watcher complaining on the console."""
+        closing = []
         while self._serving:
-            self._serving.pop().kill()
+            program = self._serving.pop()
+            program.kill()
+            closing.append(program.ended(STOP_GRACE_S + 1))
+        ends = [*closing, *self._retiring]
+        if ends:
+            await asyncio.gather(*ends, return_exceptions=True)
 
-    async def wait_closed(self, timeout_s: float = 5.0) -> None:
-        """Reap the programs `close` killed, so that their pipes close on this loop before it ends."""
-        waits = [p.process.wait() for p in self._closed]
-        if waits:
-            await asyncio.wait_for(asyncio.gather(*waits, return_exceptions=True), timeout_s)
 
+def _private_folder(base: Path, prefix: str) -> Path:
+    """A new folder only its owner may enter (``mkdtemp`` makes it 0700), so no other user of a shared
+    ``$TMPDIR`` can plant a module or read what the program writes."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 class AgentPrograms:
     """Plays episodes with the recipe's agent program through `runner` (default: on this node, at most
     ``workers`` at once, one rank's share).
 
-    `url_of` gives an episode's base URL (the endpoint server's `episode_url`); `token` is the run's.
-    Methods run on the endpoint's event loop, where `episodes` are served.
+    `url_of` gives an episode's base URL (the endpoint server's `episode_url`); each episode's program gets
+    that episode's own key. Methods run on the endpoint's event loop, where `episodes` are served.
     """
 
     def __init__(self, spec: AgentSpec, *, recipe_source: str, episodes: Episodes, url_of: Callable[[str], str],
-                 token: str | None, model: str, runner: ProgramRunner | None = None) -> None:
-        self.episodes, self.url_of, self.token, self.model = episodes, url_of, token, model
+                 model: str, runner: ProgramRunner | None = None) -> None:
+        self.spec, self.episodes, self.url_of, self.model = spec, episodes, url_of, model
         self.runner: ProgramRunner = runner if runner is not None else LocalPrograms(spec, recipe_source)
 
     @property
@@ -479,24 +492,32 @@ class AgentPrograms:
     async def play(self, task: Task, problem: Problem, *, group: str, max_tokens: int,
                    on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
         """One episode: run the program against its episode URL, then take its reward (see the module)."""
-        episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory)
+        source = self.spec.reward_source
+        episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory,
+                                     takes_posted_reward=source == "post")
         try:
             end = await self.runner.run(episode_input(
                 episode.id, task, problem, model=self.model, max_tokens=max_tokens, base_url=self.url_of(episode.id),
-                api_key=self.token or "none"))
+                api_key=episode.key, with_data=self.spec.answer_to_program))
+        except AgentProgramFailed as exc:
+            if episode.refusal is None:
+                raise
+            raise AgentProgramFailed(f"{exc}; the endpoint refused its last call: {episode.refusal}") from None
         finally:
             self.episodes.close(episode.id)
         answered = [(seat, tid) for seat in episode.seats.values() for tid in seat.trajectories
                     if tid in seat.replies]  # a reply may be empty text (only the end-of-turn token)
         if not answered:
-            raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint: it "
-                                     "must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")
-        per_agent, shared = _agent_rewards(end), _reward_of(end)
+            why = (f"; the endpoint refused its last call: {episode.refusal}" if episode.refusal else
+                   ": it must call the OpenAI API at the episode's base_url ($OPENAI_BASE_URL)")
+            raise AgentProgramFailed("the agent program ended its episode without a reply from the endpoint" + why)
+        printed = source == "stdout"  # the end line's rewards count under stdout alone
+        per_agent, shared = (_agent_rewards(end), _reward_of(end)) if printed else ({}, None)
         posted = episode.seats[""].reward if "" in episode.seats else None
         rewards = []
         for seat, tid in answered:  # an agent's trajectories: one, or one per choice of a call with n > 1
-            # Printed (for this agent, then for all), then posted (for this agent, then for all), then the
-            # task's verifier on this trajectory's last reply.
+            # Printed (stdout: for this agent, then for all), or posted (post: for this agent, then for all),
+            # else the task's verifier on this trajectory's last reply.
             reward = next((r for r in (per_agent.get(seat.agent), shared, seat.reward, posted) if r is not None),
                           None)
             if reward is None:
@@ -504,8 +525,8 @@ class AgentPrograms:
                 reward = result.reward if result.done else 0.0
             rewards.append((tid, reward))
         (first, reward), others = rewards[0], tuple(rewards[1:])
-        per_reply = turn_rewards_of(end) if not others else ()  # one trajectory: its replies in order
+        per_reply = turn_rewards_of(end) if printed and not others else ()  # one trajectory: its replies in order
         return EpisodeOutcome(first, reward, sum(seat.calls for seat in episode.seats.values()), per_reply, others)
 
-    def close(self) -> None:
-        self.runner.close()
+    async def close(self) -> None:
+        await self.runner.close()

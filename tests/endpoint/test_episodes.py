@@ -8,9 +8,10 @@ import httpx
 import openai
 import pytest
 
-from sfhpc.endpoint import EndpointServer
+from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.endpoint.errors import NotFound
 from sfhpc.engine import tokenizer as tk
+from sfhpc.engine.scripted import ScriptedEngine
 from tests.endpoint.conftest import MODEL, RecordingManager
 
 TOK = tk.ByteTokenizer()
@@ -87,7 +88,12 @@ def test_calls_that_arrive_together_start_one_trajectory(server: EndpointServer,
 
 
 def test_reward_route_and_a_closed_episode(server: EndpointServer) -> None:
-    episode = server.api.episodes.open(task="t", group="g")
+    refusing = server.api.episodes.open(task="t", group="g")  # the default: rewards come from elsewhere
+    refused = httpx.post(f"{server.episode_url(refusing.id).removesuffix('/v1')}/reward", json={"reward": 1.0})
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "reward_not_taken"
+    assert refusing.seat().reward is None and server.api.episodes.rewards_refused == 1
+    assert httpx.get(f"{server.url.removesuffix('/v1')}/health").json()["rewards_refused"] == 1
+    episode = server.api.episodes.open(task="t", group="g", takes_posted_reward=True)
     base = server.episode_url(episode.id).removesuffix("/v1")
     assert httpx.post(f"{base}/reward", json={"reward": 0.5}).json() == {"episode": episode.id, "reward": 0.5}
     assert episode.seat().reward == 0.5
@@ -165,3 +171,25 @@ def test_n_choices_are_trajectories_of_their_own_and_a_later_call_continues_the_
         streamed = httpx.post(f"{server.episode_url(episode.id)}/chat/completions",
                               json={"model": "m", "messages": ask, "n": 2, "stream": True})
         assert [(r.status_code, r.json()["error"]["param"]) for r in (too_many, streamed)] == [(400, "n"), (400, "n")]
+
+
+def test_an_episode_key_opens_its_own_episode_alone(engine: ScriptedEngine, sink: RecordingManager) -> None:
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name=MODEL)
+    with EndpointServer(api, token="run-token") as server:
+        mine, other = server.api.episodes.open(task="t", group="g"), server.api.episodes.open(task="t", group="h")
+        chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        def call(url: str, key: str) -> httpx.Response:
+            return httpx.post(f"{url}/chat/completions", json=chat, headers={"Authorization": f"Bearer {key}"},
+                              timeout=30)
+
+        assert call(server.episode_url(mine.id), mine.key).status_code == 200
+        # Its key on another episode's URL, or on the run's own routes: 403, nothing generated there.
+        assert call(server.episode_url(other.id), mine.key).status_code == 403
+        assert call(server.url, mine.key).status_code == 403
+        assert other.seat().trajectory_id is None and len(sink.ids()) == 1
+        # The run's token opens every route; a key of no episode opens none.
+        assert call(server.episode_url(other.id), "run-token").status_code == 200
+        assert call(server.episode_url(other.id), "guessed").status_code == 401
+        server.api.episodes.close(mine.id)
+        assert call(server.episode_url(mine.id), mine.key).status_code == 401  # a closed episode's key is void

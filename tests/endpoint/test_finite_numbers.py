@@ -74,7 +74,7 @@ def test_the_refusal_names_the_field_and_the_value(server: EndpointServer, sink:
 
 
 def test_an_episode_refuses_a_non_finite_reward(server: EndpointServer, sink: RecordingManager) -> None:
-    episode = server.api.episodes.open(task="t", group="g")
+    episode = server.api.episodes.open(task="t", group="g", takes_posted_reward=True)
     base = server.episode_url(episode.id)
     # A turn with a NaN temperature on the episode's URL starts no trajectory.
     answer = post(f"{base}/chat/completions", chat(temperature=math.nan))

@@ -39,7 +39,11 @@ import json, os, sys, time
 import openai
 episode = json.load(sys.stdin)
 with open(sys.argv[1], "a") as notes:
-    notes.write(json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "cwd": os.getcwd(), "workdir": episode["workdir"],
+    # Pids as the node sees them (/proc is the node's, even in a PID namespace): its own and its ancestors'.
+    pids = [int(os.readlink("/proc/self"))]
+    while pids[-1] > 1:
+        pids.append(int(open(f"/proc/{pids[-1]}/stat").read().rsplit(")", 1)[1].split()[1]))
+    notes.write(json.dumps({"pid": pids[0], "ancestors": pids[1:], "cwd": os.getcwd(), "workdir": episode["workdir"],
                             "container": os.environ.get("IN_CONTAINER"), "secret": episode["problem"]["data"]}) + "\\n")
 open("scratch.txt", "w").write("an episode's own file")
 client = openai.OpenAI(max_retries=0)
@@ -66,7 +70,7 @@ def hosts(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen[str]]]]:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"name: hosts\ntask: {{name: guess-number}}\nagent: {{command: [{sys.executable}, program.py, "
                       f"{notes}], container: [env, IN_CONTAINER=yes], memory_mb: 300, timeout_s: 20, "
-                      f"workdir: {tmp_path / 'work'}}}\n"
+                      f"answer_to_program: true, workdir: {tmp_path / 'work'}}}\n"
                       "roles: {controller: {place_with: trainer}, trainer: {tags: [train]}, "
                       "rollout: {tags: [rollout]}, agents: {tags: [cpu]}}\n")
     run_dir = tmp_path / "run"
@@ -100,8 +104,9 @@ def test_agent_hosts_play_episodes_in_folders_of_their_own_within_limits_and_los
         hosts: tuple[Path, list[subprocess.Popen[str]]]) -> None:
     run_dir, (first, second) = hosts
     client = AgentHostsClient(run_dir / "agent-hosts")
-    programs = AgentPrograms(AgentSpec(command=("python3", "x")), recipe_source=str(tmp_path / "recipe.yaml"),
-                             episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model=MODEL,
+    programs = AgentPrograms(AgentSpec(command=("python3", "x"), answer_to_program=True),
+                             recipe_source=str(tmp_path / "recipe.yaml"),
+                             episodes=server.api.episodes, url_of=server.episode_url, model=MODEL,
                              runner=client)
     assert sorted(h.name[-2:] for h in client.hosts()) == ["-0", "-1"]
     outcomes = play_all(server, manager, programs, [1, 1, 1, 1, 2])
@@ -118,7 +123,7 @@ def test_agent_hosts_play_episodes_in_folders_of_their_own_within_limits_and_los
     assert "MemoryError" in hog, hog
     assert len(manager.fail_reasons()) == 1
     # Both hosts had episodes: the programs' parents.
-    assert {n["ppid"] for n in notes} == {first.pid, second.pid}
+    assert {_host_of(n["ancestors"], (first, second)).pid for n in notes} == {first.pid, second.pid}
 
     # A host killed while it plays (with its programs, as when its node is lost): only its episode fails.
     async def lose_one() -> Any:
@@ -138,7 +143,7 @@ def test_agent_hosts_play_episodes_in_folders_of_their_own_within_limits_and_los
     assert holder.wait(timeout=10) == -signal.SIGKILL
 
     async def close() -> None:
-        programs.close()
+        await programs.close()
     server.call(close(), timeout=10)
 
 
@@ -155,9 +160,15 @@ async def _wait_for_hang(notes: Path, hosts: tuple[subprocess.Popen[str], ...]) 
         for line in notes.read_text().splitlines():
             note = json.loads(line)
             if note["secret"] == 3:
-                return next(h for h in hosts if h.pid == note["ppid"])
+                return _host_of(note["ancestors"], hosts)
         await asyncio.sleep(0.1)
     raise AssertionError("the never-ending episode did not start")
+
+
+def _host_of(ancestors: list[int], hosts: tuple[subprocess.Popen[str], ...]) -> subprocess.Popen[str]:
+    """The host among `hosts` that a program of these `ancestors` descends from (its launcher, and the
+    namespace's, stand between them)."""
+    return next(h for h in hosts if h.pid in ancestors)
 
 
 def _parent(pid: int) -> int:
@@ -180,9 +191,15 @@ def kill_agent_host(register: Path, notes_pid_file: Path) -> str:
     """Kill the agent host whose program wrote `notes_pid_file` (the hung episode), with its programs, as when
     its node is lost; returns its name."""
     hung = int(notes_pid_file.read_text().split()[0])
-    parent = _parent(hung)
-    record = next(r for r in (json.loads(p.read_text()) for p in register.glob("*.json")) if r["pid"] == parent)
-    programs = [pid for child in _children(parent) for pid in (child, *_children(child))]
+    records = {r["pid"]: r for r in (json.loads(p.read_text()) for p in register.glob("*.json"))}
+    parent = hung
+    while parent not in records:  # up from the program, past its launcher, to its host
+        parent = _parent(parent)
+    record = records[parent]
+    programs, todo = [], _children(parent)
+    while todo:
+        programs.append(todo.pop())
+        todo += _children(programs[-1])
     os.kill(parent, signal.SIGKILL)  # first: a host that outlived its programs would report their deaths
     for pid in programs:
         with contextlib.suppress(ProcessLookupError):

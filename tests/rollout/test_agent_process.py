@@ -29,10 +29,10 @@ AGENT = Path(__file__).parent / "agents" / "guess_agent.py"
 TASK = GuessNumberTask(max_turns=4)
 
 
-def programs(server: EndpointServer, *args: str, workers: int = 4) -> AgentPrograms:
-    spec = AgentSpec(command=(sys.executable, str(AGENT), *args), workers=workers)
+def programs(server: EndpointServer, *args: str, workers: int = 4, **keys: Any) -> AgentPrograms:
+    spec = AgentSpec(command=(sys.executable, str(AGENT), *args), workers=workers, answer_to_program=True, **keys)
     return AgentPrograms(spec, recipe_source=str(AGENT), episodes=server.api.episodes, url_of=server.episode_url,
-                         token=server.token, model=MODEL)
+                         model=MODEL)
 
 
 def play(server: EndpointServer, manager: TrajectoryManager, runner: AgentPrograms, secret: int, *,
@@ -74,9 +74,25 @@ def test_a_multi_turn_program_records_every_turn_and_the_verifier_judges_its_las
 
 def test_the_programs_own_reward_wins_over_the_verifier(server: EndpointServer, manager: TrajectoryManager) -> None:
     printed = play(server, manager, programs(server, "--report", "stdout"), 5)
-    posted = play(server, manager, programs(server, "--report", "post"), 5)
+    posted = play(server, manager, programs(server, "--report", "post", reward_source="post"), 5)
     assert printed.reward in (10.0, 11.0) and posted.reward in (20.0, 21.0)
     assert manager.trajectory(printed.trajectory_id).reward == printed.reward
+    assert server.api.episodes.rewards_refused == 0
+
+
+def test_a_posted_reward_is_refused_unless_the_recipe_takes_it(server: EndpointServer, manager: TrajectoryManager,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    # Code the model wrote and the program ran could post 1.0 for itself: under the default reward
+    # source (stdout, then the verifier) the endpoint answers 403 and the episode fails with that reason.
+    assert play(server, manager, programs(server, "--report", "post"), 5) is None
+    assert server.api.episodes.rewards_refused == 1
+    (reason,) = manager.fail_reasons()
+    assert "the endpoint refused its last call: 403 this run does not take rewards posted" in reason, reason
+    refused = [r.getMessage() for r in caplog.records if "posted a reward, refused" in r.getMessage()]
+    assert len(refused) == 1, refused
+    # Under reward_source "verifier" a printed reward line is only chatter: the verifier judges.
+    judged = play(server, manager, programs(server, "--report", "stdout", reward_source="verifier"), 5)
+    assert judged is not None and judged.reward in (0.0, 1.0)
 
 
 def test_a_crashing_program_fails_its_episode_with_the_reason(server: EndpointServer,
@@ -101,7 +117,9 @@ def test_a_hanging_program_is_killed_with_its_process_group(server: EndpointServ
     assert manager.fail_reasons() == ["timed out after 4 s"]
     (tid,) = heard
     assert manager.status(tid) == "failed"
-    for pid in map(int, pids.read_text().split()):  # the program and the child it started are gone
+    program, child = map(int, pids.read_text().split())
+    assert program != child
+    for pid in (program, child):  # the program and the child it started are gone
         assert not alive(pid)
 
 
@@ -123,7 +141,7 @@ def test_a_program_that_never_calls_fails_and_workers_bound_concurrency(server: 
                       f"open({str(log)!r}, 'a').write(f'{{start}} {{time.time()}}\\n')\n")
     spec = AgentSpec(command=(sys.executable, str(script)), workers=2)
     runner = AgentPrograms(spec, recipe_source=str(script), episodes=server.api.episodes,
-                           url_of=server.episode_url, token=server.token, model=MODEL)
+                           url_of=server.episode_url, model=MODEL)
 
     async def four() -> list[Any]:
         async def one(i: int) -> Any:
@@ -177,15 +195,17 @@ def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, ma
     # A bare python3 is sfhpc's own interpreter, whatever PATH holds (a shell without the venv activated).
     monkeypatch.setenv("PATH", str(tmp_path))
     runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
-                           episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model=MODEL)
+                           episodes=server.api.episodes, url_of=server.episode_url, model=MODEL)
     assert runner.runner.command[0] == sys.executable  # type: ignore[attr-defined]
     play(server, manager, runner, 3)
     data = json.loads(dump.read_text())
     assert data["task"] == "guess-number" and data["model"] == MODEL and data["max_tokens"] == 1
     assert data["messages"] == [{"role": "user", "content": "guess 0-9"}]
-    assert data["problem"] == {"key": "3", "data": 3}
+    assert data["problem"] == {"key": "3"}  # its data holds the answer: only with agent.answer_to_program
     url, key, model, no_agents_traces, no_langsmith = Path(str(dump) + ".env").read_text().split()
-    assert url == f"http://127.0.0.1:{server.port}/episodes/{data['episode_id']}/v1" and key == server.token
+    # The episode's own key, not the run's token.
+    assert url == f"http://127.0.0.1:{server.port}/episodes/{data['episode_id']}/v1" and key == data["api_key"]
+    assert key != server.token
     assert (model, no_agents_traces, no_langsmith) == (MODEL, "1", "false")
 
 
@@ -239,9 +259,10 @@ def test_the_shipped_example_program_plays_and_reports_its_reward(server: Endpoi
     from tests.conftest import RECIPES
 
     recipe = RECIPES / "guess-number-agent.yaml"
-    spec = AgentSpec(command=(sys.executable, "agents/guess_number.py"))  # this interpreter has `openai`
+    spec = AgentSpec(command=(sys.executable, "agents/guess_number.py"),  # this interpreter has `openai`
+                     answer_to_program=True)
     runner = AgentPrograms(spec, recipe_source=str(recipe), episodes=server.api.episodes, url_of=server.episode_url,
-                           token=server.token, model=MODEL)
+                           model=MODEL)
     outcome = play(server, manager, runner, 4)
     record = manager.trajectory(outcome.trajectory_id)
     replies = [ByteTokenizer().decode(s.tokens) for s in record.segments if s.generated]
@@ -289,7 +310,7 @@ import openai
 for line in sys.stdin:
     episode = json.loads(line)
     with open(sys.argv[1], "a") as log:
-        log.write(f"{os.getpid()}\\n")
+        log.write(os.readlink("/proc/self") + "\\n")  # its pid on the node (inside a PID namespace it is 1)
     client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
     client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=episode["messages"], max_tokens=1)
     secret = episode["problem"]["data"]
@@ -306,9 +327,10 @@ def test_serving_programs_play_episodes_one_after_another_and_a_broken_one_is_re
         server: EndpointServer, manager: TrajectoryManager, tmp_path: Path) -> None:
     script, log = tmp_path / "serving.py", tmp_path / "pids"
     script.write_text(SERVING_AGENT)
-    runner = AgentPrograms(AgentSpec(command=("python3", str(script), str(log)), workers=2, serve=True),
+    runner = AgentPrograms(AgentSpec(command=("python3", str(script), str(log)), workers=2, serve=True,
+                                     answer_to_program=True),
                            recipe_source=str(script), episodes=server.api.episodes, url_of=server.episode_url,
-                           token=server.token, model=MODEL)
+                           model=MODEL)
 
     def pids() -> list[int]:
         return [int(p) for p in log.read_text().split()]
@@ -346,7 +368,7 @@ def test_serving_programs_play_episodes_one_after_another_and_a_broken_one_is_re
 
 
 async def _close(runner: AgentPrograms) -> None:
-    runner.close()
+    await runner.close()
 
 
 def _alive(pid: int) -> bool:
@@ -386,7 +408,7 @@ def test_a_two_agent_episode_stores_two_trajectories_in_its_group_each_with_its_
     def episode(rewards: dict[str, float]) -> Any:
         runner = AgentPrograms(AgentSpec(command=("python3", str(script), json.dumps(rewards))),
                                recipe_source=str(script), episodes=server.api.episodes, url_of=server.episode_url,
-                               token=server.token, model=MODEL)
+                               model=MODEL)
         return play(server, manager, runner, 4, group="g")
 
     first = episode({"solver": 1.0, "checker": 0.25})
@@ -426,7 +448,7 @@ def test_a_reply_of_empty_text_is_a_reply(manager: TrajectoryManager, tmp_path: 
     api = OpenAIApi(AgentEndpoint(ReplyingEngine([[tk.END]]), manager), model_name=MODEL, token=new_run_token())
     with EndpointServer(api) as server:
         runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
-                               episodes=server.api.episodes, url_of=server.episode_url, token=server.token,
+                               episodes=server.api.episodes, url_of=server.episode_url,
                                model=MODEL)
         outcome = play(server, manager, runner, 4)
     assert outcome is not None and outcome.reward == 0.0  # the verifier judged '' as a wrong guess

@@ -35,6 +35,7 @@ agent:
   command: [{python}, {agent}, --turns, "4", --fault-dir, {faults}, --pid-file, {faults}/hang.pids]
   workers: 4
   timeout_s: {timeout_s}
+  answer_to_program: true  # the program plays the environment: it knows the secret
 roles:
   controller: {{place_with: trainer}}
   trainer:    {{tags: [train], nodes: 1}}
@@ -97,5 +98,8 @@ def test_an_agent_program_plays_inside_the_rl_loop(tmp_path: Path) -> None:
     recipe = agent_recipe(tmp_path, engine=TEST_ENGINE, timeout_s=TIMEOUT_S)
     done = run_sfhpc("run", str(recipe), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # Every program ended before its rank's loop did: asyncio's child watcher has nothing to complain of.
+    assert "that handles pid" not in done.stdout + done.stderr
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    assert not any("that handles pid" in log.read_text(errors="replace") for log in run_dir.rglob("*.log"))
     check_agent_run(run_dir, tmp_path / "faults", timeout_s=TIMEOUT_S)

@@ -80,7 +80,7 @@ def test_a_framework_agent_calls_the_tool_and_answers(
     # relative to the recipe's folder.
     spec = AgentSpec(command=("python3", f"agents/{script}", *args), workers=1)
     runner = AgentPrograms(spec, recipe_source=str(RECIPES / "guess-number-agent.yaml"),
-                           episodes=server.api.episodes, url_of=server.episode_url, token=server.token, model="policy")
+                           episodes=server.api.episodes, url_of=server.episode_url, model="policy")
     task = SumTask()
 
     async def episode() -> object:

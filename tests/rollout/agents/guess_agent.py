@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 
@@ -51,7 +52,8 @@ def crashed_key() -> str:
 
 
 episode = json.load(sys.stdin)
-assert json.loads(os.environ["SFHPC_EPISODE"]) == episode
+public = json.loads(os.environ["SFHPC_EPISODE"])  # the same input without the problem's data (its answer)
+assert public == {**episode, "problem": {"key": episode["problem"]["key"]}}, public
 fault = None
 if args.fault_dir:
     key = str(episode["problem"]["key"])
@@ -74,10 +76,16 @@ for turn in range(args.turns):
     if fault == "crash" or episode["problem"]["key"] in args.crash_on.split(","):
         raise RuntimeError(f"agent crashed on purpose after guessing {guess!r}")
     if fault == "hang" or episode["problem"]["key"] in args.hang_on.split(","):
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        # Pids as the node sees them (inside a PID namespace the program is 1): /proc is the node's. The
+        # program's first, then its child's.
+        note = args.pid_file or os.devnull
         if args.pid_file:
-            with open(args.pid_file, "w") as f:
-                f.write(f"{os.getpid()} {child.pid}\n")
+            with open(args.pid_file, "a") as f:
+                f.write(os.readlink("/proc/self") + "\n")
+        subprocess.Popen([sys.executable, "-c", "import os, sys, time; print(os.readlink('/proc/self'), "
+                          "file=open(sys.argv[1], 'a'), flush=True); time.sleep(600)", note])
+        while args.pid_file and len(Path(args.pid_file).read_text().split()) < 2:
+            time.sleep(0.01)
         time.sleep(600)
     if guess == secret:
         found = True
