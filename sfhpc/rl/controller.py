@@ -368,9 +368,16 @@ class Controller:
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
             "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out,
+            "episodes_in_flight": self.episodes_in_flight(),
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
             **self._dropped_metrics(),
         })
+
+    def episodes_in_flight(self) -> int:
+        """Episodes handed out that have not ended, as the scheduler counts them from the ranks' episode ends
+        (one per episode, whatever its number of trajectories)."""
+        ended = self.server.episodes_ended
+        return sum(self.scheduler.in_flight(r, ended) for r in self.scheduler.entries)
 
     def _dropped_metrics(self) -> dict[str, int]:
         """The policy tokens dropped since the last step's row, by cause (``dropped_tokens_stale``, ...), so

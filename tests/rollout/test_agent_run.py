@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from sfhpc.analysis import open_run
 from sfhpc.data.store import open_store
 from tests.conftest import run_sfhpc
 from tests.rollout.test_agent_process import alive
@@ -103,3 +104,53 @@ def test_an_agent_program_plays_inside_the_rl_loop(tmp_path: Path) -> None:
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     assert not any("that handles pid" in log.read_text(errors="replace") for log in run_dir.rglob("*.log"))
     check_agent_run(run_dir, tmp_path / "faults", timeout_s=TIMEOUT_S)
+
+
+# Two agents per episode, the solver asking for two choices (n = 2): three trajectories an episode.
+SEVERAL_TRAJECTORIES = """\
+import json, sys
+import openai
+for line in sys.stdin:
+    episode = json.loads(line)
+    def agent(name):
+        return openai.OpenAI(base_url=f"{episode['agents_base_url']}/{name}/v1", api_key=episode["api_key"],
+                             max_retries=0)
+    guesses = agent("solver").chat.completions.create(model="m", messages=episode["messages"], max_tokens=1, n=2)
+    said = guesses.choices[0].message.content
+    agent("checker").chat.completions.create(model="m", messages=[{"role": "user", "content": f"is {said} right?"}],
+                                             max_tokens=1)
+    print(json.dumps({"episode_id": episode["episode_id"], "rewards": {"solver": 1.0, "checker": 0.5}}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "seamless"])
+def test_an_episode_of_several_trajectories_ends_once(tmp_path: Path, mode: str) -> None:
+    """A rank's episodes in flight count episodes, not trajectories: in a sync run none is in flight when a
+    step is reported (three ends an episode would leave the count at -8 after the first step); in a
+    seamless one (the trainer rank lent while it waits; an agent program's episode is never moved) at most
+    the groups in flight's members."""
+    (tmp_path / "two.py").write_text(SEVERAL_TRAJECTORIES)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"name: several\nseed: 2\n{TEST_ENGINE}\npipeline: {{mode: {mode}}}\n"
+                      "budgets: {steps: 3, prompts_per_step: 2}\nalgorithm: {group_size: 2}\n"
+                      "task: {name: guess-number}\n"
+                      f"agent: {{command: [{sys.executable}, two.py], workers: 4, serve: true, timeout_s: 60}}\n"
+                      "roles: {controller: {place_with: trainer}, trainer: {tags: [train], nodes: 1}, "
+                      f"rollout: {{tags: [rollout], nodes: 1}}}}\noutput_dir: {tmp_path / 'runs'}\n")
+    done = run_sfhpc("run", str(recipe), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["trajectories"] for r in rows] == [2 * 2 * 3] * 3
+    if mode == "sync":
+        assert [r["episodes_in_flight"] for r in rows] == [0] * 3
+    else:
+        assert all(0 <= r["episodes_in_flight"] <= 2 * r["groups_in_flight"] for r in rows), rows
+        assert rows[-1]["lends"] >= 1
+    assert "that handles pid" not in done.stdout + done.stderr
+    with open_run(run_dir) as run:
+        frame = run.trajectories()
+    frame = frame[frame["status"] == "consumed"]  # (a seamless run ends with episodes of later steps begun)
+    per_episode = frame.groupby("episode")["agent"].apply(sorted)
+    assert len(per_episode) == 3 * 2 * 2 and all(a == ["checker", "solver", "solver"] for a in per_episode)
+    assert set(frame.loc[frame["agent"] == "checker", "reward"]) == {0.5}
