@@ -56,10 +56,12 @@ class PipelinePolicy:
 
     @classmethod
     def of(cls, recipe: Any) -> PipelinePolicy:
-        """The policy of a recipe (`sfhpc.config.recipe.Recipe`)."""
+        """The policy of a recipe (`sfhpc.config.recipe.Recipe`). An agent program's episode cannot move (its
+        state lives in the program), so a recipe with ``agent`` does not rebalance: its lent ranks play new
+        episodes instead, which is all a lent rank can do for it."""
         pipeline = recipe.pipeline
         return cls(pipeline.mode, recipe.budgets.prompts_per_step, pipeline.max_staleness, pipeline.max_token_lag,
-                   rebalance=pipeline.rebalance)
+                   rebalance=pipeline.rebalance and getattr(recipe, "agent", None) is None)
 
     # -- admission -------------------------------------------------------------------------------------
     @property

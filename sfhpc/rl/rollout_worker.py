@@ -359,7 +359,8 @@ class RolloutWorker:
         are handed off at the endpoint (their running turns, HTTP handlers too, cut and recorded; later turns
         refused), then its task is cancelled without counting as failed. Returns the tickets of those that
         had not finished meanwhile, each naming its trajectory (``resume_id``) where one started, for the
-        controller to continue elsewhere. (The caller's round trip to the manager makes sure the cut
+        controller to continue elsewhere (an agent program's names none: its trajectories are aborted here
+        and it is played afresh). (The caller's round trip to the manager makes sure the cut
         segments' one-way records arrived before the controller hands the episodes out.)"""
         self.releasing.update(chosen)  # first: a cut turn fails its agent's call, which is no failed episode
         try:
@@ -373,7 +374,14 @@ class RolloutWorker:
         for (episode, started), outcome in zip(chosen.values(), outcomes):
             if isinstance(outcome, EpisodeOutcome):
                 continue  # finished before the cut: it stays
-            moved.append(dataclasses.replace(episode, resume_id=started[0]) if started else episode)
+            if self.programs is not None:
+                # An agent program's state died with it: its trajectories (every agent's, every choice's) are
+                # kept as aborted, never trained on, and the episode is played afresh elsewhere.
+                for trajectory in started:
+                    await asyncio.to_thread(self.manager.abort, trajectory)
+                moved.append(episode)
+            else:
+                moved.append(dataclasses.replace(episode, resume_id=started[0]) if started else episode)
         return tuple(moved)
 
     async def _wind_down_episodes(self) -> None:

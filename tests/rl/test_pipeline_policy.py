@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sfhpc.data.manager import TrajectoryManager
@@ -148,3 +150,19 @@ def test_a_group_with_a_member_not_begun_still_plays_for_the_manager_and_the_sim
     assert manager.overdue_groups(2, policy.overdue_lag, group_size=2) == 0
     assert manager.overdue_groups(3, policy.overdue_lag, group_size=1) == 0  # complete: it holds its place
     assert policy.overdue(3, 0) and not policy.overdue(2, 0) and not policy.overdue(9, None)
+
+
+def test_a_recipe_of_agent_programs_lends_ranks_new_episodes_instead_of_rebalancing(tmp_path: Path) -> None:
+    from sfhpc.config import load_recipe
+
+    base = ("name: p\ntask: {name: guess-number}\npipeline: {mode: seamless}\nroles: {controller: {place_with: "
+            "trainer}, trainer: {tags: [train]}, rollout: {tags: [rollout]}}\n")
+    (tmp_path / "a.py").write_text("print('{}')\n")
+    plain, programs = tmp_path / "plain.yaml", tmp_path / "programs.yaml"
+    plain.write_text(base)
+    programs.write_text(base + "agent: {command: [python3, a.py]}\n")
+    policy = PipelinePolicy.of(load_recipe(plain))
+    assert (policy.rebalances, policy.new_episodes_to_lent) == (True, False)
+    # A program's episode cannot move: a lent rank that waited for episodes to take over would wait idle.
+    policy = PipelinePolicy.of(load_recipe(programs))
+    assert (policy.rebalances, policy.new_episodes_to_lent) == (False, True)

@@ -150,6 +150,14 @@ def test_an_episode_of_several_trajectories_ends_once(tmp_path: Path, mode: str)
     assert "that handles pid" not in done.stdout + done.stderr
     with open_run(run_dir) as run:
         frame = run.trajectories()
+    if mode == "seamless":
+        with open_store(run_dir / "trajectories.h5") as store:
+            engines = {t.id: {s.engine for s in t.segments if s.generated} for t in store.trajectories()}
+        # The lent trainer rank played episodes of its own (an agent program's episode is never rebalanced,
+        # so new ones go to it); one a reclaim cut was aborted whole, every agent's trajectory, and replayed.
+        assert any(engines[tid] == {"test-r1"} for tid in frame.loc[frame["status"] == "consumed", "id"])
+        statuses = frame.groupby("episode")["status"].apply(set)
+        assert all(len(s) == 1 or "aborted" not in s for s in statuses), statuses
     frame = frame[frame["status"] == "consumed"]  # (a seamless run ends with episodes of later steps begun)
     per_episode = frame.groupby("episode")["agent"].apply(sorted)
     assert len(per_episode) == 3 * 2 * 2 and all(a == ["checker", "solver", "solver"] for a in per_episode)
