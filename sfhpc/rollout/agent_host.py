@@ -255,7 +255,9 @@ class AgentHostsClient:
 
     async def _play_on(self, host: HostRecord, episode: dict[str, Any]) -> dict[str, Any] | None:
         if self._session is None:  # made on the loop that uses it
-            self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10, sock_read=SILENT_S))
+            # trust_env=False (aiohttp's default, said here): a site proxy never sees a host's token or episodes.
+            self._session = ClientSession(timeout=ClientTimeout(total=None, sock_connect=10, sock_read=SILENT_S),
+                                          trust_env=False)
         try:
             response = await self._session.post(f"{host.url}/episodes", json=episode,
                                                  headers={"Authorization": f"Bearer {host.token}"})
