@@ -2,7 +2,8 @@
 store): episodes of three turns, each reply bounded by its problem, whose agents talk to the rank's endpoint
 over HTTP. A lent rank that runs dry takes running episodes of the rollout rank mid-reply; the donor's
 generation (its HTTP handler's turn too) stops before the episode continues on the lent rank, so no reply
-holds tokens the donor wrote after the move, and every moved reply continues from its prefix.
+holds tokens the donor wrote after the move, and every moved reply continues from its prefix. Once with the
+test engine (which writes every reply to its bound) and once with real vLLM engines.
 """
 
 from __future__ import annotations
@@ -61,10 +62,18 @@ roles:
 """
 
 
-def test_moved_multi_turn_episodes_continue_from_their_prefix_and_the_donor_stops(tmp_path: Path) -> None:
+# Real vLLM engines holding two sequences each (so that what a move finds depends less on the machine's
+# speed); an untrained policy may end a reply early, so moves are fewer and may come in any turn.
+VLLM_ENGINE = "engine: {name: vllm, max_num_seqs: 2}"
+
+
+@pytest.mark.parametrize("engine", ["test", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_moved_multi_turn_episodes_continue_from_their_prefix_and_the_donor_stops(tmp_path: Path,
+                                                                                   engine: str) -> None:
     (tmp_path / "multi_turn.py").write_text(MULTI_TURN_TASK)
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'runs'}\n")
+    text = RECIPE if engine == "test" else RECIPE.replace(RECIPE.splitlines()[2], VLLM_ENGINE)
+    recipe.write_text(text + f"output_dir: {tmp_path / 'runs'}\n")
     done = run_sfhpc("run", str(recipe), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
@@ -75,7 +84,7 @@ def test_moved_multi_turn_episodes_continue_from_their_prefix_and_the_donor_stop
     with open_store(run_dir / "trajectories.h5") as store:
         trajectories = list(store.trajectories())
     assert not [t.fail_reason for t in trajectories if t.status == "failed"]
-    moved_later_turns = 0
+    moved_later_turns = moves = 0
     for t in trajectories:
         prompt = tokenizer.decode([int(x) for x in t.segments[0].tokens])
         asked = int(re.search(r"write (\d+) [a-z]", prompt).group(1))  # type: ignore[union-attr]
@@ -94,6 +103,8 @@ def test_moved_multi_turn_episodes_continue_from_their_prefix_and_the_donor_stop
             for before, after in zip(runs, runs[1:]):
                 if before.engine != after.engine:  # cut where it was, continued from the prefix elsewhere
                     assert before.finish_reason == "abort", [(s.engine, len(s), s.finish_reason) for s in runs]
+                    moves += 1
                     moved_later_turns += turn > 0
-    # Episodes moved in their second or third turn: the multi-turn state moved with them.
-    assert moved_later_turns >= 1
+    # Episodes moved in their second or third turn: the multi-turn state moved with them (with vLLM, a move
+    # at all: its replies may end before a move finds them).
+    assert moved_later_turns >= 1 if engine == "test" else moves >= 1, (moves, moved_later_turns)
