@@ -199,6 +199,10 @@ def _report(spec: dict, status: int) -> None:
 def main(argv: list[str]) -> None:
     spec, command = json.loads(argv[1]), argv[3:]
     cgroup = spec.get("cgroup")
+    # The launcher inside a PID namespace is its init: when it exits the kernel ends every process of the
+    # namespace. It must not hunt through /proc, which is the node's: its own pid there is not 1, and the
+    # pids it reads cannot be signalled from inside.
+    init = spec.get("status_fd") is not None
     status_pipe = None
     if spec.get("unshare"):
         spec, command, status_pipe = _in_namespace(spec, command)
@@ -230,10 +234,13 @@ def main(argv: list[str]) -> None:
     except Stop:
         for signum in STOP_SIGNALS:  # a second signal must not cut the hunt short
             signal.signal(signum, signal.SIG_IGN)
+        if init:
+            os._exit(128 + signal.SIGTERM)  # (init ignores its own signals) the kernel ends the rest
         kill_all(cgroup)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)  # ended as the stop asked: the starter sees SIGTERM
-    kill_all(cgroup)
+    if not init:
+        kill_all(cgroup)
     if status_pipe is not None:
         status = _status_from(status_pipe[0], status)
     _report(spec, status)
