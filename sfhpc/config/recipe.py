@@ -476,6 +476,44 @@ class Budgets:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvaluationSpec:
+    """Held-out problems played on the rollout engines every `every` training steps (and before the first),
+    never trained on (`sfhpc.rl.evaluation`): pass@1, mean@k and pass@k of the policy the trainer holds then.
+    A reply counts as a pass when its reward is at least `pass_reward`. ``temperature: 0`` is greedy decoding,
+    which training refuses and evaluation allows (nothing is trained on it)."""
+
+    every: int = setting(10, "training steps between evaluations (the last step is evaluated too, also when "
+                             "budgets.wall_minutes ends the run)")
+    path: str | None = setting(None, "the held-out data file (.jsonl or .parquet, relative to the recipe's folder; "
+                                     "the dataset task's prompt and answer keys; required for the dataset task); a "
+                                     "task that generates its problems draws them with a seed of their own")
+    problems: int | None = setting(None, "how many problems (the first of the file; null: every row of the file, or "
+                                         "64 of a task that generates its problems)")
+    samples: int = setting(1, "replies per problem (k of pass@k and mean@k)")
+    temperature: float = setting(0.0, "the sampling temperature of evaluation replies (0: greedy; more than 0 when "
+                                      "samples is more than 1)")
+    pass_reward: float = setting(1.0, "a reply whose reward is at least this passes")
+    before_training: bool = setting(True, "evaluate the initial policy before the first step (version 0)")
+
+    DEFAULT_GENERATED = 64  # problems drawn from a task that generates them, when `problems` is null
+
+    def validate(self, where: Where) -> None:
+        for key in ("every", "samples"):
+            if getattr(self, key) < 1:
+                raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
+        if self.problems is not None and self.problems < 1:
+            raise where.child("problems").error(f"must be at least 1 (or null: all), found {self.problems}")
+        if not 0 <= self.temperature <= 2:
+            raise where.child("temperature").error(f"must be from 0 (greedy) to 2, found {self.temperature}")
+        if self.temperature == 0 and self.samples > 1:
+            raise where.child("temperature").error(
+                f"0 (greedy) gives the same reply {self.samples} times (samples: {self.samples}); set a temperature "
+                "above 0 (e.g. 1.0) for pass@k, or samples: 1")
+        if not math.isfinite(self.pass_reward):
+            raise where.child("pass_reward").error(f"must be a number, found {self.pass_reward}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TaskSpec:
     """The environment the agents act in: a built-in task's name, or user code by import path
     (``package.module:Name``, ``file.py:Name``); ``options`` are passed to it as they are. Relative files
@@ -721,6 +759,8 @@ class Recipe:
     task: TaskSpec = setting(TaskSpec(), "what the agents learn: the problems and their verifiable reward")
     agent: AgentSpec | None = setting(None, "an agent program of your own plays the episodes (absent: the task's "
                                             "built-in agent)")
+    evaluation: EvaluationSpec | None = setting(None, "held-out problems played every N steps and never trained on: "
+                                                      "pass@1, mean@k, pass@k in metrics.jsonl (absent: none)")
     launch: LaunchSpec = setting(LaunchSpec(), "Slurm job settings that are not placement")
     logging: LoggingSpec = setting(LoggingSpec(), "experiment trackers (wandb, MLflow) beside metrics.jsonl and "
                                                   "TensorBoard")
@@ -868,4 +908,7 @@ def load_recipe(path: str | Path) -> Recipe:
         # A decay over "the rest of the run": the trainers see steps, not the budget.
         algorithm = dataclasses.replace(algorithm,
                                         lr_decay_steps=max(1, recipe.budgets.steps - algorithm.warmup_steps))
-    return dataclasses.replace(recipe, source=str(path), task=task, algorithm=algorithm)
+    evaluation = recipe.evaluation
+    if evaluation is not None and evaluation.path is not None:  # read where the recipe is, from any rank's folder
+        evaluation = dataclasses.replace(evaluation, path=str((Path(path).parent / evaluation.path).resolve()))
+    return dataclasses.replace(recipe, source=str(path), task=task, algorithm=algorithm, evaluation=evaluation)

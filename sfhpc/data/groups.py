@@ -55,6 +55,14 @@ class Batch:
 
 
 DROP_CAUSES = ("stale", "aborted", "failed", "off-branch")  # why policy tokens were never trained on
+# The group key of an evaluation episode (`sfhpc.rl.evaluation`) begins so: such a group is never booked, never
+# in a batch; each of its trajectories is closed as it ends (evaluated, or failed) and its episode's reward noted.
+EVALUATION_PREFIX = "eval-"
+
+
+def is_evaluation(group: str | None) -> bool:
+    """Whether `group` is an evaluation group's key."""
+    return group is not None and group.startswith(EVALUATION_PREFIX)
 
 
 def trainable(policy_version: int, oldest: int | None, newest: int | None, max_token_lag: int | None) -> bool:
@@ -99,6 +107,8 @@ class GroupBook:
         self._spoiled: dict[str, int] = {}
         self._in_flight: set[str] = set()  # the book: groups handed out, not yet trained on or dropped
         self._keys: set[str] = set()  # every group key the run used (store included): never booked again
+        # Evaluation groups: key -> episode -> its reward (None: failed), as their episodes end (`end_evaluation`).
+        self._evaluated: dict[str, dict[str, float | None]] = {}
         self._next_step = 0
         # Policy tokens never trained on, by cause: a trajectory closed stale, aborted or failed (all its
         # tokens), or trained with tokens off its branch (a fork left them behind). Counted as they happen.
@@ -169,6 +179,25 @@ class GroupBook:
         self._spoiled[key] += 1
         self.close(live, Status.FAILED)
 
+    # -- evaluation episodes ---------------------------------------------------------------------------
+
+    def end_evaluation(self, live: LiveTrajectory, *, failed: bool) -> None:
+        """A trajectory of an evaluation group ended: it is closed at once (evaluated, or failed), its tokens
+        counted nowhere (they were never meant for training), and its episode's reward noted; the first of an
+        episode's trajectories to end speaks for it (`TrajectoryManager.finish_episode` ends the main one
+        first)."""
+        ended = self._evaluated.setdefault(live.group_key, {})
+        ended.setdefault(episode_of(live.id, live.metadata_json), None if failed else live.reward)
+        self.registry.set_status(live, Status.FAILED if failed else Status.EVALUATED)
+        self.close(live)
+
+    def take_evaluation(self, groups: Sequence[str], episodes: int) -> dict[str, dict[str, float | None]] | None:
+        """Once `episodes` episodes of every evaluation group in `groups` have ended: each group's episodes
+        and their rewards (None: failed), forgotten here; else None."""
+        if any(len(self._evaluated.get(g, ())) < episodes for g in groups):
+            return None
+        return {g: self._evaluated.pop(g) for g in groups}
+
     # -- batching --------------------------------------------------------------------------------------
 
     def _ready_groups(self, policy_version: int, group_size: int | None) -> Iterator[list[LiveTrajectory]]:
@@ -187,7 +216,7 @@ class GroupBook:
                     self.give_up(member)
                 del self._spoiled[key]
         for key in list(self._members):
-            if key in self._spoiled:
+            if key in self._spoiled or is_evaluation(key):
                 continue
             lives = self._lives(key)
             if any(live.status.is_open for live in lives):
@@ -230,7 +259,7 @@ class GroupBook:
         others)."""
         dropped = []
         for key in list(self._members):
-            if key in self._spoiled:
+            if key in self._spoiled or is_evaluation(key):
                 continue
             lives = self._lives(key)
             if hopeless(policy_version, _oldest(lives), self.max_token_lag):

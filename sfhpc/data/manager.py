@@ -30,7 +30,7 @@ import numpy as np
 
 from sfhpc.data import layout
 from sfhpc.data.errors import InvalidRequest
-from sfhpc.data.groups import Batch, GroupBook
+from sfhpc.data.groups import Batch, GroupBook, is_evaluation
 from sfhpc.data.rank_intervals import RankInterval
 from sfhpc.data.registry import (  # noqa: F401  (check_start and new_trajectory_id: the manager's API too)
     TrajectoryRegistry,
@@ -207,6 +207,9 @@ class TrajectoryManager:
             live = self._records.open(trajectory_id)
             live.reward = None if reward is None else float(reward)
             live.turn_rewards = tuple(float(r) for r in turn_rewards or ())
+            if is_evaluation(live.group):
+                self._groups.end_evaluation(live, failed=False)
+                return
             if self._groups.spoiled(live):  # another member failed: kept with its reward, never trained on
                 return
             self._records.set_status(live, Status.FINISHED)
@@ -223,7 +226,10 @@ class TrajectoryManager:
             live = self._records.open(trajectory_id)  # an episode that ended (finish) can no longer fail
             live.fail_reason = reason
             self._note_failure(reason)
-            self._groups.spoil(live)
+            if is_evaluation(live.group):
+                self._groups.end_evaluation(live, failed=True)
+            else:
+                self._groups.spoil(live)
             self.flush()  # a failure is rare and worth seeing at once (`sfhpc traj summary` while it runs)
 
     def finish_episode(self, trajectory_id: str, reward: float | None = None, *,
@@ -280,6 +286,12 @@ class TrajectoryManager:
             if batch is not None:
                 self.flush()
             return batch
+
+    def take_evaluation(self, groups: Sequence[str], episodes: int) -> dict[str, dict[str, float | None]] | None:
+        """The episodes of evaluation `groups` and their rewards (None: failed) once `episodes` of each ended
+        (`GroupBook.take_evaluation`), else None."""
+        with self._lock:
+            return self._groups.take_evaluation(groups, episodes)
 
     def book_group(self, group: str, *, again: bool = False) -> None:
         """A GRPO group was handed out (`GroupBook.book`): it counts among `groups_in_flight` until it is

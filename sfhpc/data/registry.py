@@ -20,7 +20,8 @@ from sfhpc.data.errors import InvalidRequest, TrajectoryExists, TrajectoryFinish
 from sfhpc.data.store import StoreView, TrajectoryStore
 from sfhpc.data.trajectory import Segment, Status, Trajectory, branch_of
 
-CLOSED = (Status.CONSUMED, Status.STALE, Status.ABORTED, Status.FAILED)  # only their status is kept in memory
+# Only their status is kept in memory.
+CLOSED = (Status.CONSUMED, Status.STALE, Status.ABORTED, Status.FAILED, Status.EVALUATED)
 
 
 class LiveTrajectory:

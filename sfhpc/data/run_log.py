@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,17 @@ def read_log(path: Path, *, warn: Warn | None = None) -> list[dict[str, Any]]:
             (warn or _stderr)(f"{path}: line {line} is cut (a crash while it was written, or the run is "
                               f"writing it now); left out")
     return rows
+
+
+def is_training_row(row: Mapping[str, Any]) -> bool:
+    """Whether a ``metrics.jsonl`` row is a training step's; the row of step 0 holds only the evaluation before
+    training (`sfhpc.rl.evaluation`)."""
+    return "reward_mean" in row
+
+
+def is_evaluation_row(row: Mapping[str, Any]) -> bool:
+    """Whether a ``metrics.jsonl`` row holds an evaluation's scores (``eval_`` keys)."""
+    return "eval_pass_at_1" in row
 
 
 def repair_log(path: Path, *, warn: Warn | None = None) -> list[dict[str, Any]]:

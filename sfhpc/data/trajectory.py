@@ -39,6 +39,7 @@ class Status(enum.StrEnum):
     STALE = "stale"  # its oldest token fell too far behind the policy; never trained on
     ABORTED = "aborted"  # given up by the run (e.g. another member of its GRPO group failed)
     FAILED = "failed"  # its agent or task raised or ran out of time (`fail_reason` says why); never trained on
+    EVALUATED = "evaluated"  # an evaluation episode's, complete and rewarded (`sfhpc.rl.evaluation`); never trained on
 
     @property
     def code(self) -> int:

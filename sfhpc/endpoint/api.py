@@ -170,7 +170,9 @@ class OpenAIApi:
         request = parse(route, body, model_name=self.model_name, tokenizer=self.tokenizer, identity=identity,
                         tool_parser=self.tool_parser, max_n=self.max_n)
         if self.sampling_rule is not None:
-            turn_request = dataclasses.replace(request.turn, sampling=self.sampling_rule.apply(request.turn.sampling))
+            group = request.turn.group if episode is None else episode.group
+            turn_request = dataclasses.replace(request.turn,
+                                               sampling=self.sampling_rule.apply(request.turn.sampling, group))
             request = dataclasses.replace(request, turn=turn_request)
         seat = None if episode is None else episode.seat(identity.agent)
 

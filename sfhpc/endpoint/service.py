@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from sfhpc.data.errors import TrajectoryConflict, UnknownTrajectory
+from sfhpc.data.groups import is_evaluation
 from sfhpc.endpoint.errors import (
     BadRequest,
     ContextLengthExceeded,
@@ -73,13 +74,19 @@ class SamplingRule:
     with a 400 (``unsupported_sampling``), before anything is generated or recorded, is what the trainers
     cannot reproduce: greedy decoding (temperature 0: a deterministic choice has no sampling logprob to
     correct with) and a top-p nucleus below 1 (the trainers' logprobs are over the whole vocabulary; a
-    nucleus cut recomputed from float32 logits would not fall where the engine's did)."""
+    nucleus cut recomputed from float32 logits would not fall where the engine's did).
+
+    An evaluation episode's turns (its group: `sfhpc.data.groups.is_evaluation`) are never trained on: they
+    default to `evaluation_temperature` and may sample as they ask, greedy included."""
 
     default_temperature: float = DEFAULT_TEMPERATURE
+    evaluation_temperature: float | None = None  # None: the run evaluates nothing
 
-    def apply(self, sampling: Sampling) -> Sampling:
+    def apply(self, sampling: Sampling, group: str | None = None) -> Sampling:
         """`sampling` with this run's defaults where the agent asked for none; a 400 for what cannot be
-        trained on."""
+        trained on (a turn of `group`, an evaluation's, is not)."""
+        if self.evaluation_temperature is not None and is_evaluation(group):
+            return sampling.resolved(self.evaluation_temperature)
         resolved = sampling.resolved(self.default_temperature)
         assert resolved.temperature is not None and resolved.top_p is not None
         if resolved.temperature == 0:

@@ -22,6 +22,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,10 +33,12 @@ from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fractio
 from sfhpc.data.run_log import read_log, repair_log
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
+from sfhpc.data.trajectory import Status
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
+from sfhpc.rl.evaluation import Evaluation
 from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.pipeline_policy import PipelinePolicy
 from sfhpc.rl.progress import Progress
@@ -119,6 +122,11 @@ class Controller:
         self.started = time.monotonic()
         self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
         self.rebalanced = 0  # episodes moved onto lent ranks that ran dry, this step (for its metrics row)
+        self.evaluation = None if recipe.evaluation is None else Evaluation(
+            recipe.evaluation, task, source=recipe.source, seed=recipe.seed, last_step=recipe.budgets.steps)
+        self.last_evaluation: dict[str, float | int] = {}  # the step's evaluation, for its metrics row
+        if self.evaluation is not None:
+            print(self.evaluation.describe(), flush=True)
         self._overdue, self._overdue_at = 0, (-1, -1, -1)  # overdue groups, and (version, ended, out) then
         self._announce_lending()
 
@@ -164,6 +172,42 @@ class Controller:
                 self._state_checked = True
         self.hand_out(episodes, new=True)
 
+    def evaluate_if_due(self, step: int) -> None:
+        """After training step `step` (0: before the first), when the recipe's evaluation is due: its episodes
+        are handed out like any (to lent ranks too) and awaited, no weight update between, and their scores
+        go into the step's metrics row (step 0: a row of its own). A run the wall-clock budget ends after this
+        step is evaluated now, its last. A stop request cuts an evaluation: its episodes are cancelled and
+        nothing is scored."""
+        if self.evaluation is None or self.stop_requested() or not (self.evaluation.due(step) or self.out_of_time()):
+            return
+        started = time.monotonic()
+        tickets, groups = self.evaluation.tickets(self.store.session, step)
+        self.live.enter("evaluation", step)
+        # seamless: the trainer ranks wait for it too, so they play it, lent; they stay lent into the next
+        # step, which takes them back when its batch is ready.
+        self.scheduler.lend(self.policy.to_lend(self.scheduler.lendable_ranks, self.scheduler.lent_ranks,
+                                                batch_ready=False))
+        self.hand_out(tickets)
+        next_check = started
+        while (ended := self.manager.take_evaluation(groups, self.evaluation.spec.samples)) is None:
+            if time.monotonic() >= next_check:
+                self.check_health(started)  # a fault raises; the wall-clock budget waits for the evaluation
+                next_check = time.monotonic() + HEALTH_EVERY_S
+            if self.stop_requested():
+                self.cancel_groups(groups)
+                for group in groups:
+                    self.manager.drop_group(group, Status.ABORTED)
+                self.event("evaluation-cut", step=step, version=self.version)
+                return
+            time.sleep(0.005)
+        score = self.evaluation.score(step, self.version, ended, time.monotonic() - started)
+        print(score.line(), flush=True)
+        self.event("evaluated", step=step, **score.metrics())
+        if step == 0:
+            self.progress.evaluated_before_training(score.metrics())
+        else:
+            self.last_evaluation = score.metrics()
+
     def drop_hopeless_groups(self) -> int:
         """Once per new policy version: the groups that can no longer be trained on (a member's token is
         older than ``pipeline.max_token_lag`` allows) are dropped now, and their episodes stopped wherever they play,
@@ -175,14 +219,18 @@ class Controller:
         groups = tuple(self.manager.drop_hopeless(self.version))
         if not groups:
             return 0
+        self.cancel_groups(groups)
+        self.hopeless_groups += len(groups)
+        return len(groups)
+
+    def cancel_groups(self, groups: Sequence[str]) -> None:
+        """The episodes of `groups` stop wherever they play (and leave their ranks' counts)."""
         ranks = self.scheduler.assignable_ranks
         for rank in ranks:
-            msg.send(self.layout.world, msg.Cancel(groups), rank)
+            msg.send(self.layout.world, msg.Cancel(tuple(groups)), rank)
         for rank in ranks:
             reply = msg.receive_reply(self.layout.world, rank, msg.Cancelled, idle=self.stop_requested)
             self.scheduler.withdraw(reply.rank, reply.episodes)
-        self.hopeless_groups += len(groups)
-        return len(groups)
 
     def lend_idle_trainers(self, step: int) -> None:
         """Step `step` begins (the timeline's intervals from now on belong to it). seamless: the trainer ranks
@@ -370,8 +418,9 @@ class Controller:
             "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out,
             "episodes_in_flight": self.episodes_in_flight(),
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
-            **self._dropped_metrics(),
+            **self._dropped_metrics(), **self.last_evaluation,
         })
+        self.last_evaluation = {}
 
     def episodes_in_flight(self) -> int:
         """Episodes handed out that have not ended, as the scheduler counts them from the ranks' episode ends
@@ -577,7 +626,10 @@ class Controller:
 
 def run_loop(ctl: Controller) -> RunSummary:
     """The RL loop: episodes -> batch -> train step -> new weights everywhere, until the budget is spent."""
-    for step in range(ctl.resume(), ctl.recipe.budgets.steps + 1):  # step 1, or the checkpoint's next one
+    first = ctl.resume()                          # step 1, or the checkpoint's next one
+    if first == 1:
+        ctl.evaluate_if_due(0)                    # the initial policy on the held-out problems
+    for step in range(first, ctl.recipe.budgets.steps + 1):
         started = time.monotonic()
         ctl.lend_idle_trainers(step)              # seamless: idle trainer ranks take over running episodes
         ctl.keep_rollouts_busy()                  # agents play episodes on the rollout ranks
@@ -587,7 +639,9 @@ def run_loop(ctl: Controller) -> RunSummary:
         ctl.reclaim_lent(step)                    # seamless: lent ranks back, their episodes continue elsewhere
         trained = ctl.train(step, batch)          # one optimisation step on the trainer ranks
         sync_s = ctl.sync_weights(trained.version)  # engines pause, load the new weights, resume
-        ctl.report(step, batch, trained, sync_s, time.monotonic() - started)
+        step_s = time.monotonic() - started
+        ctl.evaluate_if_due(step)                 # every evaluation.every steps: held-out problems, never trained
+        ctl.report(step, batch, trained, sync_s, step_s)
         ctl.checkpoint_if_due(step)               # every training.checkpoint_every steps
         if ctl.out_of_time() or ctl.stop_requested():
             break
@@ -596,7 +650,8 @@ def run_loop(ctl: Controller) -> RunSummary:
 
 def describe(summary: RunSummary, progress: Progress, plot: Any) -> str:
     share = summary.store_seconds / max(summary.seconds, 1e-9)
-    lines = [progress.curve(), f"{summary.steps} steps in {summary.seconds:.0f} s; trajectory store: {summary.store}",
+    lines = [progress.curve(), *filter(None, [progress.evaluation_line()]),
+             f"{summary.steps} steps in {summary.seconds:.0f} s; trajectory store: {summary.store}",
              f"store writes: {summary.store_tokens:,} tokens in {summary.store_seconds:.2f} s, "
              f"{100 * share:.2f}% of the run's wall time"]
     trained = sum(r["trained_tokens"] for r in progress.rows)

@@ -3,7 +3,9 @@
 Long runs show steps, reward and throughput as they go; at the end the reward curve is printed (so a
 terminal shows it) and drawn to ``reward.png`` next to the metrics. The same per-step values also go to a
 TensorBoard event file beside ``metrics.jsonl`` (`sfhpc.rl.tfevents`), for ``tensorboard --logdir runs/``,
-and to the experiment trackers the recipe names (`sfhpc.rl.trackers`: wandb, MLflow).
+and to the experiment trackers the recipe names (`sfhpc.rl.trackers`: wandb, MLflow). An evaluation's scores
+(`sfhpc.rl.evaluation`) ride in the row of the step whose weights they score; the evaluation before training
+has a row of its own, step 0, and is drawn on the plot with the others.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sfhpc.data.run_log import repair_log
+from sfhpc.data.run_log import is_evaluation_row, is_training_row, repair_log
 from sfhpc.rl.tfevents import EventFile, rewrite
 from sfhpc.rl.trackers import Trackers
 from sfhpc.rundir import RunPaths
@@ -29,7 +31,8 @@ class Progress:
         repair_log(self.path)
         self.total = total_steps
         self.started = time.monotonic()
-        self.rows: list[dict[str, Any]] = []
+        self.rows: list[dict[str, Any]] = []  # a row per training step
+        self.evaluations: list[dict[str, Any]] = []  # the rows that hold an evaluation (`sfhpc.rl.evaluation`)
         self.events: EventFile | None = None  # opened at the first step (or at a resume)
         self.trackers = trackers
 
@@ -40,21 +43,25 @@ class Progress:
         if not self.path.exists():
             return
         rows = repair_log(self.path)
-        self.rows = [r for r in rows if r["step"] <= step]
+        kept = [r for r in rows if r["step"] <= step]
         later = [r for r in rows if r["step"] > step]
+        self.rows = [r for r in kept if is_training_row(r)]
+        self.evaluations = [r for r in kept if is_evaluation_row(r)]
         # The event files likewise: one new file with the kept steps replaces the earlier sessions' files.
-        self.events = rewrite(self.path.parent, self.rows)
+        self.events = rewrite(self.path.parent, kept)
         if not later:
             return
         with open(self.paths.metrics_discarded, "a", encoding="utf-8") as f:
             f.writelines(json.dumps(r) + "\n" for r in later)
         temporary = self.path.with_name(".metrics.jsonl.tmp")
-        temporary.write_text("".join(json.dumps(r) + "\n" for r in self.rows), encoding="utf-8")
+        temporary.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         temporary.replace(self.path)
 
-    def step(self, row: dict[str, Any]) -> None:
+    def _append(self, row: dict[str, Any]) -> dict[str, Any]:
+        """`row` (with the elapsed time) to ``metrics.jsonl``, the event file and the trackers."""
         row = {**row, "elapsed_s": round(time.monotonic() - self.started, 3)}
-        self.rows.append(row)
+        if is_evaluation_row(row):
+            self.evaluations.append(row)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         if self.events is None:
@@ -62,6 +69,15 @@ class Progress:
         self.events.add(int(row["step"]), row)
         if self.trackers is not None:
             self.trackers.log(row)
+        return row
+
+    def evaluated_before_training(self, row: dict[str, Any]) -> None:
+        """The row of step 0: the evaluation of the initial policy (``eval_`` keys alone)."""
+        self._append({"step": 0, "version": 0, **row})
+
+    def step(self, row: dict[str, Any]) -> None:
+        row = self._append(row)
+        self.rows.append(row)
         print(f"step {row['step']:>4}/{self.total}  reward {row['reward_mean']:.3f}  "
               f"staleness {row.get('mean_staleness', 0):.2f}  gen {row['generated_tokens_per_s']:>7.0f} tok/s  "
               f"train {row['trained_tokens_per_s']:>7.0f} tok/s  sync {row['sync_s'] * 1000:.0f} ms  "
@@ -80,6 +96,15 @@ class Progress:
         first, last = sum(rewards[:tenth]) / tenth, sum(rewards[-tenth:]) / tenth
         return (f"reward curve (0 to 1, {len(rewards)} steps, moving average of {window}): |{spark}|\n"
                 f"mean reward: first {tenth} step(s) {first:.3f} -> last {tenth} step(s) {last:.3f}")
+
+    def evaluation_line(self) -> str | None:
+        """The first and the last evaluation's pass@1 (None: the run evaluated nothing)."""
+        if not self.evaluations:
+            return None
+        first, last = self.evaluations[0], self.evaluations[-1]
+        return (f"evaluation pass@1: {first['eval_pass_at_1']:.3f} (version {first['eval_version']}) -> "
+                f"{last['eval_pass_at_1']:.3f} (version {last['eval_version']}), {len(self.evaluations)} evaluations "
+                f"of {last['eval_problems']} held-out problems")
 
     def end(self, *, complete: bool) -> Path | None:
         """The run's end on this rank (`complete`: its budget spent, not stopped for a requeue): the reward plot
@@ -105,8 +130,11 @@ class Progress:
         smooth = moving_average(rewards, window)
         ax.plot(steps, rewards, color="tab:blue", alpha=0.35, label="mean reward per step")
         ax.plot(steps, smooth, color="tab:blue", label=f"moving average ({window} steps)")
+        if self.evaluations:  # held-out pass@1, at the step whose weights were evaluated
+            ax.plot([r["step"] for r in self.evaluations], [r["eval_pass_at_1"] for r in self.evaluations],
+                    color="tab:orange", marker="o", label="evaluation pass@1 (held out)")
         ax.set_xlabel("training step")
-        ax.set_ylabel("mean reward")
+        ax.set_ylabel("mean reward" if not self.evaluations else "reward, pass@1")
         ax.set_ylim(-0.02, 1.02)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left")

@@ -20,6 +20,8 @@ store holds (the manager reloaded them; running ones came back interrupted):
 - groups the checkpoint does not know were handed out after it (the run died without a stop
   checkpoint). Their problem is not recorded, so they cannot be continued: a whole group of finished
   members, fresh for the restored policy, is trained as its own group; any other is aborted and counted.
+- an evaluation's groups (`sfhpc.rl.evaluation`) still held were cut by the stop: aborted and counted (the
+  evaluation is played again when its step comes round again, or not at all).
 
 Every group kept is booked again in the manager's groups in flight. Group keys carry the store's writer
 session, so the keys handed out from now on differ from every key of the lost allocation: a kept group
@@ -34,7 +36,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sfhpc.data.groups import hopeless
+from sfhpc.data.groups import hopeless, is_evaluation
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.data.trajectory import Status
 from sfhpc.errors import SfhpcError
@@ -180,6 +182,9 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_token
         manager.book_group(group, again=True)
     for group in manager.live_groups():
         if group in state.open_groups:
+            continue
+        if is_evaluation(group):  # an evaluation the stop cut: it is played again whole, or not at all
+            plan.abandoned += manager.drop_group(group, Status.ABORTED)
             continue
         members = manager.group_members(group)
         whole = (len(manager.group_episodes(group)) >= group_size

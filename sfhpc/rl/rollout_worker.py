@@ -74,7 +74,10 @@ class RolloutWorker:
                                                token=token,
                                                # A turn without a temperature gets the recipe's; what the
                                                # trainer cannot match is refused with a 400.
-                                               sampling_rule=SamplingRule(recipe.algorithm.temperature),
+                                               sampling_rule=SamplingRule(
+                                                   recipe.algorithm.temperature,
+                                                   None if recipe.evaluation is None
+                                                   else recipe.evaluation.temperature),
                                                tool_parser=recipe.model.tool_parser,
                                                max_n=recipe.budgets.max_choices),
                                      **_endpoint_address(recipe)).start()

@@ -170,8 +170,9 @@ class Trackers:
                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
         for tracker in list(self.trackers):
             key = f"{tracker.name}_step"
-            if step <= (self.state.get(key) or 0):
-                continue  # it holds this step already (a resume that rolled steps back)
+            last = self.state.get(key)
+            if last is not None and step <= last:
+                continue  # it holds this step already (a resume that rolled steps back); step 0: the evaluation
             if self._guarded(tracker, lambda t=tracker: t.log(step, metrics)):
                 if tracker.synchronous:
                     self.state.set(key, step)

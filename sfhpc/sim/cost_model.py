@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from sfhpc.data.run_log import is_training_row
 from sfhpc.errors import SfhpcError
 
 
@@ -234,7 +235,7 @@ class CostModel:
         decode time splits between the fixed part and the per-sequence part, prefill relative to decode,
         and the lend/reclaim costs' fixed part.
         """
-        steady = list(rows)[1 if skip_first else 0:]
+        steady = [r for r in rows if is_training_row(r)][1 if skip_first else 0:]  # not step 0's evaluation
         if not steady:
             raise SfhpcError("calibrating the cost model needs at least one step after the first in metrics.jsonl")
         try:

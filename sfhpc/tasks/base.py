@@ -19,6 +19,9 @@ import random
 from pathlib import Path
 from typing import Any
 
+from sfhpc.errors import ConfigError
+
+DEFAULT_EVALUATION_PROBLEMS = 64  # held-out problems drawn from a task that generates them
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
@@ -100,6 +103,17 @@ class Task(abc.ABC):
         without the named keys), as a `ConfigError`. Construction stays cheap, since every rank builds the
         task and only the controller samples problems; the default has nothing to read."""
         return None
+
+    def evaluation_problems(self, path: Path | None, count: int | None, seed: int, *, source: str) -> list[Problem]:
+        """The held-out problems of a recipe's ``evaluation`` section (`sfhpc.rl.evaluation`), the same at
+        every evaluation of a run: from the data file `path`, or, for a task that generates its problems,
+        `count` drawn with a generator of their own seeded by `seed` (64 when None), so the training sampler
+        and the controller's draws are untouched. A task with a sampler state of its own overrides this."""
+        if path is not None:
+            raise ConfigError(source, "evaluation.path", f"task '{self.name}' reads no data file: it generates its "
+                                                         "problems; leave evaluation.path out")
+        rng = random.Random(seed)
+        return [self.sample(rng) for _ in range(count or DEFAULT_EVALUATION_PROBLEMS)]
 
     def state(self) -> Any:
         """The sampler's position, saved with each checkpoint as JSON (None: the controller's RNG is all

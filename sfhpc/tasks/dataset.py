@@ -207,6 +207,21 @@ class DatasetTask(Task):
         context = {k: row.get(k) for k in VERL_ROW_KEYS} if isinstance(self.reward, VerlReward) else {}
         return messages, found["answer"], context
 
+    def evaluation_problems(self, path: Path | None, count: int | None, seed: int, *, source: str) -> list[Problem]:
+        """The first `count` rows (all when None) of the held-out file `path`, read with this task's keys and
+        reward; a held-out file is required (the training file's rows are what the policy trains on)."""
+        if path is None:
+            raise ConfigError(source, "evaluation.path", "required for the dataset task: a held-out file with the "
+                                                         f"same keys ({self.prompt_key}, {self.answer_key})")
+        held_out = DatasetTask(path, prompt=self.prompt_key, answer=self.answer_key, reward=self.reward,
+                               numeric_answers=self.numeric_answers, system=self.system, source=source)
+        try:
+            rows = held_out.rows
+        except ConfigError as exc:  # named as the evaluation's file, not the task's
+            raise ConfigError(source, "evaluation.path", exc.problem) from None
+        return [Problem(key=f"{index}", data={"messages": messages, "answer": answer, "context": context})
+                for index, (messages, answer, context) in enumerate(rows[:count])]
+
     # -- sampling without repeats per epoch -----------------------------------------------------------
     def sample(self, rng: random.Random) -> Problem:
         rows = self.rows

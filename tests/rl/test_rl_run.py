@@ -1,7 +1,8 @@
 """A whole RL run on one machine learns: real vLLM engines, real torch training, real MPI, a real HDF5 store.
 
 The suite's learning rise: a seeded ``async`` run whose reward on ``next-letter`` climbs from chance to nearly
-every reply right (measured: 0.07 -> 0.98, first and last 6 of 60 steps). Other whole runs check other things:
+every reply right (measured: 0.07 -> 0.98, first and last 6 of 60 steps), and whose greedy evaluation on
+held-out problems rises with it. Other whole runs check other things:
 a colocated sync run's records `test_resume_exact.py`, multi-turn agents over HTTP `test_preemption_local.py`,
 a Hugging Face folder `test_rl_hf_models.py`.
 """
@@ -25,6 +26,7 @@ algorithm: {name: grpo, group_size: 8, learning_rate: 5.0e-4}
 pipeline: {mode: async, max_staleness: 1}
 budgets: {steps: STEPS, prompts_per_step: 8}
 task: {name: next-letter, options: {letters: "ab"}}
+evaluation: {problems: 16, every: 30}
 roles:
   controller: {place_with: trainer}
   trainer:    {tags: [train], nodes: 1}
@@ -33,7 +35,8 @@ roles:
 
 
 def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
-    run_dir, rows = run_recipe(tmp_path, LEARN.replace("STEPS", "60"))
+    run_dir, every_row = run_recipe(tmp_path, LEARN.replace("STEPS", "60"))
+    rows = [r for r in every_row if "reward_mean" in r]  # the row of step 0 holds the evaluation before training
     rewards = [r["reward_mean"] for r in rows]
     assert len(rewards) == 60
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
@@ -42,3 +45,8 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     # Async: rollout ran ahead of training, so some trained tokens came from the previous version.
     assert max(r["max_staleness"] for r in rows) == 1
     assert (run_dir / "reward.png").stat().st_size > 1000
+    # Greedy replies to 16 held-out problems, before training, at step 30 and after the last: the policy's
+    # pass@1 rises with the training reward.
+    evaluations = {r["step"]: r["eval_pass_at_1"] for r in every_row if "eval_pass_at_1" in r}
+    assert sorted(evaluations) == [0, 30, 60]
+    assert evaluations[60] > evaluations[0] + 0.3, evaluations
