@@ -54,7 +54,7 @@ def report_html(run: Run) -> str:
     body = [f"<h1>{_e(title)}</h1>",
             f"<p>{_e(str(run.path))}, read {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
             "<h2>Store</h2>", _summary_tables(summary), "<h2>Plots</h2>", _plots(run, title),
-            "<h2>Training steps</h2>", _steps_table(run.steps()),
+            "<h2>Training steps</h2>", _steps_table(run.steps()), *_evaluations(run.steps()),
             "<h2>Sample conversations</h2>", _samples(run)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{STYLE}</style></head>\n<body>\n" + "\n".join(body)
@@ -105,6 +105,8 @@ def _trace_link(run: Run) -> str:
 
 
 def _steps_table(steps: pd.DataFrame) -> str:
+    if "eval_pass_at_1" in steps and "reward_mean" in steps:  # not the row of the evaluation before training
+        steps = steps[~(steps["reward_mean"].isna() & steps["eval_pass_at_1"].notna())]
     if not len(steps):
         return "<p>no training step yet</p>"
     columns = [c for c in ("step", "policy_version", "trajectories", "reward_mean", "generated_tokens",
@@ -114,6 +116,19 @@ def _steps_table(steps: pd.DataFrame) -> str:
     rows = [tuple(_cell(row[c]) for c in columns) for _, row in shown.iterrows()]
     note = "" if len(steps) <= MAX_STEP_ROWS else f"<p>first and last {MAX_STEP_ROWS // 2} of {len(steps):,} steps</p>"
     return note + _table(tuple(columns), rows)
+
+
+def _evaluations(steps: pd.DataFrame) -> list[str]:
+    """The held-out evaluations of the run (``eval_`` fields of ``metrics.jsonl``), a heading and a table; none
+    without any."""
+    if "eval_pass_at_1" not in steps:
+        return []
+    rows = steps[steps["eval_pass_at_1"].notna()]
+    columns = [c for c in ("step", "eval_version", "eval_problems", "eval_k", "eval_pass_at_1", "eval_mean_at_k",
+                           "eval_pass_at_k", "eval_failed") if c in rows]
+    return ["<h2>Evaluations on held-out problems</h2>",
+            _table(tuple(c.removeprefix("eval_") for c in columns),
+                   [tuple(_cell(row[c]) for c in columns) for _, row in rows.iterrows()])]
 
 
 def _samples(run: Run) -> str:

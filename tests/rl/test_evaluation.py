@@ -96,6 +96,11 @@ def test_a_run_evaluates_held_out_problems_and_never_trains_on_them(tmp_path: Pa
     # seamless: the trainer rank, lent while the run evaluated, played evaluation episodes.
     assert {s.engine for s in eval_segments} == {"test-r1", "test-r2"}
     assert (run_dir / "reward.png").stat().st_size > 1000
+    report = run_sfhpc("traj", "report", str(run_dir), "--out", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    html = (tmp_path / "report.html").read_text()
+    evaluations = html.split("<h2>Evaluations on held-out problems</h2>")[1].split("</table>")[0]
+    assert evaluations.count("<tr>") == 1 + 4  # a row per evaluation, under its header
 
 
 def test_scores_of_an_evaluation() -> None:
