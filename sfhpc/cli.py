@@ -1,6 +1,8 @@
 """The ``sfhpc`` command line.
 
-    sfhpc launch RECIPE [--cluster MAP] [--wait]   submit one heterogeneous Slurm job
+    sfhpc launch RECIPE [--cluster MAP] [--wait] [--resume RUN_DIR]
+                                                   submit one heterogeneous Slurm job (--resume: continue
+                                                   that run's folder in a new job)
     sfhpc render RECIPE [--cluster MAP] [--template] print the batch script without submitting
     sfhpc run RECIPE [--cluster MAP] [--resume RUN_DIR] [--verbose]  run on this machine with mpiexec (no
                                                    Slurm); --resume continues a stopped run (exit 75:
@@ -95,14 +97,17 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from sfhpc.launch.slurm_launch import executor_for, submit
+    from sfhpc.launch.slurm_launch import executor_for, resumable_in_new_job, submit
     from sfhpc.rl.program import check_runnable
     from sfhpc.rundir import new_run_dir
 
     recipe, cluster, plan = _load(args)
     check_runnable(recipe)
     executor_for(recipe, cluster, plan, Path("."))  # fails early, before a folder exists, without Slurm
-    run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
+    if args.resume:  # a new job in the run's own folder: its ranks continue from the newest checkpoint
+        run_dir = resumable_in_new_job(Path(args.resume), recipe)
+    else:
+        run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     submission = submit(recipe, cluster, plan, run_dir)
     print(plan.describe())
     print(f"submitted job {submission.job_id}; run folder {run_dir}")
@@ -454,6 +459,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = recipe_command("launch", cmd_launch, "submit a recipe as one heterogeneous Slurm job")
     p.add_argument("--wait", action="store_true", help="wait for the job to end and print its output")
     p.add_argument("--timeout", type=float, default=3600, help="seconds to wait with --wait (default 3600)")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue a run whose job ended (cancelled, out of time or requeues) in a new job, in its own "
+                        "folder, from its latest complete checkpoint")
     p = recipe_command("render", cmd_render, "print the batch script of a recipe without submitting it")
     p.add_argument("--template", action="store_true",
                    help="a reusable template: `sbatch SCRIPT RECIPE.yaml` runs any recipe of this shape")

@@ -193,6 +193,15 @@ def record_job(output_dir: str | Path, job_id: str, run_dir: Path, recipe_source
         os.fsync(f.fileno())
 
 
+def jobs_of_run(output_dir: str | Path, run_dir: Path) -> list[str]:
+    """The jobs the index of `output_dir` records for `run_dir`, oldest first."""
+    index = Path(output_dir) / INDEX_NAME
+    if not index.exists():
+        return []
+    rows = (line.split("\t") for line in index.read_text(encoding="utf-8").splitlines())
+    return [fields[0] for fields in rows if len(fields) >= 2 and Path(fields[1]) == run_dir]
+
+
 def find_run_dir(output_dir: str | Path, job_id: str) -> Path | None:
     """The run folder of `job_id` from the index, or None."""
     index = Path(output_dir) / INDEX_NAME

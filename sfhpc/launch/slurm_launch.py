@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sfhpc.config.cluster import ClusterMap
 from sfhpc.config.recipe import Recipe
+from sfhpc.errors import SfhpcError
 from sfhpc.launch.sbatch import SbatchSpec, double_quoted, render_sbatch, spec_for_plan
 from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
 from sfhpc.plan.launch_plan import LaunchPlan
@@ -72,6 +73,32 @@ def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path,
     job = executor.submit_program(RankProgram(recipe, plan, run_dir, probe=probe))
     record_job(recipe.output_dir, str(job.job_id), run_dir, recipe.source)
     return Submission(job, run_dir)
+
+
+def resumable_in_new_job(run_dir: Path, recipe: Recipe) -> Path:
+    """The folder ``sfhpc launch --resume`` continues in a new job (absolute): a run of this recipe with a sound
+    checkpoint (`check_resumable`), not complete (a job that would find nothing to do is not submitted), and
+    that no job of the run may still write (two jobs would write one store); one line otherwise."""
+    from sfhpc.launch.jobs import FINAL_STATES
+    from sfhpc.rl.checkpoints import RunCheckpoints
+    from sfhpc.rl.resume import check_resumable
+    from sfhpc.rundir import jobs_of_run
+    from sfhpc.runtime.slurm_job import live_job
+
+    run_dir = check_resumable(run_dir, recipe)
+    latest = RunCheckpoints(run_dir).latest()
+    assert latest is not None  # check_resumable found it
+    if latest.step >= recipe.budgets.steps:
+        raise SfhpcError(f"--resume {run_dir}: the run is complete (its checkpoint is of step {latest.step}, "
+                         f"budgets.steps is {recipe.budgets.steps}); raise budgets.steps in {recipe.source} to "
+                         "train on")
+    for job_id in dict.fromkeys(jobs_of_run(Path(recipe.output_dir).absolute(), run_dir)
+                                + jobs_of_run(run_dir.parent, run_dir)):
+        live = live_job(job_id)
+        if live is not None and live.state.split()[0] not in FINAL_STATES:
+            raise SfhpcError(f"--resume {run_dir}: job {job_id} of this run is {live.state} and may still write "
+                             f"it; wait for it to end, or end it with: sfhpc cancel {job_id}")
+    return run_dir
 
 
 def template_text(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan) -> str:

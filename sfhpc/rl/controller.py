@@ -580,7 +580,7 @@ class Controller:
 
     def event(self, name: str, **fields: Any) -> None:
         """One line of the run's event log (``events.jsonl``): stops, checkpoints, restarts, the end."""
-        row = {"event": name, "time": time.time(), "restart": self.restart, **fields}
+        row = {"event": name, "time": time.time(), "restart": self.restart, "job": self.job_id, **fields}
         with open(RunPaths(self.run_dir).events, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
