@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sfhpc.data.store import open_store
 from tests.conftest import run_recipe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
@@ -50,3 +51,19 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     evaluations = {r["step"]: r["eval_pass_at_1"] for r in every_row if "eval_pass_at_1" in r}
     assert sorted(evaluations) == [0, 30, 60]
     assert evaluations[60] > evaluations[0] + 0.3, evaluations
+
+    # A run that starts from this one's trained policy (model.init_from) evaluates, before its first step,
+    # what this run evaluated after its last: the same greedy replies to the same problems.
+    from_run = LEARN.replace("STEPS", "1").replace("model: {build: {warm_start_steps: 40}}",
+                                                   f"model: {{init_from: {run_dir}}}")
+    (tmp_path / "next").mkdir()
+    next_dir, next_rows = run_recipe(tmp_path / "next", from_run)
+    assert next_rows[0]["step"] == 0 and next_rows[0]["eval_pass_at_1"] == evaluations[60], next_rows[0]
+    assert greedy_replies(next_dir, step=0) == greedy_replies(run_dir, step=60)
+
+
+def greedy_replies(run_dir: Path, *, step: int) -> dict[int, list[int]]:
+    """The evaluation after `step`: each problem's reply tokens, by the problem's index."""
+    with open_store(run_dir / "trajectories.h5") as store:
+        return {int(t.group.rsplit("-p", 1)[1]): [int(x) for x in t.replies()[0][0]] for t in store.trajectories()
+                if t.group and t.group.startswith("eval-") and f"-t{step}-p" in t.group}
