@@ -439,7 +439,8 @@ class Budgets:
     of the episodes that ended failed, when no rollout rank was heard from for `stall_timeout_s`, or when a
     rank sent no heartbeat for `heartbeat_timeout_s` (`sfhpc.runtime.liveness`)."""
 
-    steps: int = setting(20, "training steps of the run")
+    steps: int = setting(20, "training steps of the run (0, with an evaluation section: evaluate the initial policy, "
+                             "e.g. a model.init_from checkpoint, and stop)")
     prompts_per_step: int = setting(16, "GRPO groups (prompts) in one training batch")
     max_new_tokens: int = setting(32, "the most tokens of one policy reply: caps the task's own bound; an agent "
                                       "program is handed it as max_tokens")
@@ -458,7 +459,9 @@ class Budgets:
                                                "second, from a thread of their own, busy or not)")
 
     def validate(self, where: Where) -> None:
-        for key in ("steps", "prompts_per_step", "max_new_tokens", "max_choices"):
+        if self.steps < 0:
+            raise where.child("steps").error(f"must be 0 (evaluate only) or more, found {self.steps}")
+        for key in ("prompts_per_step", "max_new_tokens", "max_choices"):
             if getattr(self, key) < 1:
                 raise where.child(key).error(f"must be at least 1, found {getattr(self, key)}")
         if self.wall_minutes is not None and self.wall_minutes <= 0:
@@ -781,6 +784,10 @@ class Recipe:
 
     def validate(self, where: Where) -> None:
         check_name(self.name, where.child("name"), "recipe name")
+        if self.budgets.steps == 0 and (self.evaluation is None or not self.evaluation.before_training):
+            raise where.child("budgets").child("steps").error(
+                "0 trains nothing and evaluates only: add an evaluation section (with before_training: true) to "
+                "evaluate the initial policy, or train at least 1 step")
         if self.output_group is not None and (not self.output_group or any(
                 c.isspace() or c in "/:," for c in self.output_group)):
             raise where.child("output_group").error(f"must be a Unix group's name, found {self.output_group!r}")

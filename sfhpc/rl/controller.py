@@ -599,8 +599,8 @@ class Controller:
             self.checkpoint(f"stop:{self.stopping[1]}")
             self.quiesce_rollouts()
             self.manager.flush()
-        elif self.last_checkpoint is None or self.last_checkpoint.step < self.step_done:
-            self.checkpoint("final")
+        elif self.step_done > 0 and (self.last_checkpoint is None or self.last_checkpoint.step < self.step_done):
+            self.checkpoint("final")  # a run that trained nothing (budgets.steps: 0) has nothing to keep
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
         # Keep serving the trajectory manager until every rollout rank has said goodbye: episodes still in

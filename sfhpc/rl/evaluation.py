@@ -119,6 +119,8 @@ class Evaluation:
         where = spec.path or "drawn with a seed of their own"
         sampling = "greedy" if spec.temperature == 0 else f"temperature {spec.temperature:g}"
         first = "before training, then " if spec.before_training else ""
-        return (f"evaluation: {len(self.problems)} problems ({where}) x {spec.samples}, {sampling}, "
-                f"{first}every {spec.every} steps and after the last; never trained on")
+        when = ("the initial policy only (budgets.steps: 0)" if self.last_step == 0
+                else f"{first}every {spec.every} steps and after the last")
+        return (f"evaluation: {len(self.problems)} problems ({where}) x {spec.samples}, {sampling}, {when}; "
+                "never trained on")
 

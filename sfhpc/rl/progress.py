@@ -102,9 +102,11 @@ class Progress:
         if not self.evaluations:
             return None
         first, last = self.evaluations[0], self.evaluations[-1]
-        return (f"evaluation pass@1: {first['eval_pass_at_1']:.3f} (version {first['eval_version']}) -> "
-                f"{last['eval_pass_at_1']:.3f} (version {last['eval_version']}), {len(self.evaluations)} evaluations "
-                f"of {last['eval_problems']} held-out problems")
+        rise = "" if len(self.evaluations) == 1 else \
+            f"{first['eval_pass_at_1']:.3f} (version {first['eval_version']}) -> "
+        count = "1 evaluation" if len(self.evaluations) == 1 else f"{len(self.evaluations)} evaluations"
+        return (f"evaluation pass@1: {rise}{last['eval_pass_at_1']:.3f} (version {last['eval_version']}), {count} of "
+                f"{last['eval_problems']} held-out problems")
 
     def end(self, *, complete: bool) -> Path | None:
         """The run's end on this rank (`complete`: its budget spent, not stopped for a requeue): the reward plot

@@ -103,6 +103,27 @@ def test_a_run_evaluates_held_out_problems_and_never_trains_on_them(tmp_path: Pa
     assert evaluations.count("<tr>") == 1 + 4  # a row per evaluation, under its header
 
 
+def test_a_run_of_no_steps_evaluates_the_initial_policy_and_keeps_nothing_else(tmp_path: Path) -> None:
+    """``budgets.steps: 0``: what evaluating a checkpoint takes (with ``model.init_from``; here the built model)."""
+    (tmp_path / "even.py").write_text(EVEN_REWARD)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(RECIPE.replace("steps: 5,", "steps: 0,") + f"output_dir: {tmp_path / 'runs'}\n")
+    done = run_sfhpc("run", str(recipe), timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "the initial policy only (budgets.steps: 0)" in done.stdout
+    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
+    (row,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["step"] == row["eval_version"] == 0 and row["eval_problems"] == 6 and "reward_mean" not in row
+    assert f"evaluation pass@1: {row['eval_pass_at_1']:.3f} (version 0), 1 evaluation of 6" in done.stdout
+    with open_run(run_dir) as run:
+        frame = run.trajectories()
+    assert len(frame) == 6 * 3 and set(frame["status"]) == {"evaluated"}
+    assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+    text = RECIPE.replace("steps: 5,", "steps: 0,")
+    recipe.write_text(re.sub(r"^evaluation: .*\n", "", text, flags=re.M))
+    assert_one_line_error(run_sfhpc("check", str(recipe)), "budgets.steps", "add an evaluation section")
+
+
 def test_scores_of_an_evaluation() -> None:
     ended = {"p0": {"a": 1.0, "b": 0.0, "c": None},  # one of three passes; one failed
              "p1": {"a": 0.5, "b": 0.5, "c": 0.5},   # none passes
