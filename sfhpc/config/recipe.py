@@ -296,8 +296,9 @@ class TrainingSpec:
                 "rank loads only its shard); none keeps a whole copy on each (DDP); auto: full where the trainers "
                 "have GPUs or are more than one")
     micro_batch_tokens: int | None = setting(
-        8192, "torch: a rank's rows are trained in micro-batches of at most this many padded tokens, gradients "
-              "accumulated (the same gradient as one pass); null: all of a rank's rows in one pass")
+        8192, "a rank's rows are trained in micro-batches of at most this many padded tokens, gradients accumulated "
+              "(the same gradient as one pass; megatron: equal micro-batches, at least one row each); null: all of a "
+              "rank's rows in one pass")
     activation_checkpointing: bool = setting(
         False, "torch: keep only each decoder layer's input for the backward and compute the rest again (about a "
                "third more compute, activations a layer's input per layer)")

@@ -150,6 +150,19 @@ def micro_batch_tokens(budget: int | None, rows: int, length: int) -> int:
     return min(max(tokens // length * length, length), rows * length)
 
 
+def equal_micro_batches(rows: int, width: int, budget: int | None, stages: int) -> int:
+    """How many micro-batches of equal rows the megatron backend cuts a rank's `rows` rows of `width` padded
+    tokens into: its schedules exchange activations of one fixed shape, so the count divides the rows. At
+    least as many as `budget` (tokens a micro-batch may hold; None: no bound) needs, one row each at most;
+    and, where the rows allow, as many as the pipeline's `stages` to keep them busy."""
+    if rows < 1:
+        return 1
+    per = rows if not budget else max(1, budget // max(width, 1))
+    busy = max(m for m in range(1, min(stages, rows) + 1) if rows % m == 0)
+    least = max(-(-rows // per), busy)
+    return next(m for m in range(least, rows + 1) if rows % m == 0)
+
+
 def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) -> RankMemory:
     """The peak bytes of one torch-backend trainer rank (module docstring)."""
     p = shape.params
@@ -202,16 +215,17 @@ def engine_items(shape: ModelShape, *, dtype_bytes: int, tensor_parallel: int,
 
 
 def megatron_memory(shape: ModelShape, *, tensor_parallel: int, pipeline_parallel: int, tokens: int,
-                    reference: bool, capacity: int) -> RankMemory:
+                    reference: bool, capacity: int, in_flight: int = 1) -> RankMemory:
     """The megatron backend's rank: float32 weights, gradients (its DDP buffer) and Adam split over tensor x
-    pipeline parallel, every row of the rank in one pass (no micro-batches, no checkpointing), the whole logits
-    of its tokens over its share of the vocabulary."""
+    pipeline parallel; a micro-batch of `tokens` padded tokens in a forward and backward (no checkpointing),
+    `in_flight` of them held at once (a pipeline's first stage holds up to its stages' count), and the whole
+    logits of one over the rank's share of the vocabulary."""
     split = tensor_parallel * pipeline_parallel
     p = shape.params
     layers = shape.layers // pipeline_parallel
     items = [("weights", MASTER_BYTES * p // split), ("gradients", GRAD_BYTES * p // split),
              ("optimizer", ADAM_BYTES * p // split),
-             ("activations", int(layers * tokens * shape.activation_elements() * 4 / tensor_parallel)),
+             ("activations", int(in_flight * layers * tokens * shape.activation_elements() * 4 / tensor_parallel)),
              ("logits", tokens * shape.vocab // tensor_parallel * LOGIT_BYTES)]
     if reference:
         items.append(("reference model", MASTER_BYTES * p // split))
@@ -225,9 +239,9 @@ def advice(memory: RankMemory) -> str:
     passes = sum(memory.item(k) for k in ("activations", "logits", "logits chunk"))
     if memory.item("engine weights") > state and memory.item("engine weights") > passes:
         return "give rollout GPUs of its own (mode async), or a larger engine.tensor_parallel_size"
-    if memory.item("logits") and not memory.item("logits chunk"):  # the megatron backend's one pass
-        return ("the megatron backend trains all of a rank's rows in one pass, without micro-batches: use "
-                "training.backend: torch (micro-batches, sharding, checkpointing) or more data-parallel ranks")
+    if memory.item("logits") and not memory.item("logits chunk") and memory.item("logits") >= state:
+        return ("lower training.micro_batch_tokens (the megatron backend computes a micro-batch's logits whole), or "
+                "use training.backend: torch (sharding, checkpointing, log-probabilities in chunks)")
     if state >= passes:
         return ("shard the model over more trainer ranks (training.sharding: full, more trainer nodes), use tensor "
                 "or pipeline parallelism (megatron), or a pool with larger GPUs")

@@ -33,6 +33,7 @@ from sfhpc.plan.memory import (
     TrainerSetup,
     advice,
     engine_items,
+    equal_micro_batches,
     gib,
     megatron_memory,
     micro_batch_tokens,
@@ -108,9 +109,12 @@ def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool
     reference = recipe.algorithm.kl_coef != 0
     if training.backend == "megatron":
         data = trainer_ranks // (training.tensor_parallel * training.pipeline_parallel)
+        rows = rows_per_trainer(recipe, data)
+        count = equal_micro_batches(rows, length, training.micro_batch_tokens, training.pipeline_parallel)
         return megatron_memory(shape, tensor_parallel=training.tensor_parallel,
-                               pipeline_parallel=training.pipeline_parallel,
-                               tokens=rows_per_trainer(recipe, data) * length, reference=reference, capacity=capacity)
+                               pipeline_parallel=training.pipeline_parallel, tokens=rows // count * length,
+                               in_flight=min(count, training.pipeline_parallel), reference=reference,
+                               capacity=capacity)
     rows = rows_per_trainer(recipe, trainer_ranks)
     tokens = micro_batch_tokens(training.micro_batch_tokens, rows, length)
     setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from sfhpc.config.recipe import AlgorithmSpec, Recipe, TrainingSpec
+from sfhpc.plan.memory import equal_micro_batches
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
@@ -248,6 +249,7 @@ class MegatronTrainer:
         self.dist = dist or DistSpec.single()
         self.model_dir = Path(model_dir)
         self.sizes = ParallelSizes.from_training(training, self.dist.world_size)
+        self.micro_batch_tokens = training.micro_batch_tokens
         if config.kl_coef != 0.0 and self.sizes.pipeline > 1:
             raise TrainerError("a KL penalty (algorithm.kl_coef) needs pipeline_parallel 1 in the megatron backend")
         hf = read_hf_config(self.model_dir)
@@ -349,9 +351,10 @@ class MegatronTrainer:
                                        if sharded else [float(batch.num_generated), loss_units(cfg, batch.generated)])
         normaliser = max(global_units, 1.0) / dp  # DDP averages over replicas: together, the global mean
 
-        # Pipeline stages exchange fixed [seq, micro_batch, hidden] activations: equal microbatches, as many
-        # as the stages (or the largest count below that divides the rows) to keep them all busy.
-        num_micro = max(m for m in range(1, min(self.sizes.pipeline, local.size) + 1) if local.size % m == 0)
+        # Equal microbatches (pipeline stages exchange fixed [seq, micro_batch, hidden] activations), each within
+        # training.micro_batch_tokens, and as many as the stages where the rows allow, to keep them all busy.
+        num_micro = equal_micro_batches(local.size, int(local.tokens.shape[1]), self.micro_batch_tokens,
+                                        self.sizes.pipeline)
         microbatches = [local.rows(idx.tolist()) for idx in torch.arange(local.size).chunk(num_micro)]
         stats: list[torch.Tensor] = []
 
@@ -406,7 +409,8 @@ class MegatronTrainer:
                            mean_ratio=ratio_sum / n, clip_fraction=clipped / n, truncated_fraction=truncated / n,
                            mean_staleness=stale_sum / n, max_staleness=max_stale, kl=kl_sum / n,
                            grad_norm=float(grad_norm), reward_mean=reward_sum / max(rows, 1.0),
-                           tokens=int(global_tokens), sequences=int(rows), seconds=time.perf_counter() - start)
+                           tokens=int(global_tokens), sequences=int(rows), seconds=time.perf_counter() - start,
+                           micro_batches=num_micro)
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         from megatron.core import parallel_state as ps

@@ -82,3 +82,14 @@ def test_an_engine_beside_a_trainer_takes_what_the_trainer_left() -> None:
     assert engine_memory_share(0.9, 30 * GIB, total) == round(29 / 80, 3)  # the free 30 GiB less the reserve
     with pytest.raises(ValueError, match="no room for an engine"):
         engine_memory_share(0.9, GIB // 2, total)
+
+
+def test_the_megatron_backend_cuts_equal_micro_batches_within_the_budget() -> None:
+    from sfhpc.plan.memory import equal_micro_batches
+
+    assert equal_micro_batches(8, 100, None, 1) == 1  # no budget: one pass
+    assert equal_micro_batches(8, 100, 250, 1) == 4  # two rows fit: four micro-batches of two
+    assert equal_micro_batches(6, 100, 400, 1) == 2  # four rows would fit, but 4 does not divide 6: three each
+    assert equal_micro_batches(6, 100, None, 4) == 3  # a pipeline of 4 stages: the largest count <= 4 dividing 6
+    assert equal_micro_batches(7, 100, 250, 1) == 7  # 7 is prime: one row each
+    assert equal_micro_batches(8, 100, 50, 2) == 8  # a row over the budget still gets a micro-batch of its own

@@ -104,6 +104,23 @@ def test_one_step_matches_the_torch_backend(gqa_dir: Path) -> None:
         torch.testing.assert_close(t, torch_weights[name], rtol=0.0, atol=1e-4, msg=name)
 
 
+def test_micro_batches_train_as_one_pass(gqa_dir: Path) -> None:
+    """Eight rows in four micro-batches of two (a budget of two rows' padded tokens), gradients accumulated:
+    the step of one pass over all eight."""
+    batch = toy_batch(seed=4)
+    width = int(batch.tokens.shape[1])
+    one = mb.MegatronTrainer(gqa_dir, CONFIG, training=TrainingSpec(backend="megatron", micro_batch_tokens=None))
+    got_one = one.train_step(batch)
+    weights_one = {n: t.clone() for n, t in one.named_weights()}
+    four = mb.MegatronTrainer(gqa_dir, CONFIG, training=TrainingSpec(backend="megatron", micro_batch_tokens=2 * width))
+    got_four = four.train_step(batch)
+    assert (got_one.micro_batches, got_four.micro_batches) == (1, 4)
+    for key in ("loss", "mean_ratio", "grad_norm", "reward_mean"):
+        assert getattr(got_four, key) == pytest.approx(getattr(got_one, key), rel=1e-4, abs=1e-6), key
+    for name, t in four.named_weights():
+        torch.testing.assert_close(t, weights_one[name], rtol=0.0, atol=1e-4, msg=name)
+
+
 def test_checkpoint_resumes_exactly(gqa_dir: Path, tmp_path: Path) -> None:
     batches = [toy_batch(seed=s) for s in range(3)]
     a = mb.MegatronTrainer(gqa_dir, CONFIG)
