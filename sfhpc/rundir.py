@@ -76,6 +76,10 @@ class RunPaths:
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
+    def export(self, step: int) -> Path:
+        """The Hugging Face export of step `step` that ``training.export_every`` writes."""
+        return self.root / "exports" / f"step-{step:06d}"
+
     @property
     def logs(self) -> Path:
         return self.root / "logs"

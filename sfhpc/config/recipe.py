@@ -288,6 +288,9 @@ class TrainingSpec:
                                        "request)")
     keep_checkpoints: int | None = setting(None, "keep the newest N complete checkpoints of this run and remove older "
                                                  "ones after each new one (null: keep all)")
+    export_every: int = setting(0, "steps between Hugging Face exports of the policy (exports/step-N, bf16; a "
+                                   "checkpoint is written at those steps too, and the final policy is exported at the "
+                                   "run's end); 0: none (sfhpc export makes one any time)")
     precision: Literal["auto", "bf16", "float32"] = setting(
         "auto", "torch: the dtype the forward and backward compute in; master weights and Adam's state stay float32 "
                 "(auto: bf16 where the trainer has a GPU, float32 on CPUs)")
@@ -324,6 +327,8 @@ class TrainingSpec:
                 f"must be at least 1, found {self.micro_batch_tokens}; null trains a rank's rows in one pass")
         if self.logprob_chunk_tokens < 1:
             raise where.child("logprob_chunk_tokens").error(f"must be at least 1, found {self.logprob_chunk_tokens}")
+        if self.export_every < 0:
+            raise where.child("export_every").error(f"must be 0 (none) or more, found {self.export_every}")
         if self.keep_checkpoints is not None and self.keep_checkpoints < 1:
             raise where.child("keep_checkpoints").error(
                 f"must be at least 1 (the newest checkpoint is what a restart resumes from), found "

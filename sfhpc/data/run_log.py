@@ -47,8 +47,8 @@ def read_log(path: Path, *, warn: Warn | None = None) -> list[dict[str, Any]]:
 
 def is_training_row(row: Mapping[str, Any]) -> bool:
     """Whether a ``metrics.jsonl`` row is a training step's; the row of step 0 holds only the evaluation before
-    training (`sfhpc.rl.evaluation`)."""
-    return "reward_mean" in row
+    training (`sfhpc.rl.evaluation`), the one row without the step's training figures."""
+    return not (is_evaluation_row(row) and "reward_mean" not in row)
 
 
 def is_evaluation_row(row: Mapping[str, Any]) -> bool:

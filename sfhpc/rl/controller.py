@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import random
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -448,11 +449,30 @@ class Controller:
         return row | {"lends": self.scheduler.lends, "reclaims": self.scheduler.reclaims}
 
     def checkpoint_if_due(self, step: int) -> None:
-        """Every ``training.checkpoint_every`` steps (0: only at the end and at a stop request)."""
+        """Every ``training.checkpoint_every`` steps (0: only at the end and at a stop request), and every
+        ``training.export_every`` steps with a Hugging Face export of it."""
         self.step_done = step
-        every = self.recipe.training.checkpoint_every
-        if every and step % every == 0:
+        training = self.recipe.training
+        export = bool(training.export_every) and step % training.export_every == 0
+        if export or (training.checkpoint_every and step % training.checkpoint_every == 0):
             self.checkpoint("periodic")
+        if export:
+            self.export(step)
+
+    def export(self, step: int) -> None:
+        """The checkpoint of `step` as a Hugging Face folder in ``exports/`` (`sfhpc.rl.export`), written here,
+        between steps: the trainers wait, and no later checkpoint can remove the one it reads meanwhile."""
+        from sfhpc.rl.export import export
+
+        started = time.monotonic()
+        self.live.enter("export", step)
+        out = RunPaths(self.run_dir).export(step)
+        if out.exists():  # a restart redid the step: the export of the lost allocation's weights goes
+            shutil.rmtree(out)
+        export(self.run_dir, out, step=step)
+        seconds = time.monotonic() - started
+        print(f"exported step {step} to {out} ({seconds:.1f} s)", flush=True)
+        self.event("exported", step=step, path=str(out), seconds=round(seconds, 3))
 
     def checkpoint(self, reason: str) -> CheckpointInfo:
         """One whole checkpoint of the run (see `sfhpc.rl.checkpoints`): the trainers write their state
@@ -601,6 +621,9 @@ class Controller:
             self.manager.flush()
         elif self.step_done > 0 and (self.last_checkpoint is None or self.last_checkpoint.step < self.step_done):
             self.checkpoint("final")  # a run that trained nothing (budgets.steps: 0) has nothing to keep
+        if (self.stopping is None and self.recipe.training.export_every and self.step_done > 0
+                and not RunPaths(self.run_dir).export(self.step_done).exists()):
+            self.export(self.step_done)  # the final policy too
         for rank in range(1, self.layout.world.Get_size()):
             msg.send(self.layout.world, msg.Stop(), rank)
         # Keep serving the trajectory manager until every rollout rank has said goodbye: episodes still in

@@ -87,7 +87,7 @@ class Progress:
         """The reward per step as one line of text (moving average over `window` steps), with first/last."""
         rewards = [r["reward_mean"] for r in self.rows]
         if not rewards:
-            return "no steps were run"
+            return "reward curve: no training step was run"
         smooth = moving_average(rewards, window)
         width = min(len(smooth), 60)  # one character per bin of steps: fits a terminal line
         bins = [smooth[i * len(smooth) // width:(i + 1) * len(smooth) // width] for i in range(width)]

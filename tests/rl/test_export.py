@@ -132,7 +132,7 @@ def test_vllm_serves_the_export_and_its_logprobs_are_the_trainers(trained_run: t
 
 
 @pytest.mark.mpi
-def test_a_run_starts_from_another_runs_checkpoint(trained_run: tuple[Path, Path, TorchTrainer],
+def test_a_run_starts_from_another_runs_checkpoint_and_exports_as_it_goes(trained_run: tuple[Path, Path, TorchTrainer],
                                                    tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -142,13 +142,25 @@ def test_a_run_starts_from_another_runs_checkpoint(trained_run: tuple[Path, Path
     checkpoint = run / "checkpoints" / "step-000003"
     run_dir, rows = run_recipe(tmp_path, f"name: from-run\nseed: 1\nengine: {{name: test}}\n"
                                          f"model: {{init_from: {checkpoint}, max_seq_len: 128}}\n"
-                                         "algorithm: {group_size: 2}\nbudgets: {steps: 2, prompts_per_step: 2}\n"
-                                         "task: {name: next-letter}\n"
+                                         "algorithm: {group_size: 2}\nbudgets: {steps: 3, prompts_per_step: 2}\n"
+                                         "training: {export_every: 2}\ntask: {name: next-letter}\n"
                                          "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train]}\n"
                                          "  rollout: {colocate_with: trainer}\n", timeout=600)
-    assert [r["version"] for r in rows] == [1, 2]
+    assert [r["version"] for r in rows] == [1, 2, 3]
     started = load_file(run_dir / "model" / "model.safetensors")  # the weights the new run began with
     assert json.loads((run_dir / "model" / "sfhpc_export.json").read_text())["step"] == 3
     for name, value in trainer.named_weights():
         if name in started:
             assert torch.equal(started[name], value), name  # float32: the trained master weights exactly
+
+    # training.export_every: 2 wrote the policy of step 2, and of the last step at the end.
+    exports = run_dir / "exports"
+    assert sorted(p.name for p in exports.iterdir()) == ["step-000002", "step-000003"]
+    infos = [json.loads((exports / name / "sfhpc_export.json").read_text()) for name in ("step-000002", "step-000003")]
+    assert [(i["step"], i["policy_version"], i["dtype"]) for i in infos] == [(2, 2, "bfloat16"), (3, 3, "bfloat16")]
+    exported_weights = load_file(exports / "step-000003" / "model.safetensors")
+    assert set(exported_weights) == set(started) and {t.dtype for t in exported_weights.values()} == {torch.bfloat16}
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "exported"] == [2, 3]
+    assert (run_dir / "checkpoints" / "step-000002").is_dir()  # an export step is checkpointed
+

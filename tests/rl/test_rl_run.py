@@ -54,11 +54,11 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
 
     # A run that starts from this one's trained policy (model.init_from) evaluates, before its first step,
     # what this run evaluated after its last: the same greedy replies to the same problems.
-    from_run = LEARN.replace("STEPS", "1").replace("model: {build: {warm_start_steps: 40}}",
-                                                   f"model: {{init_from: {run_dir}}}")
+    from_run = LEARN.replace("STEPS", "0").replace("model: {build: {warm_start_steps: 40}}",
+                                                   f"model: {{init_from: {run_dir}}}")  # evaluates, trains nothing
     (tmp_path / "next").mkdir()
     next_dir, next_rows = run_recipe(tmp_path / "next", from_run)
-    assert next_rows[0]["step"] == 0 and next_rows[0]["eval_pass_at_1"] == evaluations[60], next_rows[0]
+    assert len(next_rows) == 1 and next_rows[0]["eval_pass_at_1"] == evaluations[60], next_rows
     assert greedy_replies(next_dir, step=0) == greedy_replies(run_dir, step=60)
 
 
