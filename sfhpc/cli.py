@@ -182,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.resume:
         from sfhpc.rl.resume import check_resumable
 
-        run_dir = check_resumable(Path(args.resume), recipe)
+        run_dir, _ = check_resumable(Path(args.resume), recipe)
     else:
         run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     print(plan.describe())

@@ -50,11 +50,12 @@ def write_report(run: Run, out: Path) -> Path:
 
 def report_html(run: Run) -> str:
     summary = summarize(run)
+    steps = run.steps()
     title = f"sfhpc run {run.path.parent.name}"
     body = [f"<h1>{_e(title)}</h1>",
             f"<p>{_e(str(run.path))}, read {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
             "<h2>Store</h2>", _summary_tables(summary), "<h2>Plots</h2>", _plots(run, title),
-            "<h2>Training steps</h2>", _steps_table(run.steps()), *_evaluations(run.steps()),
+            "<h2>Training steps</h2>", _steps_table(steps), *_evaluations(steps),
             "<h2>Sample conversations</h2>", _samples(run)]
     return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{_e(title)}</title><style>{STYLE}</style></head>\n<body>\n" + "\n".join(body)

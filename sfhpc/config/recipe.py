@@ -504,8 +504,6 @@ class EvaluationSpec:
     pass_reward: float = setting(1.0, "a reply whose reward is at least this passes")
     before_training: bool = setting(True, "evaluate the initial policy before the first step (version 0)")
 
-    DEFAULT_GENERATED = 64  # problems drawn from a task that generates them, when `problems` is null
-
     def validate(self, where: Where) -> None:
         for key in ("every", "samples"):
             if getattr(self, key) < 1:

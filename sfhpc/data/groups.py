@@ -343,6 +343,7 @@ class GroupBook:
         for live in lives:
             self.close(live, status)
         self._in_flight.discard(group)
+        self._evaluated.pop(group, None)  # an evaluation cut short: its ended episodes are not asked for
         return len(lives)
 
     def drop_newer(self, policy_version: int) -> tuple[int, int]:

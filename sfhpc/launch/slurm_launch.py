@@ -80,14 +80,11 @@ def resumable_in_new_job(run_dir: Path, recipe: Recipe) -> Path:
     checkpoint (`check_resumable`), not complete (a job that would find nothing to do is not submitted), and
     that no job of the run may still write (two jobs would write one store); one line otherwise."""
     from sfhpc.launch.jobs import FINAL_STATES
-    from sfhpc.rl.checkpoints import RunCheckpoints
     from sfhpc.rl.resume import check_resumable
     from sfhpc.rundir import jobs_of_run
     from sfhpc.runtime.slurm_job import live_job
 
-    run_dir = check_resumable(run_dir, recipe)
-    latest = RunCheckpoints(run_dir).latest()
-    assert latest is not None  # check_resumable found it
+    run_dir, latest = check_resumable(run_dir, recipe)
     if latest.step >= recipe.budgets.steps:
         raise SfhpcError(f"--resume {run_dir}: the run is complete (its checkpoint is of step {latest.step}, "
                          f"budgets.steps is {recipe.budgets.steps}); raise budgets.steps in {recipe.source} to "

@@ -45,9 +45,11 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         try:
             task = get_task(recipe.task, recipe.source)
             task.check()
-            if (evaluation := recipe.evaluation) is not None:  # its file read now, not in the job
-                task.evaluation_problems(Path(evaluation.path) if evaluation.path else None, evaluation.problems,
-                                         recipe.seed, source=recipe.source)
+            if recipe.evaluation is not None:  # its file read now, not in the job
+                from sfhpc.rl.evaluation import Evaluation
+
+                Evaluation(recipe.evaluation, task, source=recipe.source, seed=recipe.seed,
+                           last_step=recipe.budgets.steps)
         except SfhpcError as exc:
             problems.append(str(exc))
         else:

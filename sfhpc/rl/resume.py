@@ -201,9 +201,10 @@ def plan_resume(state: ControllerState, manager: TrajectoryManager, *, max_token
     return plan
 
 
-def check_resumable(run_dir: Path, recipe: Any) -> Path:
+def check_resumable(run_dir: Path, recipe: Any) -> tuple[Path, Any]:
     """Refuse, before anything starts or is written, a ``--resume`` folder that is not a run of this recipe
-    with a sound checkpoint; returns the folder (absolute)."""
+    with a sound checkpoint; returns the folder (absolute) and that checkpoint (a `CheckpointInfo`: its files
+    are checksummed once, here)."""
     from sfhpc.errors import SfhpcError
     from sfhpc.rl.checkpoints import RunCheckpoints, check_identity, run_identity
 
@@ -221,4 +222,4 @@ def check_resumable(run_dir: Path, recipe: Any) -> Path:
         raise SfhpcError(f"--resume {run_dir}: no complete checkpoint to continue from{detail}")
     model_dir = Path(recipe.model.path) if recipe.model.path else paths.model
     check_identity(info, run_identity(recipe, model_dir))
-    return run_dir
+    return run_dir, info

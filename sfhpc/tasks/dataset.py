@@ -219,8 +219,7 @@ class DatasetTask(Task):
             rows = held_out.rows
         except ConfigError as exc:  # named as the evaluation's file, not the task's
             raise ConfigError(source, "evaluation.path", exc.problem) from None
-        return [Problem(key=f"{index}", data={"messages": messages, "answer": answer, "context": context})
-                for index, (messages, answer, context) in enumerate(rows[:count])]
+        return [held_out.problem(index) for index in range(len(rows[:count]))]
 
     # -- sampling without repeats per epoch -----------------------------------------------------------
     def sample(self, rng: random.Random) -> Problem:
@@ -232,7 +231,11 @@ class DatasetTask(Task):
             self._order = self._shuffled(len(rows), self._seed)
         index = self._order[self._position]
         self._position += 1
-        messages, answer, context = rows[index]
+        return self.problem(index)
+
+    def problem(self, index: int) -> Problem:
+        """Row `index` as a problem (its key: the row's index)."""
+        messages, answer, context = self.rows[index]
         return Problem(key=str(index), data={"messages": messages, "answer": answer, "context": context})
 
     @staticmethod
