@@ -292,19 +292,23 @@ class TrainingSpec:
                                    "checkpoint is written at those steps too, and the final policy is exported at the "
                                    "run's end); 0: none (sfhpc export makes one any time)")
     precision: Literal["auto", "bf16", "float32"] = setting(
-        "auto", "torch: the dtype the forward and backward compute in; master weights and Adam's state stay float32 "
-                "(auto: bf16 where the trainer has a GPU, float32 on CPUs)")
+        "auto", "the dtype the forward and backward compute in (both backends); master weights and Adam's state stay "
+                "float32 (auto: bf16 where the trainer has a GPU, float32 on CPUs)")
     sharding: Literal["auto", "full", "none"] = setting(
         "auto", "torch: full shards parameters, gradients and optimizer state over the trainer ranks (FSDP2; each "
-                "rank loads only its shard); none keeps a whole copy on each (DDP); auto: full where the trainers "
-                "have GPUs or are more than one")
+                "rank loads only its shard); none keeps a whole copy on each (DDP); megatron: full shards Adam's state "
+                "and the float32 master weights over the data-parallel ranks (its distributed optimizer); auto: full "
+                "where the trainers have GPUs or are more than one (megatron: more than one data-parallel replica)")
     micro_batch_tokens: int | None = setting(
         8192, "a rank's rows are trained in micro-batches of at most this many padded tokens, gradients accumulated "
               "(the same gradient as one pass; megatron: equal micro-batches, at least one row each); null: all of a "
               "rank's rows in one pass")
     activation_checkpointing: bool = setting(
-        False, "torch: keep only each decoder layer's input for the backward and compute the rest again (about a "
-               "third more compute, activations a layer's input per layer)")
+        False, "keep only each decoder layer's input for the backward and compute the rest again (about a third more "
+               "compute, activations a layer's input per layer; megatron: full recompute, one layer a unit)")
+    sequence_parallel: bool = setting(
+        True, "megatron with tensor_parallel > 1: split the activations outside the tensor-parallel regions (norms, "
+              "dropout, residuals) along the sequence over the tensor-parallel ranks")
     logprob_chunk_tokens: int = setting(
         1024, "torch: positions whose logits are computed at once for the log-probabilities (the [rows, length, "
               "vocab] logits never exist whole)")
@@ -316,7 +320,8 @@ class TrainingSpec:
         return self.precision
 
     def shards(self, trainer_ranks: int, *, on_gpu: bool) -> bool:
-        """Whether the torch backend shards the model over `trainer_ranks` ranks (`sharding`)."""
+        """Whether the trainer shards its state over `trainer_ranks` ranks (`sharding`): the torch backend over
+        its trainer ranks, megatron over its data-parallel replicas."""
         if self.sharding == "auto":
             return on_gpu or trainer_ranks > 1
         return self.sharding == "full"

@@ -24,6 +24,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sfhpc.config.recipe import TrainingSpec
 
 GIB = 1 << 30
 MASTER_BYTES = 4  # float32 master weights
@@ -112,6 +116,42 @@ class TrainerSetup:
     logprob_chunk_tokens: int
     reference: bool = False  # a KL term keeps a frozen copy of the starting policy
     device: str = "gpu"  # "gpu" or "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronSettings:
+    """What the megatron trainer does to fit (the recipe's ``training`` section, resolved; the trainer and the
+    plan both read it from here): the compute dtype, whether Adam's state and the float32 master weights are
+    sharded over the data-parallel ranks (megatron's distributed optimizer), full activation recompute, and
+    sequence parallelism (activations outside the tensor-parallel regions split along the sequence, with
+    tensor parallel > 1; megatron's norms do it only in Transformer Engine's layers, so without it there is
+    none)."""
+
+    bf16: bool = False
+    distributed_optimizer: bool = False
+    recompute: bool = False
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_training(cls, spec: TrainingSpec, *, tensor: int, data: int, on_gpu: bool,
+                      transformer_engine: bool = True) -> MegatronSettings:
+        return cls(bf16=spec.compute_precision(on_gpu=on_gpu) == "bf16",
+                   distributed_optimizer=spec.shards(data, on_gpu=on_gpu),
+                   recompute=spec.activation_checkpointing,
+                   sequence_parallel=spec.sequence_parallel and tensor > 1 and transformer_engine)
+
+    def describe(self, spec: TrainingSpec, *, tensor: int, data: int) -> str:
+        """One line for the rank's log: what the trainer does to fit, and what it was asked for but cannot do."""
+        parts = ["bf16 compute, float32 master weights" if self.bf16 else "float32",
+                 f"distributed optimizer over {data} data-parallel ranks" if self.distributed_optimizer
+                 else "optimizer state whole on each data-parallel rank",
+                 "full recompute" if self.recompute else "no recompute"]
+        if self.sequence_parallel:
+            parts.append("sequence parallel")
+        elif spec.sequence_parallel and tensor > 1:
+            parts.append("no sequence parallelism (megatron's norms split the sequence only in Transformer "
+                         "Engine's layers, and it is not installed)")
+        return "megatron trainer: " + "; ".join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,28 +254,48 @@ def engine_items(shape: ModelShape, *, dtype_bytes: int, tensor_parallel: int,
             ("engine reserve", ENGINE_RESERVE)]
 
 
-def megatron_memory(shape: ModelShape, *, tensor_parallel: int, pipeline_parallel: int, tokens: int,
-                    reference: bool, capacity: int, in_flight: int = 1) -> RankMemory:
-    """The megatron backend's rank: float32 weights, gradients (its DDP buffer) and Adam split over tensor x
-    pipeline parallel; a micro-batch of `tokens` padded tokens in a forward and backward (no checkpointing),
-    `in_flight` of them held at once (a pipeline's first stage holds up to its stages' count), and the whole
-    logits of one over the rank's share of the vocabulary."""
+# Of a layer's activations, the share outside the tensor-parallel regions (norms, residuals, dropout masks),
+# which tensor parallelism alone does not split and sequence parallelism does: 10 of 34 bytes per token and
+# hidden unit in the published count for GPT layers (Korthikanti et al., 2022, "Reducing Activation
+# Recomputation in Large Transformer Models", table 2).
+UNSPLIT_ACTIVATION_SHARE = 10 / 34
+
+
+def megatron_memory(shape: ModelShape, settings: MegatronSettings, *, tensor_parallel: int, pipeline_parallel: int,
+                    data_parallel: int, tokens: int, reference: bool, capacity: int, in_flight: int = 1) -> RankMemory:
+    """The megatron backend's rank, its model split over tensor x pipeline parallel: the weights (float32, or
+    bf16 beside float32 master weights), the gradients (its DDP buffer, float32), Adam's moments (and the
+    master weights, in bf16) divided over the data-parallel ranks with the distributed optimizer; a
+    micro-batch of `tokens` padded tokens in a forward and backward, `in_flight` of them held at once (a
+    pipeline's first stage holds up to its stages' count), each layer's activations whole or, recomputed,
+    its input alone beside one layer's; and the whole logits of one micro-batch over the rank's share of the
+    vocabulary."""
     split = tensor_parallel * pipeline_parallel
-    p = shape.params
+    p = shape.params // split
+    optimizer_ranks = data_parallel if settings.distributed_optimizer else 1
+    compute = 2 if settings.bf16 else 4
+    items = [("weights", compute * p)]
+    if settings.bf16:
+        items.append(("master weights", MASTER_BYTES * p // optimizer_ranks))
+    items += [("gradients", GRAD_BYTES * p), ("optimizer", ADAM_BYTES * p // optimizer_ranks)]
     layers = shape.layers // pipeline_parallel
-    items = [("weights", MASTER_BYTES * p // split), ("gradients", GRAD_BYTES * p // split),
-             ("optimizer", ADAM_BYTES * p // split),
-             ("activations", int(in_flight * layers * tokens * shape.activation_elements() * 4 / tensor_parallel)),
-             ("logits", tokens * shape.vocab // tensor_parallel * LOGIT_BYTES)]
+    unsplit = 0.0 if settings.sequence_parallel or tensor_parallel == 1 else UNSPLIT_ACTIVATION_SHARE
+    per_token_layer = shape.activation_elements() * compute * ((1 - unsplit) / tensor_parallel + unsplit)
+    if settings.recompute:
+        kept = layers * shape.hidden * compute / (tensor_parallel if settings.sequence_parallel else 1)
+        activations = in_flight * tokens * kept + tokens * per_token_layer
+    else:
+        activations = in_flight * layers * tokens * per_token_layer
+    items += [("activations", int(activations)), ("logits", tokens * shape.vocab // tensor_parallel * LOGIT_BYTES)]
     if reference:
-        items.append(("reference model", MASTER_BYTES * p // split))
+        items.append(("reference model", compute * p))
     items.append(("runtime reserve", RUNTIME_RESERVE["gpu"]))
     return RankMemory("trainer", tuple(items), capacity)
 
 
 def advice(memory: RankMemory) -> str:
     """What to change for a plan that does not fit, by what weighs most in it."""
-    state = sum(memory.item(k) for k in ("weights", "gradients", "optimizer", "reference model"))
+    state = sum(memory.item(k) for k in ("weights", "master weights", "gradients", "optimizer", "reference model"))
     passes = sum(memory.item(k) for k in ("activations", "logits", "logits chunk"))
     if memory.item("engine weights") > state and memory.item("engine weights") > passes:
         return "give rollout GPUs of its own (mode async), or a larger engine.tensor_parallel_size"

@@ -28,6 +28,7 @@ from sfhpc.plan.memory import (
     ENGINE_RESERVE,
     GIB,
     USABLE_SHARE,
+    MegatronSettings,
     ModelShape,
     RankMemory,
     TrainerSetup,
@@ -111,10 +112,11 @@ def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool
         data = trainer_ranks // (training.tensor_parallel * training.pipeline_parallel)
         rows = rows_per_trainer(recipe, data)
         count = equal_micro_batches(rows, length, training.micro_batch_tokens, training.pipeline_parallel)
-        return megatron_memory(shape, tensor_parallel=training.tensor_parallel,
-                               pipeline_parallel=training.pipeline_parallel, tokens=rows // count * length,
-                               in_flight=min(count, training.pipeline_parallel), reference=reference,
-                               capacity=capacity)
+        settings = MegatronSettings.from_training(training, tensor=training.tensor_parallel, data=data, on_gpu=on_gpu)
+        return megatron_memory(shape, settings, tensor_parallel=training.tensor_parallel,
+                               pipeline_parallel=training.pipeline_parallel, data_parallel=data,
+                               tokens=rows // count * length, in_flight=min(count, training.pipeline_parallel),
+                               reference=reference, capacity=capacity)
     rows = rows_per_trainer(recipe, trainer_ranks)
     tokens = micro_batch_tokens(training.micro_batch_tokens, rows, length)
     setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),

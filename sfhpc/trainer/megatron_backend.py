@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 
 from sfhpc.config.recipe import AlgorithmSpec, Recipe, TrainingSpec
-from sfhpc.plan.memory import equal_micro_batches
+from sfhpc.plan.memory import MegatronSettings, equal_micro_batches
 from sfhpc.trainer import checkpoint as ckpt
 from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
@@ -45,6 +46,8 @@ from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
 from sfhpc.trainer.losses import loss_units, policy_loss, tempered
 from sfhpc.trainer.torch_trainer import StepMetrics, batch_advantages, check_algorithm
+
+log = logging.getLogger("sfhpc")
 
 # megatron-core's forward, DDP and optimizer address the CUDA device directly. Tests that exercise the
 # wiring on CPU machines through their own shim (tests/trainer/megatron_shim) turn this off.
@@ -115,7 +118,14 @@ def uses_transformer_engine() -> bool:
     return True
 
 
-def transformer_config(hf: dict[str, Any], sizes: ParallelSizes) -> Any:
+def _params_dtype(settings: MegatronSettings) -> torch.dtype:
+    return torch.bfloat16 if settings.bf16 else torch.float32
+
+
+_FLOAT32 = MegatronSettings()
+
+
+def transformer_config(hf: dict[str, Any], sizes: ParallelSizes, memory: MegatronSettings = _FLOAT32) -> Any:
     """megatron's ``TransformerConfig`` of the Llama model that `hf` (a ``config.json``) describes."""
     from megatron.core.transformer import TransformerConfig
 
@@ -132,8 +142,15 @@ def transformer_config(hf: dict[str, Any], sizes: ParallelSizes) -> Any:
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, bias_activation_fusion=False,
         add_bias_linear=False, add_qkv_bias=layout.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=sizes.tensor, pipeline_model_parallel_size=sizes.pipeline,
-        params_dtype=torch.float32,  # master weights stay float32, as in the torch backend
-        pipeline_dtype=torch.float32,  # what pipeline stages send each other
+        # The model is built in float32 and loaded from the folder; in bf16 Float16Module then casts it and the
+        # optimizer keeps float32 master weights beside it (RL's small updates would vanish in bf16 weights).
+        params_dtype=torch.float32, bf16=memory.bf16,
+        pipeline_dtype=_params_dtype(memory),  # what pipeline stages send each other
+        sequence_parallel=memory.sequence_parallel,
+        # Full recompute of every layer: only each layer's input is kept for the backward.
+        recompute_granularity="full" if memory.recompute else None,
+        recompute_method="uniform" if memory.recompute else None,
+        recompute_num_layers=1 if memory.recompute else None,
         # The HF weights overwrite the random ones, but initialisation is what tags each parameter as
         # tensor-parallel (or replicated); without the tags gradient norms and clipping go wrong under TP.
         perform_initialization=True, use_cpu_initialization=not torch.cuda.is_available(),
@@ -260,35 +277,54 @@ class MegatronTrainer:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
-        self.model_config = transformer_config(hf, self.sizes)
+        self.memory = memory = MegatronSettings.from_training(
+            training, tensor=self.sizes.tensor, data=self.sizes.data, on_gpu=self.device.type == "cuda",
+            transformer_engine=uses_transformer_engine())
+        log.info(memory.describe(training, tensor=self.sizes.tensor, data=self.sizes.data))
+        self.model_config = transformer_config(hf, self.sizes, memory)
         hf_weights = read_hf_weights(self.model_dir)
         module = build_gpt_model(hf, self.model_config)
         load_hf_weights(module, hf_weights, self.layout)
         self.module = module.to(self.device)
+        masters = {n: p.detach().clone() for n, p in self.module.named_parameters()} if memory.bf16 else {}
         self.reference = None
         if config.kl_coef != 0.0:
             reference = build_gpt_model(hf, self.model_config)
             load_hf_weights(reference, hf_weights, self.layout)
-            self.reference = reference.to(self.device).eval().requires_grad_(False)
+            self.reference = _in_precision(reference.to(self.device), self.model_config).eval().requires_grad_(False)
         del hf_weights
 
         # megatron's DDP keeps gradients in contiguous fp32 buffers and averages them over data-parallel
-        # ranks when the step's gradients are final (finalize_model_grads, called by the schedule).
+        # ranks when the step's gradients are final (finalize_model_grads, called by the schedule); with the
+        # distributed optimizer it reduce-scatters them instead, each rank keeping its shard.
         self.model = DistributedDataParallel(
             config=self.model_config,
             ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                     use_distributed_optimizer=False),
-            module=self.module)
+                                                     use_distributed_optimizer=memory.distributed_optimizer),
+            module=_in_precision(self.module, self.model_config))
         self.model_config.finalize_model_grads_func = finalize_model_grads
         self.model_config.no_sync_func = self.model.no_sync
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=config.learning_rate, weight_decay=config.weight_decay,
                             adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2,
-                            adam_eps=config.adam_eps, clip_grad=config.max_grad_norm, bf16=False, fp16=False,
-                            params_dtype=torch.float32, use_distributed_optimizer=False),
+                            adam_eps=config.adam_eps, clip_grad=config.max_grad_norm, bf16=memory.bf16, fp16=False,
+                            params_dtype=_params_dtype(memory),
+                            use_distributed_optimizer=memory.distributed_optimizer),
             [self.model])
+        if masters:
+            self._set_master_weights(masters)
         self.step = 0
         self.policy_version = initial_version
+
+    def _set_master_weights(self, masters: dict[str, torch.Tensor]) -> None:
+        """Seed the optimizer's float32 master weights with the folder's own values (megatron would copy them
+        from the model's bf16 cast, rounding each weight before the first step)."""
+        if self.memory.distributed_optimizer:
+            self.optimizer.reload_model_params(state_dict=masters)
+            return
+        with torch.no_grad():
+            for name, param in self.module.named_parameters():
+                param.main_param.copy_(masters[name])
 
     # -- where this rank sits --------------------------------------------------------------------------
     @property
@@ -482,7 +518,7 @@ class MegatronTrainer:
                     dim = names.shard_dim(name)
                     if dim is not None:
                         full_shape[dim] *= tp
-                    full = torch.empty(full_shape, dtype=torch.float32, device=self.device)
+                    full = torch.empty(full_shape, dtype=_params_dtype(self.memory), device=self.device)
                 if pp > 1:
                     full = full.contiguous()
                     torch.distributed.broadcast(full, group_src=stage, group=ps.get_pipeline_model_parallel_group())
@@ -503,12 +539,17 @@ class MegatronTrainer:
             "backend": "megatron",
             "model": {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")},
             "optimizer": self.optimizer.state_dict(),
+            "precision": "bf16" if self.memory.bf16 else "float32",
+            "distributed_optimizer": self.memory.distributed_optimizer,
             "step": self.step,
             "policy_version": self.policy_version,
             "rng": ckpt.rng_state(),
             "algorithm": dataclasses.asdict(self.algorithm),
             "parallel": dataclasses.asdict(self.sizes),
         }
+        if self.memory.distributed_optimizer:
+            # Each data-parallel rank holds its own shard of Adam's state and the master weights: one file each.
+            ckpt.save_atomic({"optimizer_shards": self._optimizer_shards()}, self._optimizer_shard_path(path))
         writer = self.dp_rank == 0
         if writer and (self.tp_rank, self.pp_rank) != (0, 0):
             ckpt.save_atomic(state, self.checkpoint_part(path))
@@ -523,6 +564,13 @@ class MegatronTrainer:
         state = ckpt.load(self.checkpoint_part(path))
         if state.get("backend") != "megatron":
             raise CheckpointError(f"{path}: written by the {state.get('backend', 'torch')} backend, not megatron")
+        written = ("bf16" if state.get("precision") == "bf16" else "float32", bool(state.get("distributed_optimizer")))
+        if written != (("bf16" if self.memory.bf16 else "float32"), self.memory.distributed_optimizer):
+            raise CheckpointError(f"{path}: written in {written[0]} with the distributed optimizer "
+                                  f"{'on' if written[1] else 'off'}; this run trains in "
+                                  f"{'bf16' if self.memory.bf16 else 'float32'} with it "
+                                  f"{'on' if self.memory.distributed_optimizer else 'off'}: resume with the same "
+                                  "training.precision and training.sharding")
         if state.get("parallel") != dataclasses.asdict(self.sizes):
             raise CheckpointError(f"{path}: written with parallel sizes {state.get('parallel')}, this run has "
                                   f"{dataclasses.asdict(self.sizes)}; resume with the same layout")
@@ -532,10 +580,48 @@ class MegatronTrainer:
             if missing:
                 raise KeyError(f"missing {sorted(missing)[0]}")
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.memory.distributed_optimizer:
+                self._load_optimizer_shards(ckpt.load(self._optimizer_shard_path(path))["optimizer_shards"])
 
         ckpt.restore(path, self.model_dir, state, load_weights)
         self.step = int(state["step"])
         self.policy_version = int(state["policy_version"])
+
+    def _optimizer_shard_path(self, path: str | Path) -> Path:
+        part = self.checkpoint_part(path)
+        return part.with_name(f"{part.name}.dp{self.dp_rank}")
+
+    def _optimizer_shards(self) -> list[dict[str, dict[str, Any]]]:
+        """This rank's shard of the distributed optimizer, per parameter name: its float32 master slice and
+        Adam's state for it. (megatron's own gathered format, ``get_parameter_state_dp_zero``, leaves out the
+        per-parameter ``step`` of torch's Adam, which megatron uses where neither Transformer Engine nor Apex is
+        installed, and cannot be loaded back then; this reads and writes what the optimizer holds.)"""
+        named = list(self.module.named_parameters())
+        shards = []
+        for optimizer in _inner_optimizers(self.optimizer):
+            owned = optimizer.model_param_group_index_map
+            shards.append({name: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v
+                                  for k, v in optimizer._get_main_param_and_optimizer_states(param).items()}
+                           for name, param in named if param in owned})
+        return shards
+
+    def _load_optimizer_shards(self, shards: list[dict[str, dict[str, Any]]]) -> None:
+        named = list(self.module.named_parameters())
+        # No autograd: in float32 the master slices are views of the model's own (leaf) parameters.
+        with torch.no_grad():
+            for optimizer, shard in zip(_inner_optimizers(self.optimizer), shards, strict=True):
+                owned = optimizer.model_param_group_index_map
+                for name, param in named:
+                    if param not in owned:
+                        continue
+                    saved = shard[name]
+                    main = optimizer._get_main_param_and_optimizer_states(param)["param"]
+                    main.copy_(saved["param"])
+                    # Tensors of their own: after megatron's load_state_dict every parameter's ``step`` is one
+                    # shared tensor, which Adam would then advance once per parameter.
+                    optimizer.optimizer.state[main].update(
+                        {k: v.clone().to(main.device) if torch.is_tensor(v) else v
+                         for k, v in saved.items() if k != "param"})
 
     def _barrier(self) -> None:
         if self.sizes.world_size > 1:
@@ -549,6 +635,21 @@ class MegatronTrainer:
             raise TrainerError(f"{recipe.source or recipe.name}: training.backend is {recipe.training.backend!r}, "
                                "not 'megatron'")
         return cls(model_dir, recipe.algorithm, training=recipe.training, dist=dist, seed=recipe.seed)
+
+
+def _in_precision(module: Any, config: Any) -> Any:
+    """`module` computing in the config's precision: in bf16, wrapped in megatron's ``Float16Module`` (which
+    casts its parameters to bf16, its inputs on the first stage, and its logits back to float32 on the last)."""
+    if not config.bf16:
+        return module
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, module)
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The megatron optimizers `optimizer` holds: itself, or the parts of a ``ChainedOptimizer``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _init_parallel_state(dist: DistSpec, sizes: ParallelSizes, device: torch.device) -> None:

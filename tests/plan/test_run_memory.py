@@ -93,3 +93,32 @@ def test_the_megatron_backend_cuts_equal_micro_batches_within_the_budget() -> No
     assert equal_micro_batches(6, 100, None, 4) == 3  # a pipeline of 4 stages: the largest count <= 4 dividing 6
     assert equal_micro_batches(7, 100, 250, 1) == 7  # 7 is prime: one row each
     assert equal_micro_batches(8, 100, 50, 2) == 8  # a row over the budget still gets a micro-batch of its own
+
+
+def test_the_megatron_plan_follows_precision_the_distributed_optimizer_and_recompute() -> None:
+    """A 7B over tensor parallel 2 and 4 data-parallel ranks: bf16 weights beside float32 master weights, the
+    distributed optimizer dividing Adam and the masters by 4, recompute keeping a layer's input per layer."""
+    from sfhpc.config.recipe import TrainingSpec
+    from sfhpc.plan.memory import MegatronSettings, megatron_memory
+
+    shape = ModelShape.from_config(QWEN_7B)
+    p = shape.params // 2
+
+    def plan(**training: object) -> dict[str, int]:
+        spec = TrainingSpec(backend="megatron", tensor_parallel=2, **training)  # type: ignore[arg-type]
+        settings = MegatronSettings.from_training(spec, tensor=2, data=4, on_gpu=True)
+        memory = megatron_memory(shape, settings, tensor_parallel=2, pipeline_parallel=1, data_parallel=4,
+                                 tokens=4096, reference=False, capacity=80 * GIB)
+        return {k: memory.item(k) for k in ("weights", "master weights", "gradients", "optimizer", "activations")}
+
+    whole = plan(precision="float32", sharding="none")
+    assert (whole["weights"], whole["master weights"], whole["optimizer"]) == (4 * p, 0, 8 * p)
+    auto = plan()  # on GPUs: bf16, the distributed optimizer, sequence parallelism (tensor parallel 2)
+    assert (auto["weights"], auto["master weights"], auto["gradients"], auto["optimizer"]) == (2 * p, p, 4 * p, 2 * p)
+    assert auto["activations"] == pytest.approx(whole["activations"] / 2, rel=1e-6)  # bf16 activations
+    # Without sequence parallelism the norms' and residuals' share is not split over the tensor-parallel ranks.
+    assert plan(sequence_parallel=False)["activations"] == pytest.approx(auto["activations"] * (1 + 10 / 34), rel=1e-6)
+    recomputed = plan(activation_checkpointing=True)
+    assert recomputed["activations"] < auto["activations"] / 4
+    assert MegatronSettings.from_training(TrainingSpec(backend="megatron"), tensor=1, data=1, on_gpu=False) == \
+        MegatronSettings()  # on CPUs, one replica: float32, nothing sharded

@@ -121,6 +121,30 @@ def test_micro_batches_train_as_one_pass(gqa_dir: Path) -> None:
         torch.testing.assert_close(t, weights_one[name], rtol=0.0, atol=1e-4, msg=name)
 
 
+def test_recompute_is_the_same_step_and_bf16_keeps_float32_masters(gqa_dir: Path) -> None:
+    """Full recompute changes what is kept, not what is computed: the same step bit for bit. bf16 computes in
+    bf16 (its step within bf16's precision of float32's) beside float32 master weights seeded with the folder's
+    own values, not their bf16 rounding."""
+    batch = toy_batch(seed=5)
+    plain = mb.MegatronTrainer(gqa_dir, CONFIG)
+    want = plain.train_step(batch)
+    recomputed = mb.MegatronTrainer(gqa_dir, CONFIG, training=TrainingSpec(backend="megatron",
+                                                                          activation_checkpointing=True))
+    assert recomputed.model_config.recompute_granularity == "full"
+    got = recomputed.train_step(batch)
+    assert (got.loss, got.grad_norm) == (want.loss, want.grad_norm)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(plain.named_weights(), recomputed.named_weights()))
+
+    bf16 = mb.MegatronTrainer(gqa_dir, CONFIG, training=TrainingSpec(backend="megatron", precision="bf16"))
+    folder = mb.read_hf_weights(gqa_dir)["model.layers.0.mlp.down_proj.weight"]
+    param = bf16.module.decoder.layers[0].mlp.linear_fc2.weight
+    assert param.dtype == torch.bfloat16 and param.main_param.dtype == torch.float32
+    assert torch.equal(param.main_param, folder) and not torch.equal(param.float(), folder)
+    got = bf16.train_step(batch)
+    assert got.loss == pytest.approx(want.loss, rel=2e-2) and got.grad_norm == pytest.approx(want.grad_norm, rel=2e-2)
+    assert {t.dtype for _, t in bf16.named_weights()} == {torch.bfloat16}
+
+
 def test_checkpoint_resumes_exactly(gqa_dir: Path, tmp_path: Path) -> None:
     batches = [toy_batch(seed=s) for s in range(3)]
     a = mb.MegatronTrainer(gqa_dir, CONFIG)
@@ -134,6 +158,10 @@ def test_checkpoint_resumes_exactly(gqa_dir: Path, tmp_path: Path) -> None:
     b.train_step(batches[1])  # Adam moments restored: the same step as a's second one
     wa, wb = dict(a.named_weights()), dict(b.named_weights())
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+    bf16 = mb.MegatronTrainer(gqa_dir, CONFIG, training=TrainingSpec(backend="megatron", precision="bf16"))
+    with pytest.raises(CheckpointError, match="written in float32 .* this run trains in bf16"):
+        bf16.load_checkpoint(path)
 
     TorchTrainer(gqa_dir, CONFIG).save_checkpoint(tmp_path / "torch.pt")
     with pytest.raises(CheckpointError, match="torch backend"):

@@ -13,7 +13,8 @@ What it does, while active (`cpu_shim` for a block, `activate` for the life of a
   ``Tensor.cuda()`` / ``Tensor.to(<cuda>)`` into no-ops);
 - ``Tensor.type()`` names the CUDA tensor type (gradient clipping asserts it);
 - ``torch.cuda.current_device()`` answers 0 and ``torch.cuda.synchronize()`` does nothing;
-- megatron's RNG tracker is the inference one (no CUDA generators);
+- megatron's RNG tracker is the inference one (no CUDA generators), and the CUDA generator state that
+  activation recompute saves and restores around each recomputed layer is an empty tensor;
 - the backend's CUDA requirement (`REQUIRE_CUDA`) is lifted.
 """
 
@@ -64,9 +65,22 @@ def cpu_shim() -> Iterator[None]:
     from sfhpc.trainer import megatron_backend
 
     saved = torch.cuda.current_device, torch.cuda.synchronize, megatron_backend.REQUIRE_CUDA
+    saved_rng = mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state
     torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
     torch.cuda.synchronize = lambda device=None: None  # type: ignore[assignment]  # CPU ops are synchronous
     megatron_backend.REQUIRE_CUDA = False
+    # Recompute replays a layer under the RNG state of its first pass; the CPU generator is saved by megatron
+    # itself, and there is no CUDA one (dropout is 0 in these models anyway).
+    mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.empty(0, dtype=torch.uint8)
+    mp_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    # The autograd engine runs a recomputed layer's backward outside the ``with`` block's function mode.
+    saved_backward = mp_random.CheckpointFunction.backward
+
+    def backward_on_cpu(ctx: Any, *grads: Any) -> Any:
+        with CudaToCpu():
+            return saved_backward(ctx, *grads)
+
+    mp_random.CheckpointFunction.backward = staticmethod(backward_on_cpu)  # type: ignore[method-assign]
     # The inference tracker forks no CUDA generator; the backend's later model_parallel_cuda_manual_seed
     # finds a tracker already set up and only resets it. Dropout is 0, so no draw depends on it.
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
@@ -75,6 +89,8 @@ def cpu_shim() -> Iterator[None]:
             yield
     finally:
         torch.cuda.current_device, torch.cuda.synchronize, megatron_backend.REQUIRE_CUDA = saved
+        mp_random._get_cuda_rng_state, mp_random._set_cuda_rng_state = saved_rng
+        mp_random.CheckpointFunction.backward = saved_backward  # type: ignore[method-assign]
 
 
 _process_shim: contextlib.AbstractContextManager[None] | None = None
