@@ -33,6 +33,7 @@ from pathlib import Path
 
 from sfhpc import __version__
 from sfhpc.config import ClusterMap, Recipe, load_cluster_map, load_recipe
+from sfhpc.config.overrides import parse as parse_overrides
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.plan.resolve import resolve
@@ -175,7 +176,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from sfhpc.rl.program import check_runnable
     from sfhpc.rundir import new_run_dir
 
-    recipe = load_recipe(args.recipe)
+    overrides = parse_overrides(args.set)
+    recipe = load_recipe(args.recipe, overrides)
     check_runnable(recipe)
     cluster = load_cluster_map(args.cluster) if args.cluster else local_cluster_map(recipe)
     plan = resolve(recipe, cluster)
@@ -187,8 +189,35 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
     print(plan.describe())
     print(f"run folder {run_dir}", flush=True)
-    code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose, plan_shown=True)
+    code = run_local(plan, args.recipe, args.cluster, run_dir, verbose=args.verbose, plan_shown=True,
+                     overrides=overrides)
     return _run_outcome(run_dir, code, verbose=args.verbose)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from sfhpc.launch.local import run_local
+    from sfhpc.plan.local_map import local_cluster_map
+    from sfhpc.rl import offline_eval
+    from sfhpc.rl.program import check_runnable
+    from sfhpc.rundir import new_run_dir
+
+    run = Path(args.run)
+    evaluation = offline_eval.prepare(
+        run, step=args.step, data=Path(args.data) if args.data else None,
+        recipe_path=Path(args.recipe) if args.recipe else None, samples=args.samples,
+        temperature=args.temperature, problems=args.problems, extra=parse_overrides(args.set))
+    recipe = evaluation.recipe
+    check_runnable(recipe)
+    plan = resolve(recipe, load_cluster_map(args.cluster) if args.cluster else local_cluster_map(recipe))
+    eval_dir = new_run_dir(recipe.output_dir, recipe.name, group=recipe.output_group)
+    print(plan.describe())
+    print(f"evaluating step {evaluation.step} ({evaluation.checkpoint}) in {eval_dir}", flush=True)
+    code = _run_outcome(eval_dir, run_local(plan, str(evaluation.recipe_path), args.cluster, eval_dir,
+                                            verbose=args.verbose, plan_shown=True, overrides=evaluation.overrides),
+                        verbose=args.verbose)
+    if code == 0:
+        print(offline_eval.summary(evaluation, run.absolute(), eval_dir))
+    return code
 
 
 # A run that stopped at a signal's safe point exits with this code (EX_TEMPFAIL): not done, resumable.
@@ -471,6 +500,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="the engine's and libraries' INFO lines (vLLM's) and mpiexec's own messages on the console "
                         "too (else they go to the run's logs/rank-NNN.log)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe key over the file's, as YAML (budgets.steps=10, evaluation.samples=4, "
+                        "model.path=null); repeat for several")
     recipe_command("plan", cmd_plan, "show where every role and rank of a recipe would run")
     recipe_command("check", cmd_check, "every check `run` (or, with --cluster, `launch`) makes before it starts, "
                                        "one line per problem; silent when there is none", cluster_default=None)
@@ -501,6 +533,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                    help="the weights' dtype (default bfloat16, as the engines serve them)")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("eval", help="evaluate a run's checkpoint on held-out problems, on this machine",
+                       description="Play held-out problems with the policy of a run's newest checkpoint (or of "
+                                   "--step), as the run's own recipe plays its evaluations, and print pass@1, mean@k "
+                                   "and pass@k. The replies and scores go to a run folder under RUN/evaluations/.")
+    p.add_argument("run", help="the run folder")
+    p.add_argument("--data", help="held-out rows (.jsonl or .parquet) with the task's prompt and answer keys "
+                                  "(default: the recipe's evaluation.path)")
+    p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
+    p.add_argument("--samples", type=int, default=None, help="replies per problem: k of pass@k (default: the "
+                                                              "recipe's evaluation.samples, else 1)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy; default: the "
+                                                                     "recipe's evaluation.temperature, else 0)")
+    p.add_argument("--problems", type=int, default=None, help="the first N problems (default: the recipe's "
+                                                               "evaluation.problems, else all)")
+    p.add_argument("--recipe", help="the recipe the run was started with (default: the one the run noted)")
+    p.add_argument("--cluster", default=None, metavar="MAP", help="cluster tag map (default: this machine alone)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a recipe key over the file's")
+    p.add_argument("--verbose", action="store_true", help="the libraries' INFO lines on the console too")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("bench", help="benchmarks: the figures of merit, one command each",
                        description="Run one benchmark (or all); options after the name go to the benchmark.")

@@ -68,6 +68,16 @@ class RunPaths:
         return self.root / "launch_report.json"
 
     @property
+    def recipe(self) -> Path:
+        """The recipe the run was started with: its file (absolute) and the command line's overrides."""
+        return self.root / "recipe.json"
+
+    @property
+    def evaluations(self) -> Path:
+        """``sfhpc eval``'s runs of this run's checkpoints, a run folder each."""
+        return self.root / "evaluations"
+
+    @property
     def model(self) -> Path:
         """The model folder a run builds when its recipe names none."""
         return self.root / "model"
@@ -217,3 +227,22 @@ def find_run_dir(output_dir: str | Path, job_id: str) -> Path | None:
         if len(fields) >= 2 and fields[0] == job_id:
             found = Path(fields[1])
     return found
+
+
+def record_recipe(run_dir: Path, source: str, overrides: dict[str, object]) -> None:
+    """Note in the run folder which recipe file (and overrides) the run was started with (`RunPaths.recipe`)."""
+    import json
+
+    record = {"path": str(Path(source).resolve()), "overrides": overrides}
+    RunPaths(run_dir).recipe.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def recorded_recipe(run_dir: Path) -> tuple[Path, dict[str, object]] | None:
+    """The recipe file and overrides `record_recipe` noted, or None for a run that noted none."""
+    import json
+
+    path = RunPaths(run_dir).recipe
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return Path(record["path"]), dict(record.get("overrides") or {})

@@ -914,9 +914,14 @@ def _unused_timing(recipe: Recipe) -> Iterator[tuple[str, str]]:
             yield key, f"models the timing backend's step; leave it out for backend '{recipe.training.backend}'"
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Read and validate a recipe; raises ConfigError naming file, line and key."""
+def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) -> Recipe:
+    """Read and validate a recipe, with `overrides` (dotted keys set over the file's: `sfhpc.config.overrides`);
+    raises ConfigError naming file, line and key."""
     data = read_yaml(path)
+    if overrides:
+        from sfhpc.config import overrides as set_keys
+
+        set_keys.apply(data, overrides, str(path))
     recipe = build(Recipe, data, Where(str(path), "", data.line), renamed=RENAMED_KEYS)
     task = dataclasses.replace(recipe.task, base_dir=str(Path(path).parent.resolve()))
     algorithm = recipe.algorithm

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import IO
 
+from sfhpc.config.overrides import Overrides, as_arguments
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.plan.local_map import LOCAL_MAP_NAME
@@ -18,7 +19,7 @@ from sfhpc.runtime.slurm_env import PLAN_SHOWN_VAR, TASKS_PER_COMPONENT_VAR
 
 
 def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
-                    probe: bool = False, verbose: bool = False) -> list[str]:
+                    probe: bool = False, verbose: bool = False, overrides: Overrides | None = None) -> list[str]:
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin) "
@@ -34,16 +35,17 @@ def mpiexec_command(plan: LaunchPlan, recipe_path: str, cluster_path: str | None
                "--mca", "odls_base_sigkill_timeout", "0",
                "-n", str(plan.world_size), sys.executable, "-m", "sfhpc.rank", recipe_path,
                "--run-dir", str(run_dir), "--cluster", cluster_path or LOCAL_MAP_NAME]
-    return command + (["--probe"] if probe else []) + (["--verbose"] if verbose else [])
+    return (command + (["--probe"] if probe else []) + (["--verbose"] if verbose else [])
+            + as_arguments(overrides or {}))
 
 
 def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_dir: Path,
               probe: bool = False, output: IO[str] | None = None, verbose: bool = False,
-              plan_shown: bool = False) -> int:
+              plan_shown: bool = False, overrides: Overrides | None = None) -> int:
     """Start every rank with mpiexec and wait; returns mpiexec's exit code: a failed rank's own (its
     `MPI_Abort` code: 2 for a user error, 1 for a fault), or 128 + N for a rank ended by signal N. The
     ranks' output goes to this process's, or to `output` (a file) when given. `plan_shown`: the caller printed
-    the plan already, so rank 0 does not."""
+    the plan already, so rank 0 does not. `overrides`: recipe keys over the file's, given to every rank."""
     env = dict(os.environ)
     env[TASKS_PER_COMPONENT_VAR] = ",".join(str(n) for n in plan.tasks_per_component)
     if plan_shown:
@@ -51,22 +53,23 @@ def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     stderr = None if output is None else subprocess.STDOUT
-    hosts = [] if probe else start_agent_hosts(plan, recipe_path, run_dir, output)
+    hosts = [] if probe else start_agent_hosts(plan, recipe_path, run_dir, output, overrides)
     try:
-        return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose), env=env,
-                               stdout=output, stderr=stderr)
+        return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose, overrides),
+                               env=env, stdout=output, stderr=stderr)
     finally:
         stop_agent_hosts(hosts)
 
 
-def start_agent_hosts(plan: LaunchPlan, recipe_path: str, run_dir: Path,
-                      output: IO[str] | None) -> list[subprocess.Popen[bytes]]:
+def start_agent_hosts(plan: LaunchPlan, recipe_path: str, run_dir: Path, output: IO[str] | None,
+                      overrides: Overrides | None = None) -> list[subprocess.Popen[bytes]]:
     """The agents role's hosts, as processes of this machine beside mpiexec's ranks (no ranks themselves)."""
     component = plan.agent_hosts
     if component is None:
         return []
     return [subprocess.Popen([sys.executable, "-m", "sfhpc.rank.agent_host", recipe_path, "--run-dir",
-                              str(run_dir), "--index", str(index), "--bind", "127.0.0.1"],
+                              str(run_dir), "--index", str(index), "--bind", "127.0.0.1",
+                              *as_arguments(overrides or {})],
                              stdout=output, stderr=None if output is None else subprocess.STDOUT)
             for index in range(component.num_tasks)]
 

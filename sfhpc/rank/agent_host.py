@@ -13,6 +13,7 @@ import os
 import sys
 
 from sfhpc.config import load_recipe
+from sfhpc.config.overrides import parse as parse_overrides
 from sfhpc.errors import SfhpcError
 from sfhpc.rank.main import given_or_job_run_dir
 from sfhpc.rollout.agent_host import host_name, run_host
@@ -26,9 +27,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", default=os.environ.get("SFHPC_RUN_DIR"))
     parser.add_argument("--index", type=int, default=None, help="this host's number (default: $SLURM_PROCID)")
     parser.add_argument("--bind", default="0.0.0.0", help="the address to listen on (default: every interface)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a recipe key over the file's (sfhpc.config.overrides)")
     args = parser.parse_args(argv)
     try:
-        recipe = load_recipe(args.recipe)
+        recipe = load_recipe(args.recipe, parse_overrides(args.set))
         if recipe.agent is None:
             raise SfhpcError(f"{args.recipe}: an agent host runs the recipe's agent program, but it names none")
         run_dir = given_or_job_run_dir(recipe.output_dir, recipe.name, args.run_dir, current_job_id())

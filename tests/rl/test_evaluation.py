@@ -102,6 +102,29 @@ def test_a_run_evaluates_held_out_problems_and_never_trains_on_them(tmp_path: Pa
     evaluations = html.split("<h2>Evaluations on held-out problems</h2>")[1].split("</table>")[0]
     assert evaluations.count("<tr>") == 1 + 4  # a row per evaluation, under its header
 
+    # Offline: the newest checkpoint (step 5) on 4 rows of another file, greedily, by the run's own recipe.
+    held_out = tmp_path / "held-out.jsonl"
+    held_out.write_text("".join((DATA / "test.jsonl").read_text().splitlines(keepends=True)[10:14]))
+    done = run_sfhpc("eval", str(run_dir), "--data", str(held_out), "--temperature", "0", "--samples", "1",
+                     timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (eval_dir,) = (run_dir / "evaluations").iterdir()
+    (row,) = [json.loads(line) for line in (eval_dir / "metrics.jsonl").read_text().splitlines()]
+    assert (row["eval_problems"], row["eval_k"], row["eval_version"]) == (4, 1, 0)  # every row of the file
+    assert done.stdout.splitlines()[-1] == (
+        f"step 5 of {run_dir} on {held_out}: pass@1 {row['eval_pass_at_1']:.3f}, mean@1 {row['eval_mean_at_k']:.3f}, "
+        f"pass@1 {row['eval_pass_at_k']:.3f} (4 problems x 1, 0 failed); in {eval_dir}")
+    assert json.loads((eval_dir / "model" / "sfhpc_export.json").read_text())["step"] == 5  # the trained policy
+    with open_run(eval_dir) as run:
+        frame = run.trajectories()
+    assert len(frame) == 4 and set(frame["status"]) == {"evaluated"}
+    assert row["eval_pass_at_1"] == pytest.approx(float(np.mean(frame["reward"] >= 1.0)))
+    with open_store(eval_dir / "trajectories.h5") as store:
+        assert {s.temperature for t in store.trajectories() for s in t.segments if s.generated} == {0.0}
+    assert_one_line_error(run_sfhpc("eval", str(run_dir), "--data", str(tmp_path / "nothing.jsonl")),
+                          "--data", "no such file")
+    assert_one_line_error(run_sfhpc("eval", str(tmp_path)), str(tmp_path), "no complete checkpoint")
+
 
 def test_a_run_of_no_steps_evaluates_the_initial_policy_and_keeps_nothing_else(tmp_path: Path) -> None:
     """``budgets.steps: 0``: what evaluating a checkpoint takes (with ``model.init_from``; here the built model)."""
