@@ -31,7 +31,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -178,17 +178,38 @@ def build_gpt_model(hf: dict[str, Any], config: Any) -> Any:
                     rotary_percent=1.0, rotary_base=_rope_theta(hf))
 
 
-def read_hf_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's safetensors files, as float32 on the CPU."""
-    from safetensors.torch import load_file
+class HfWeights(Mapping[str, torch.Tensor]):
+    """The tensors of a folder's safetensors files by name, each read (as float32) when asked for: a rank
+    takes only its pipeline stage's, one fused tensor at a time (`load_hf_weights`), so its host memory never
+    holds the whole model (a 7B's 30 GB in float32)."""
 
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise TrainerError(f"{model_dir}: no .safetensors weights to start from")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update({k: v.to(torch.float32) for k, v in load_file(str(f)).items()})
-    return out
+    def __init__(self, model_dir: str | Path) -> None:
+        from safetensors import safe_open
+
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise TrainerError(f"{model_dir}: no .safetensors weights to start from")
+        self._file: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                self._file.update(dict.fromkeys(handle.keys(), f))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file[name]), framework="pt") as handle:
+            return handle.get_tensor(name).to(torch.float32)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._file)
+
+    def __len__(self) -> int:
+        return len(self._file)
+
+
+def read_hf_weights(model_dir: str | Path) -> HfWeights:
+    """Every tensor of the folder's safetensors files, read when asked for, as float32 on the CPU."""
+    return HfWeights(model_dir)
 
 
 def _layer_offset(model: Any) -> int:
@@ -197,19 +218,20 @@ def _layer_offset(model: Any) -> int:
     return int(layers[0].layer_number) - 1 if len(layers) else 0
 
 
-def load_hf_weights(model: Any, hf_weights: dict[str, torch.Tensor], layout: names.LlamaLayout) -> None:
-    """Copy this rank's shard of every parameter of `model` (one pipeline stage) from HF-named weights."""
+def load_hf_weights(model: Any, hf_weights: Mapping[str, torch.Tensor], layout: names.LlamaLayout) -> None:
+    """Copy this rank's shard of every parameter of `model` (one pipeline stage) from HF-named weights, made one
+    megatron tensor at a time (only this stage's are read)."""
     from megatron.core import parallel_state as ps
 
-    full = names.hf_to_megatron(hf_weights, layout, fused_norms=uses_transformer_engine())
+    make = names.megatron_tensors(hf_weights, layout, fused_norms=uses_transformer_engine())
     rank, size, offset = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(), \
         _layer_offset(model)
     with torch.no_grad():
         for local, param in model.named_parameters():
             name = names.with_layer_offset(local, offset)
-            if name not in full:
+            if name not in make:
                 raise TrainerError(f"the megatron model has a parameter {name!r} the Llama mapping does not fill")
-            part = names.shard(name, full[name], rank, size)
+            part = names.shard(name, make[name](), rank, size)
             if tuple(part.shape) != tuple(param.shape):
                 raise TrainerError(f"{name}: the HF weights give shape {tuple(part.shape)}, the megatron model "
                                    f"expects {tuple(param.shape)}")

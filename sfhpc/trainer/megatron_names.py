@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -153,14 +153,31 @@ def _pad_vocab(t: torch.Tensor, layout: LlamaLayout) -> torch.Tensor:
 
 
 # -- whole state dicts -------------------------------------------------------------------------------
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
-                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded) megatron tensors, global layer numbers, from an HF Llama or Qwen2 state dict."""
-    out: dict[str, torch.Tensor] = {}
+def megatron_tensors(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
+                     fused_norms: bool = False) -> dict[str, Callable[[], torch.Tensor]]:
+    """How to make each full (unsharded) megatron tensor, global layer numbers, from an HF Llama or Qwen2 state
+    dict: one function per megatron name, which reads only the HF tensors it fuses. A pipeline stage makes its
+    own tensors one at a time from a mapping that reads each HF tensor when asked (the backend's
+    `read_hf_weights`), so no rank ever holds the whole model. A name the layout does not know is refused at
+    once (from the names alone)."""
+    extra = set(hf) - set(_hf_names(layout))
+    if extra:
+        raise TrainerError(f"the model has tensors a {'Qwen2' if layout.qkv_bias else 'Llama'} layout does not "
+                           f"name: {sorted(extra)[:3]}")
+
+    def one(name: str, pad: bool = False) -> Callable[[], torch.Tensor]:
+        return lambda: _pad_vocab(_take(hf, name), layout) if pad else _take(hf, name)
+
+    def qkv(prefix: str, parts: tuple[str, ...], fuse: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return lambda: fuse(*(_take(hf, prefix + n) for n in parts), layout)
+
+    def fc1(prefix: str) -> Callable[[], torch.Tensor]:
+        return lambda: torch.cat([_take(hf, prefix + n) for n in _HF_FC1])
+
+    out: dict[str, Callable[[], torch.Tensor]] = {}
     for mg, name in _GLOBAL.items():
         tied = mg == _OUTPUT and layout.tied_embeddings
-        t = _take(hf, "model.embed_tokens.weight" if tied else name)
-        out[mg] = _pad_vocab(t, layout) if mg in _VOCAB else t
+        out[mg] = one("model.embed_tokens.weight" if tied else name, pad=mg in _VOCAB)
     norm_names = ({"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
                    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"} if fused_norms else
                   {"input_layernorm.weight": "input_layernorm.weight",
@@ -168,20 +185,20 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
     for i in range(layout.num_layers):
         hp, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
         for hf_suffix, mg_suffix in norm_names.items():
-            out[mp + mg_suffix] = _take(hf, hp + hf_suffix)
-        out[mp + "self_attention.linear_proj.weight"] = _take(hf, hp + "self_attn.o_proj.weight")
-        out[mp + "mlp.linear_fc2.weight"] = _take(hf, hp + "mlp.down_proj.weight")
-        q, k, v = (_take(hf, hp + n) for n in _HF_QKV)
-        out[mp + _QKV] = fuse_qkv(q, k, v, layout)
-        out[mp + _FC1] = torch.cat([_take(hf, hp + n) for n in _HF_FC1])
+            out[mp + mg_suffix] = one(hp + hf_suffix)
+        out[mp + "self_attention.linear_proj.weight"] = one(hp + "self_attn.o_proj.weight")
+        out[mp + "mlp.linear_fc2.weight"] = one(hp + "mlp.down_proj.weight")
+        out[mp + _QKV] = qkv(hp, _HF_QKV, fuse_qkv)
+        out[mp + _FC1] = fc1(hp)
         if layout.qkv_bias:
-            q, k, v = (_take(hf, hp + n) for n in _HF_QKV_BIAS)
-            out[mp + _QKV_BIAS] = fuse_qkv_bias(q, k, v, layout)
-    extra = set(hf) - set(_hf_names(layout))
-    if extra:
-        raise TrainerError(f"the model has tensors a {'Qwen2' if layout.qkv_bias else 'Llama'} layout does not "
-                           f"name: {sorted(extra)[:3]}")
+            out[mp + _QKV_BIAS] = qkv(hp, _HF_QKV_BIAS, fuse_qkv_bias)
     return out
+
+
+def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: LlamaLayout, *,
+                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
+    """Every full (unsharded) megatron tensor at once (`megatron_tensors`, all made)."""
+    return {name: make() for name, make in megatron_tensors(hf, layout, fused_norms=fused_norms).items()}
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, layout: LlamaLayout) -> Iterator[tuple[str, torch.Tensor]]:

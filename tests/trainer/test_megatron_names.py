@@ -147,3 +147,19 @@ def test_qwen2_biases_and_tied_embeddings_map_both_ways() -> None:
     assert names.LlamaLayout.from_hf_config({"model_type": "qwen2", "tie_word_embeddings": True,
                                              "num_hidden_layers": 1, "hidden_size": 8, "num_attention_heads": 2,
                                              "intermediate_size": 8, "vocab_size": 10}).qkv_bias
+
+
+def test_each_megatron_tensor_reads_only_the_hf_tensors_it_fuses() -> None:
+    """A pipeline stage makes its tensors one at a time: nothing is read before it is asked for, and a fused
+    QKV reads its layer's q, k and v alone (the backend's `HfWeights` reads each from the file on access)."""
+    read: list[str] = []
+
+    class Reading(dict):
+        def __getitem__(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return super().__getitem__(name)
+
+    make = names.megatron_tensors(Reading(hf_state()), LAYOUT)
+    assert read == []
+    make["decoder.layers.1.self_attention.linear_qkv.weight"]()
+    assert read == [f"model.layers.1.self_attn.{p}_proj.weight" for p in "qkv"]
