@@ -185,11 +185,18 @@ class AlgorithmSpec:
     ratio_cap: float = setting(3.0, "the importance ratio of stale tokens is truncated here before the surrogate (more "
                                     "than 1 + the upper clip)")
     kl_coef: float = setting(0.0, "> 0: a k3 KL penalty to a frozen copy of the initial weights, with this weight")
-    loss_aggregation: Literal["token-mean", "sequence-mean"] = setting(
-        "token-mean", "how the loss averages: token-mean (every generated token weighs the same) or sequence-mean "
+    loss_aggregation: Literal["token-mean", "sequence-mean", "token-sum-norm"] = setting(
+        "token-mean", "how the loss averages: token-mean (every generated token weighs the same), sequence-mean "
                       "(each trajectory's tokens averaged, then the trajectories: every trajectory weighs the same "
                       "whatever its length, so a group's advantages sum to zero in the gradient; for multi-turn "
-                      "episodes whose failures are the long ones)")
+                      "episodes whose failures are the long ones) or token-sum-norm (each trajectory's token sum "
+                      "divided by one constant, loss_norm_tokens, then averaged over the trajectories: no length "
+                      "bias either way; Dr. GRPO, Liu et al. 2025)")
+    loss_norm_tokens: int | None = setting(
+        None, "token-sum-norm's constant divisor (null: budgets.max_new_tokens, the longest reply)")
+    normalize_std: bool = setting(
+        True, "GRPO: divide a group's advantages by its reward standard deviation; false: R - mean(R) alone, which "
+              "does not weigh the groups whose rewards barely differ up (Dr. GRPO, Liu et al. 2025)")
     credit: Literal["episode", "turn"] = setting(
         "episode", "how a multi-turn episode's reward reaches its replies: episode (every reply gets the episode's "
                    "advantage against its group) or turn (a reply at turn k is measured against the group's members "
@@ -223,6 +230,8 @@ class AlgorithmSpec:
                 found.append((key, f"must be more than 0, found {getattr(self, key)}"))
         if self.warmup_steps < 0:
             found.append(("warmup_steps", f"must be 0 or more, found {self.warmup_steps}"))
+        if self.loss_norm_tokens is not None and self.loss_norm_tokens < 1:
+            found.append(("loss_norm_tokens", f"must be at least 1, found {self.loss_norm_tokens}"))
         if self.lr_decay_steps < 0:
             found.append(("lr_decay_steps", f"must be 0 or more, found {self.lr_decay_steps}"))
         if not 0 <= self.min_learning_rate <= self.learning_rate:
@@ -925,6 +934,8 @@ def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     recipe = build(Recipe, data, Where(str(path), "", data.line), renamed=RENAMED_KEYS)
     task = dataclasses.replace(recipe.task, base_dir=str(Path(path).parent.resolve()))
     algorithm = recipe.algorithm
+    if algorithm.loss_aggregation == "token-sum-norm" and algorithm.loss_norm_tokens is None:
+        algorithm = dataclasses.replace(algorithm, loss_norm_tokens=recipe.budgets.max_new_tokens)
     if algorithm.lr_schedule != "constant" and not algorithm.lr_decay_steps:
         # A decay over "the rest of the run": the trainers see steps, not the budget.
         algorithm = dataclasses.replace(algorithm,

@@ -51,6 +51,12 @@ or, with ``loss_aggregation: sequence-mean``, the mean over sequences of each se
 
     L = -(1/N) sum_t w_t s~_t + beta * (1/N) sum_t w_t kl_t
 
+or, with ``loss_aggregation: token-sum-norm`` (Dr. GRPO, Liu et al. 2025), each sequence's token sum divided
+by one constant ``L`` (``loss_norm_tokens``, by default the reply budget ``budgets.max_new_tokens``), averaged
+over the ``N`` sequences (``w_t = 1 / L``):
+
+    L = -(1/N) sum_t s~_t / L + beta * (1/N) sum_t kl_t / L
+
 Under the token mean a sequence weighs by its length. Where the failures are the long sequences (a
 multi-turn episode that never finds the answer makes every reply it may, one that does stops early), the
 negative advantages then outweigh the positive ones of the same group: the batch as a whole pushes down
@@ -64,8 +70,13 @@ one prompt, and each answer's advantage is its reward normalised within the grou
     A_i = (R_i - mean_group(R)) / (std_group(R) + eps)
 
 with the population standard deviation; a group whose rewards are all equal (or a group of one) gets
-advantage 0 and so no gradient. PPO-clip here takes the advantages it is given, or ``R_i - mean(R)``
-over the batch (`baseline_advantages`): a baseline without a critic.
+advantage 0 and so no gradient. With ``normalize_std: false`` (Dr. GRPO) the division is left out,
+``A_i = R_i - mean_group(R)``: a group whose rewards barely differ (almost all right, or almost all wrong)
+is not scaled up to weigh as much as one that is split. Under the sequence mean (GRPO's own ``1 / |o_i|``)
+a long reply's tokens weigh less than a short one's, so a long wrong reply is pushed down less per token;
+the token mean has no such bias, but its divisor changes with each batch's token count; the token sum over a
+constant has neither. PPO-clip here takes the advantages it is given, or ``R_i - mean(R)`` over the batch
+(`baseline_advantages`): a baseline without a critic.
 
 Credit per turn (``credit: turn``, `turn_advantages`). In a multi-turn episode every reply gets the
 episode's advantage by default, measured against the whole group. A reply at turn ``k`` is only made by the
@@ -92,7 +103,8 @@ turn-level advantage of multi-turn agent RL (outcome advantage plus a per-turn o
 what the recipe optimises, the turn term says which replies moved towards it.
 
 The settings (``eps_low`` = ``clip_ratio``, ``eps_high`` = ``clip_ratio_high``, ``C`` = ``ratio_cap``,
-``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``) are the recipe's `AlgorithmSpec`, taken as it is.
+``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``, ``L`` = ``loss_norm_tokens``) are the recipe's
+`AlgorithmSpec`, taken as it is.
 """
 
 from __future__ import annotations
@@ -120,8 +132,10 @@ class LossOutput:
     surrogate_sum: float  # sum over masked tokens of s~_t
 
 
-def group_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], eps: float = 1e-6) -> torch.Tensor:
-    """GRPO advantages: ``(R_i - mean_g) / (std_g + eps)`` within each group ``g`` (population std).
+def group_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], eps: float = 1e-6, *,
+                     normalize_std: bool = True) -> torch.Tensor:
+    """GRPO advantages: ``(R_i - mean_g) / (std_g + eps)`` within each group ``g`` (population std); without
+    `normalize_std`, ``R_i - mean_g`` (Dr. GRPO).
 
     `rewards` is ``[batch]``; `groups[i]` is the group of answer ``i`` (any hashable, e.g. the trajectory's
     group id). Returns ``[batch]`` float32.
@@ -137,7 +151,7 @@ def group_advantages(rewards: torch.Tensor, groups: Sequence[Hashable], eps: flo
     for index in members.values():
         idx = torch.tensor(index)
         r = rewards[idx]
-        out[idx] = (r - r.mean()) / (r.std(correction=0) + eps)
+        out[idx] = (r - r.mean()) / (r.std(correction=0) + eps) if normalize_std else r - r.mean()
     return out
 
 
@@ -220,11 +234,12 @@ def algorithm_advantages(algorithm: AlgorithmSpec, rewards: torch.Tensor, groups
         weight = algorithm.turn_reward_weight
         if algorithm.name == "grpo":
             return turn_advantages(rewards, groups, generated, eps=algorithm.advantage_eps,
-                                   turn_rewards=turn_rewards, turn_weight=weight, reply_turns=reply_turns)
+                                   normalise=algorithm.normalize_std, turn_rewards=turn_rewards, turn_weight=weight,
+                                   reply_turns=reply_turns)
         return turn_advantages(rewards, [0] * len(groups), generated, normalise=False, turn_rewards=turn_rewards,
                                turn_weight=weight, reply_turns=reply_turns)
     if algorithm.name == "grpo":
-        return group_advantages(rewards, groups, algorithm.advantage_eps)
+        return group_advantages(rewards, groups, algorithm.advantage_eps, normalize_std=algorithm.normalize_std)
     return baseline_advantages(rewards)
 
 
@@ -276,6 +291,11 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
     weight = mask.to(new_logprobs.dtype)
     if algorithm.loss_aggregation == "sequence-mean":
         weight = weight / weight.sum(dim=-1, keepdim=True).clamp(min=1.0)
+    elif algorithm.loss_aggregation == "token-sum-norm":
+        if algorithm.loss_norm_tokens is None:
+            raise ValueError("algorithm.loss_norm_tokens is needed by loss_aggregation token-sum-norm (the recipe "
+                             "loader sets it to budgets.max_new_tokens)")
+        weight = weight / float(algorithm.loss_norm_tokens)
 
     # Masked-out positions (prompt, padding) may hold anything, e.g. -inf behaviour logprobs: zero the
     # log-ratio there so no inf/nan reaches the sums or the gradient.
@@ -306,8 +326,9 @@ def policy_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, ad
 
 def loss_units(algorithm: AlgorithmSpec, mask: torch.Tensor) -> float:
     """What the loss is a mean over, in `mask` (``[batch, seq]``, the generated tokens): its tokens, or
-    with ``loss_aggregation: sequence-mean`` its sequences that hold any. Data-parallel ranks add theirs."""
-    if algorithm.loss_aggregation == "sequence-mean":
+    with ``loss_aggregation: sequence-mean`` or ``token-sum-norm`` its sequences that hold any. Data-parallel
+    ranks add theirs."""
+    if algorithm.loss_aggregation in ("sequence-mean", "token-sum-norm"):
         return float((mask.to(torch.bool).sum(dim=-1) > 0).sum())
     return float(mask.to(torch.bool).sum())
 
@@ -316,7 +337,7 @@ def grpo_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, rewa
               groups: Sequence[Hashable], mask: torch.Tensor, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM,
               **kwargs: object) -> LossOutput:
     """GRPO: group-normalised advantages (`group_advantages`) in the clipped surrogate (`policy_loss`)."""
-    advantages = group_advantages(rewards, groups, algorithm.advantage_eps)
+    advantages = group_advantages(rewards, groups, algorithm.advantage_eps, normalize_std=algorithm.normalize_std)
     return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, algorithm, **kwargs)  # type: ignore[arg-type]
 
 

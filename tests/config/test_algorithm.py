@@ -27,6 +27,8 @@ algorithm:
   ratio_cap: 5
   kl_coef: 0.05
   loss_aggregation: sequence-mean
+  loss_norm_tokens: 256
+  normalize_std: false
   credit: turn
   turn_reward_weight: 0.5
   max_grad_norm: 0.5
@@ -46,7 +48,8 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, lr_schedule="linear",
                                  lr_decay_steps=100, min_learning_rate=1e-6, clip_ratio=0.1,
                                  clip_ratio_high=0.28, ratio_cap=5.0, kl_coef=0.05, loss_aggregation="sequence-mean",
-                                 credit="turn", turn_reward_weight=0.5, max_grad_norm=0.5,
+                                 loss_norm_tokens=256, normalize_std=False, credit="turn", turn_reward_weight=0.5,
+                                 max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
                                  temperature=0.7)
     # The test names every field: a setting added later without a recipe key would show here.
@@ -124,3 +127,16 @@ def test_the_algorithm_page_lists_every_setting_with_its_default() -> None:
     listed = yaml.safe_load(block)["algorithm"]
     defaults = {f.name: getattr(AlgorithmSpec(), f.name) for f in dataclasses.fields(AlgorithmSpec)}
     assert listed == defaults
+
+
+def test_dr_grpo_divides_by_the_reply_budget_unless_told() -> None:
+    from sfhpc.config import load_recipe
+    from tests.conftest import RECIPES
+
+    recipe = load_recipe(RECIPES / "demo.yaml", {"algorithm.loss_aggregation": "token-sum-norm",
+                                                 "algorithm.normalize_std": False})
+    assert recipe.algorithm.loss_norm_tokens == recipe.budgets.max_new_tokens
+    assert not recipe.algorithm.normalize_std
+    told = load_recipe(RECIPES / "demo.yaml", {"algorithm.loss_aggregation": "token-sum-norm",
+                                               "algorithm.loss_norm_tokens": 512})
+    assert told.algorithm.loss_norm_tokens == 512

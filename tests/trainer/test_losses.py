@@ -242,6 +242,27 @@ def test_sequence_mean_gives_every_sequence_the_weight_of_its_advantage() -> Non
     assert loss_units(AlgorithmSpec(), mask) == 4.0
 
 
+def test_dr_grpo_token_sum_over_a_constant_and_advantages_without_the_std() -> None:
+    """Dr. GRPO on the same group: every token's gradient is -A_i / (N L), whatever its sequence's length (the
+    sequence mean above gives the short success's token three times the weight of each failure token)."""
+    mask = torch.tensor([[True, False, False], [True, True, True]])
+    algorithm = AlgorithmSpec(loss_aggregation="token-sum-norm", loss_norm_tokens=4, normalize_std=False)
+    new = torch.zeros(2, 3, dtype=torch.float64, requires_grad=True)
+    out = policy_loss(new, torch.zeros(2, 3, dtype=torch.float64), torch.tensor([1.0, -1.0]), mask, algorithm)
+    assert out.loss.item() == pytest.approx(-(1.0 - 3.0) / 4 / 2)  # sum_i sum_t A_i / L, over N = 2 sequences
+    out.loss.backward()
+    assert new.grad.flatten().tolist() == pytest.approx([-1 / 8, 0.0, 0.0, 1 / 8, 1 / 8, 1 / 8])
+    assert loss_units(algorithm, mask) == 2.0  # data-parallel ranks add sequences
+    # Advantages: R - mean within each group, no division by its std.
+    rewards, groups = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.5, 0.7]), ["a"] * 4 + ["b"] * 2
+    got = algorithm_advantages(algorithm, rewards, groups)
+    assert got.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25, -0.1, 0.1])
+    assert algorithm_advantages(AlgorithmSpec(), rewards, groups)[4].item() == pytest.approx(-1.0, rel=1e-4)
+    with pytest.raises(ValueError, match="loss_norm_tokens"):
+        policy_loss(new, new.detach(), torch.tensor([1.0, -1.0]), mask,
+                    AlgorithmSpec(loss_aggregation="token-sum-norm"))
+
+
 def test_token_logprobs_align_logits_with_the_next_token() -> None:
     # vocab 3: the logits at position t predict token t + 1; position 0 has no context and gets 0
     logits = torch.tensor([[[0.0, 0.0, 1.7346], [5.0, 0.0, 0.0], [9.0, 9.0, 9.0]]])

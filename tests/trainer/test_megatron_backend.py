@@ -89,10 +89,13 @@ def test_recipe_model_trains_one_step_and_publishes_engine_names(gqa_dir: Path) 
     assert {t.dtype for _, t in trainer.named_weights(torch.bfloat16)} == {torch.bfloat16}
 
 
-def test_one_step_matches_the_torch_backend(gqa_dir: Path) -> None:
+@pytest.mark.parametrize("config", [CONFIG, dataclasses.replace(CONFIG, normalize_std=False, loss_norm_tokens=16,
+                                                                 loss_aggregation="token-sum-norm")],
+                         ids=["grpo", "dr-grpo"])
+def test_one_step_matches_the_torch_backend(gqa_dir: Path, config: AlgorithmSpec) -> None:
     batch = toy_batch(version=3)
-    megatron = mb.MegatronTrainer(gqa_dir, CONFIG, initial_version=5)
-    torch_trainer = TorchTrainer(gqa_dir, CONFIG, initial_version=5)
+    megatron = mb.MegatronTrainer(gqa_dir, config, initial_version=5)
+    torch_trainer = TorchTrainer(gqa_dir, config, initial_version=5)
     got, want = megatron.train_step(batch), torch_trainer.train_step(batch)
     for key in ("loss", "mean_ratio", "clip_fraction", "truncated_fraction", "grad_norm", "reward_mean"):
         assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-4, abs=1e-6), key
