@@ -153,6 +153,29 @@ class ModelSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class OverlongSpec:
+    """DAPO's over-long handling (Yu et al. 2025, section 3.4; `sfhpc.trainer.overlong`): a soft penalty on
+    replies that run into the last `buffer_tokens` of their budget, and/or leaving the replies the budget cut
+    out of the loss."""
+
+    buffer_tokens: int = setting(0, "the last tokens of a reply's budget in which its reward falls linearly, to "
+                                    "-penalty at the budget (DAPO's soft over-long punishment); 0: none")
+    penalty: float = setting(1.0, "the reward taken from a reply that fills its whole budget")
+    mask_truncated: bool = setting(False, "leave the replies the length budget cut (finish reason 'length') out of "
+                                          "the loss (DAPO's over-long filtering): a cut reply's reward says little "
+                                          "about the reply")
+
+    def validate(self, where: Where) -> None:
+        if self.buffer_tokens < 0:
+            raise where.child("buffer_tokens").error(f"must be 0 or more, found {self.buffer_tokens}")
+        if not (math.isfinite(self.penalty) and self.penalty >= 0):
+            raise where.child("penalty").error(f"must be 0 or more, found {self.penalty}")
+        if not self.buffer_tokens and not self.mask_truncated:
+            raise where.error("does nothing: set buffer_tokens above 0 (a soft length penalty), mask_truncated: "
+                              "true, or both; or leave the section out")
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """The RL algorithm, its loss and its optimiser: the one config from the recipe's ``algorithm:``
     section to the loss. Every training backend takes it as it is (the loss is
@@ -214,6 +237,8 @@ class AlgorithmSpec:
     advantage_eps: float = setting(1e-6, "added to a group's reward standard deviation (GRPO)")
     temperature: float = setting(1.0, "sampling temperature of an agent's turn that asks for none (more than 0, at "
                                       "most 2)")
+    overlong: OverlongSpec | None = setting(None, "DAPO's over-long handling: a soft penalty near the reply budget "
+                                                  "and/or cut replies left out of the loss (absent: none)")
 
     def problems(self) -> list[tuple[str, str]]:
         """``(key, problem)`` for every setting out of range (empty when all are good): one check for
@@ -811,6 +836,11 @@ class Recipe:
             raise where.child("output_group").error(f"must be a Unix group's name, found {self.output_group!r}")
         for key, why in _unused_timing(self):
             raise where.child("timing_model").child(key).error(why)
+        overlong = self.algorithm.overlong
+        if overlong is not None and overlong.buffer_tokens >= self.budgets.max_new_tokens:
+            raise where.child("algorithm").child("overlong").child("buffer_tokens").error(
+                f"must be less than budgets.max_new_tokens ({self.budgets.max_new_tokens}): the penalty begins this "
+                f"many tokens before the reply budget, found {overlong.buffer_tokens}")
         roles = where.child("roles")
         names = [r.name for r in self.roles]
         for required in ("controller", "trainer", "rollout"):

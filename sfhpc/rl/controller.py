@@ -46,10 +46,12 @@ from sfhpc.rl.progress import Progress
 from sfhpc.rl.resume import ControllerState, plan_resume
 from sfhpc.rl.scheduler import RankState, Scheduler
 from sfhpc.rl.trackers import open_trackers
+from sfhpc.rollout.agent import reply_budget
 from sfhpc.rundir import RunPaths
 from sfhpc.runtime import preemption, requeue
 from sfhpc.runtime.comm_layout import CommLayout
 from sfhpc.tasks.base import Task
+from sfhpc.trainer.overlong import Overlong, truncated_turns
 
 log = logging.getLogger("sfhpc")
 Moved = TypeVar("Moved", msg.Reclaimed, msg.Released)  # replies that give episodes up to continue elsewhere
@@ -88,6 +90,7 @@ class Controller:
                                           run_metadata={"recipe": recipe.name, "source": recipe.source,
                                                         "model": str(model_dir)})  # its tokenizer
         self.policy = PipelinePolicy.of(recipe)
+        self.overlong = Overlong.of(recipe.algorithm.overlong, reply_budget(task, recipe.budgets.max_new_tokens))
         self.manager = TrajectoryManager(self.store, max_token_lag=self.policy.max_token_lag)
         # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
         self.server = ManagerServer(self.manager, layout.manager_link,
@@ -376,7 +379,7 @@ class Controller:
     def train(self, step: int, batch: Batch) -> msg.Trained:
         from sfhpc.trainer.batch import TrainBatch
 
-        command = msg.Train(step, TrainBatch.from_trajectories(batch.trajectories))
+        command = msg.Train(step, TrainBatch.from_trajectories(batch.trajectories, overlong=self.overlong))
         self.live.enter("train", step)
         trainers = self.scheduler.trainer_ranks
         self.scheduler.set_state(trainers, RankState.TRAINING)
@@ -416,10 +419,11 @@ class Controller:
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
+            "loss_tokens": int(metrics.get("tokens", 0)),
             "hopeless_groups": self.hopeless_groups, "groups_in_flight": self.groups_out,
             "episodes_in_flight": self.episodes_in_flight(),
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
-            **self._dropped_metrics(), **self.last_evaluation,
+            **self._dropped_metrics(), **self._overlong_metrics(batch), **self.last_evaluation,
         })
         self.last_evaluation = {}
 
@@ -428,6 +432,15 @@ class Controller:
         (one per episode, whatever its number of trajectories)."""
         ended = self.server.episodes_ended
         return sum(self.scheduler.in_flight(r, ended) for r in self.scheduler.entries)
+
+    def _overlong_metrics(self, batch: Batch) -> dict[str, float]:
+        """With ``algorithm.overlong``: the batch's replies cut by the length budget, and its mean length
+        penalty (what DAPO's over-long handling did to the step)."""
+        if self.overlong is None:
+            return {}
+        shifts = [self.overlong.shape(t)[0] for t in batch.trajectories]
+        return {"overlong_cut_replies": sum(len(truncated_turns(t)) for t in batch.trajectories),
+                "overlong_penalty_mean": -sum(shifts) / max(len(shifts), 1)}
 
     def _dropped_metrics(self) -> dict[str, int]:
         """The policy tokens dropped since the last step's row, by cause (``dropped_tokens_stale``, ...), so

@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from sfhpc.data.trajectory import Segment, Trajectory
 from sfhpc.trainer.errors import BatchError
+
+if TYPE_CHECKING:
+    from sfhpc.trainer.overlong import Overlong
 
 # What fills a row after its end. Masked out of attention and of the loss, so any id the embedding has will
 # do; 0 is one in every vocabulary.
@@ -156,19 +160,22 @@ class TrainBatch:
                    temperatures=temperatures, turn_rewards=turn_rewards, reply_turns=reply_turns)
 
     @classmethod
-    def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID) -> TrainBatch:
+    def from_trajectories(cls, trajectories: Iterable[Trajectory], *, pad_id: int = PAD_ID,
+                          overlong: Overlong | None = None) -> TrainBatch:
         """A batch of finished trajectories: each row is the current branch, grouped by ``advantage_group``
         (the GRPO group, and in an episode of several agents the agent). Only the current branch is trained:
         a fork (an agent's history that re-rendered an earlier reply) leaves the replaced tokens on the old
         branch, never trained on; each generated token keeps its turn as recorded (`reply_turns`), so a reply
-        after a fork is trained with its own turn's reward and baseline."""
+        after a fork is trained with its own turn's reward and baseline. `overlong`: DAPO's length penalty on
+        the rewards and cut replies out of the loss (`sfhpc.trainer.overlong`)."""
         rows = []
         for traj in trajectories:
             if traj.reward is None:
                 raise BatchError(f"trajectory {traj.id} has no reward: only finished, rewarded trajectories train")
-            rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask(),
+            shift, keep = overlong.shape(traj) if overlong is not None else (0.0, True)
+            rows.append(TrainRow(tokens=traj.context(), generated=traj.generated_mask() & keep,
                                   logprobs=traj.token_logprobs(), versions=traj.token_versions(),
-                                  reward=traj.reward, group=traj.advantage_group,
+                                  reward=traj.reward + shift, group=traj.advantage_group,
                                   temperatures=token_temperatures(traj), turn_rewards=traj.turn_rewards,
                                   turns=traj.token_turns()))
         return cls.from_rows(rows, pad_id=pad_id)

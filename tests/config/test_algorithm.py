@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_recipe
-from sfhpc.config.recipe import AlgorithmSpec
+from sfhpc.config.recipe import AlgorithmSpec, OverlongSpec
 from sfhpc.errors import ConfigError
 from tests.config.test_config_files import GOOD_RECIPE
 
@@ -38,6 +38,7 @@ algorithm:
   adam_eps: 1.0e-6
   advantage_eps: 1.0e-4
   temperature: 0.7
+  overlong: {buffer_tokens: 4, penalty: 0.5, mask_truncated: true}
 """
 
 
@@ -51,7 +52,8 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
                                  loss_norm_tokens=256, normalize_std=False, credit="turn", turn_reward_weight=0.5,
                                  max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
-                                 temperature=0.7)
+                                 temperature=0.7,
+                                 overlong=OverlongSpec(buffer_tokens=4, penalty=0.5, mask_truncated=True))
     # The test names every field: a setting added later without a recipe key would show here.
     assert {f.name for f in dataclasses.fields(AlgorithmSpec)} == {
         line.split(":")[0].strip() for line in EVERY_KEY.splitlines()[1:]}

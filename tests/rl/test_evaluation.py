@@ -2,7 +2,9 @@
 
 A seamless run with the test engine evaluates before training, every 2 steps and after the last; its scores
 are recomputed from the store, every evaluation token is of the version evaluated, the lent trainer rank
-plays evaluation episodes, and no evaluation trajectory reaches a batch. The parts: the scores, the book of
+plays evaluation episodes, and no evaluation trajectory reaches a batch. (The same run leaves the replies its
+length budget cut out of the loss, DAPO's over-long filtering, and checks that from the store too; then
+`sfhpc eval` evaluates its last checkpoint offline.) The parts: the scores, the book of
 evaluation groups, a restart's handling of a cut evaluation, the endpoint's sampling for evaluation turns,
 and the recipe's refusals. Greedy evaluation on real vLLM engines rises with the reward in
 `tests/rl/test_rl_run.py`.
@@ -38,7 +40,7 @@ name: evaluated
 seed: 5
 engine: {{name: test}}
 model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
-algorithm: {{group_size: 4}}
+algorithm: {{group_size: 4, overlong: {{buffer_tokens: 4, mask_truncated: true}}}}
 pipeline: {{mode: seamless, max_staleness: 1}}
 budgets: {{steps: 5, prompts_per_step: 4}}
 task:
@@ -72,7 +74,8 @@ def test_a_run_evaluates_held_out_problems_and_never_trains_on_them(tmp_path: Pa
     with open_run(run_dir) as run:
         frame = run.trajectories()
     with open_store(run_dir / "trajectories.h5") as store:
-        segments = {t.id: [s for s in t.segments if s.generated] for t in store.trajectories()}
+        store_trajectories = list(store.trajectories())
+    segments = {t.id: [s for s in t.segments if s.generated] for t in store_trajectories}
     evaluation = frame[frame["group"].str.startswith("eval-")]
     training = frame[~frame["group"].str.startswith("eval-")]
     assert len(evaluation) == 4 * 6 * 3 and set(evaluation["status"]) == {"evaluated"}
@@ -95,6 +98,14 @@ def test_a_run_evaluates_held_out_problems_and_never_trains_on_them(tmp_path: Pa
     assert {s.temperature for tid in training["id"] for s in segments[tid]} == {1.0}
     # seamless: the trainer rank, lent while the run evaluated, played evaluation episodes.
     assert {s.engine for s in eval_segments} == {"test-r1", "test-r2"}
+    # DAPO's over-long handling (algorithm.overlong): the replies the 8-token budget cut left the loss.
+    trained = [t for t in store_trajectories if t.status is Status.CONSUMED]
+    cut = [t for t in trained if t.segments[-1].finish_reason == "length"]
+    assert 0 < len(cut) < len(trained)
+    assert sum(r["overlong_cut_replies"] for r in rows if "reward_mean" in r) == len(cut)
+    assert sum(r["loss_tokens"] for r in rows if "reward_mean" in r) == sum(
+        int(t.generated_mask().sum()) for t in trained if t.id not in {c.id for c in cut})
+    assert all(r["overlong_penalty_mean"] > 0 for r in rows if r.get("overlong_cut_replies"))
     assert (run_dir / "reward.png").stat().st_size > 1000
     report = run_sfhpc("traj", "report", str(run_dir), "--out", str(tmp_path / "report.html"))
     assert report.returncode == 0, report.stderr
