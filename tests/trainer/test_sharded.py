@@ -87,9 +87,11 @@ def reference(shaped: Path) -> tuple[list[dict], dict[str, torch.Tensor]]:
 
 # Adam moves a weight by about the learning rate a step whatever its gradient's size, so where bf16 flips the
 # sign of a tiny gradient two steps can differ by twice that each: in bf16 the largest difference is bounded
-# by that, and the typical one must be far below it.
+# by that, and the typical one must be far below it. In float32 a gradient near Adam's epsilon still turns the
+# last bits of another summation order into up to a few 1e-5 of its step (seen: one weight of 131,072 off by
+# 2.4e-5): a tenth of a step bounds it, and the mean, 20 times smaller, keeps the whole comparison tight.
 @pytest.mark.parametrize(("training", "rel", "weight_atol"), [
-    (TrainingSpec(sharding="full", precision="float32", micro_batch_tokens=100), 1e-5, 1e-5),
+    (TrainingSpec(sharding="full", precision="float32", micro_batch_tokens=100), 1e-5, 1e-4),
     (TrainingSpec(sharding="full", precision="bf16", activation_checkpointing=True, micro_batch_tokens=100,
                   logprob_chunk_tokens=40), 2e-2, 4.5e-3),
 ], ids=["float32", "bf16-checkpointed"])
