@@ -13,7 +13,12 @@ trainer rank (gloo on CPUs, NCCL on GPUs), so each rank's peak is its own:
 * ``whole-fp32``: the whole model on one rank, float32, no checkpointing, the same micro-batches (one rank:
   a data-parallel rank holds the same and DDP's gradient buckets besides, so this is its lower bound);
 * ``whole-fp32-full-batch``: as ``whole-fp32`` with every row of the rank in one pass: the plan judges it
-  first and, where it does not fit the rank's memory, refuses it in one line instead of running it.
+  first and, where it does not fit the rank's memory, refuses it in one line instead of running it;
+* ``megatron-bf16-dopt-ckpt``: the megatron backend over ``--ranks`` data-parallel ranks (tensor and pipeline
+  parallel 1), bf16, the distributed optimizer, full recompute, equal micro-batches;
+* ``megatron-fp32``: the megatron backend on one rank, float32, no recompute. megatron-core needs CUDA: on a
+  machine without it the megatron settings are refused in one line (the tests run them through their CPU
+  shim, ``tests/trainer/megatron_shim/site`` on ``PYTHONPATH``).
 
 Before each run the plan (`sfhpc.plan.memory`) is printed for its ranks; after it, the measured peak
 (CPU: the process's peak resident memory, VmHWM; GPU: the allocator's peak) beside the plan's total, and
@@ -35,7 +40,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sfhpc.plan.memory import ModelShape, RankMemory, TrainerSetup, gib, micro_batch_tokens, trainer_memory
+from sfhpc.plan.memory import (
+    MegatronSettings,
+    ModelShape,
+    RankMemory,
+    TrainerSetup,
+    equal_micro_batches,
+    gib,
+    megatron_memory,
+    micro_batch_tokens,
+    trainer_memory,
+)
 from sfhpc.table import format_table
 
 SETTINGS = ("sharded-bf16-ckpt", "whole-fp32", "whole-fp32-full-batch")
@@ -66,6 +81,14 @@ class Setting:
     precision: str
     checkpointing: bool
     micro_batch_tokens: int | None
+    backend: str = "torch"
+
+    def training(self, chunk: int) -> Any:
+        from sfhpc.config.recipe import TrainingSpec
+
+        return TrainingSpec(backend=self.backend, precision=self.precision, sharding=self.sharding,  # type: ignore[arg-type]
+                            micro_batch_tokens=self.micro_batch_tokens, activation_checkpointing=self.checkpointing,
+                            logprob_chunk_tokens=chunk)
 
 
 def settings(names: list[str], ranks: int, micro: int) -> list[Setting]:
@@ -74,6 +97,8 @@ def settings(names: list[str], ranks: int, micro: int) -> list[Setting]:
         "sharded-fp32": Setting("sharded-fp32", ranks, "full", "float32", False, micro),
         "whole-fp32": Setting("whole-fp32", 1, "none", "float32", False, micro),
         "whole-fp32-full-batch": Setting("whole-fp32-full-batch", 1, "none", "float32", False, None),
+        "megatron-bf16-dopt-ckpt": Setting("megatron-bf16-dopt-ckpt", ranks, "full", "bf16", True, micro, "megatron"),
+        "megatron-fp32": Setting("megatron-fp32", 1, "none", "float32", False, micro, "megatron"),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
@@ -84,6 +109,13 @@ def settings(names: list[str], ranks: int, micro: int) -> list[Setting]:
 def plan_for(shape: ModelShape, setting: Setting, *, local_rows: int, length: int, device: str, chunk: int,
              capacity: int) -> RankMemory:
     """The plan of one rank of `setting` that trains `local_rows` rows of `length` tokens a step."""
+    if setting.backend == "megatron":
+        count = equal_micro_batches(local_rows, length, setting.micro_batch_tokens, 1)
+        settings = MegatronSettings.from_training(setting.training(chunk), tensor=1, data=setting.ranks,
+                                                  on_gpu=device == "gpu")
+        return megatron_memory(shape, settings, tensor_parallel=1, pipeline_parallel=1, data_parallel=setting.ranks,
+                               tokens=local_rows // count * length, reference=False, capacity=capacity,
+                               device=device)
     tokens = micro_batch_tokens(setting.micro_batch_tokens, local_rows, length)
     return trainer_memory(shape, TrainerSetup(
         ranks=setting.ranks, sharded=setting.sharding == "full", precision=setting.precision,
@@ -126,9 +158,8 @@ def run_rank(rank: int, world: int, address: str, folder: str, setting: Setting,
     its figures."""
     import torch
 
-    from sfhpc.config.recipe import AlgorithmSpec, TrainingSpec
+    from sfhpc.config.recipe import AlgorithmSpec
     from sfhpc.trainer.distributed import DistSpec
-    from sfhpc.trainer.torch_trainer import TorchTrainer
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     cuda = torch.cuda.is_available()
@@ -137,13 +168,22 @@ def run_rank(rank: int, world: int, address: str, folder: str, setting: Setting,
         torch.cuda.set_device(torch.device(device))
     backend = "nccl" if cuda else "gloo"
     dist = DistSpec(rank=rank, world_size=world, init_method=address, backend=backend) if world > 1 else None
-    training = TrainingSpec(precision=setting.precision, sharding=setting.sharding,  # type: ignore[arg-type]
-                            micro_batch_tokens=setting.micro_batch_tokens,
-                            activation_checkpointing=setting.checkpointing, logprob_chunk_tokens=chunk)
     start = time.perf_counter()
-    trainer = TorchTrainer(folder, AlgorithmSpec(learning_rate=1e-6), dist=dist, device=device, training=training)
+    algorithm, training = AlgorithmSpec(learning_rate=1e-6), setting.training(chunk)
+    trainer: Any
+    if setting.backend == "megatron":
+        from sfhpc.trainer.megatron_backend import MegatronTrainer
+
+        trainer = MegatronTrainer(folder, algorithm, training=training, dist=dist)
+        vocab, model = trainer.layout.vocab_size, trainer.module
+        params = sum(p.numel() for p in model.parameters())  # tensor and pipeline parallel 1: the whole model
+    else:
+        from sfhpc.trainer.torch_trainer import TorchTrainer
+
+        trainer = TorchTrainer(folder, algorithm, dist=dist, device=device, training=training)
+        vocab, model = trainer.model.config.vocab_size, trainer.model
+        params = sum(p.numel() for p in model.parameters()) * (world if trainer.sharded else 1)
     built_s = time.perf_counter() - start
-    vocab = trainer.model.config.vocab_size
     seconds, first = [], None
     for step in range(steps):
         # Each rank trains its own rows (advantages of a whole batch are set: every row counts as one group's).
@@ -159,7 +199,7 @@ def run_rank(rank: int, world: int, address: str, folder: str, setting: Setting,
     timed = seconds[1:] or seconds
     out.put({"rank": rank, "peak": peak_bytes(trainer.device), "build_s": built_s, "step_s": seconds,
              "tokens_per_s": world * rows * length / (sum(timed) / len(timed)),
-             "params": sum(p.numel() for p in trainer.model.parameters()) * (world if trainer.sharded else 1),
+             "params": params,
              "loss": first.loss if first else None, "grad_norm": first.grad_norm if first else None})
 
 
@@ -188,6 +228,15 @@ def run_setting(folder: Path, setting: Setting, *, rows: int, length: int, steps
     if failed:
         raise RuntimeError(f"setting {setting.name}: a rank exited with {failed[0]}")
     return sorted(results, key=lambda r: r["rank"])
+
+
+def megatron_runs_here() -> bool:
+    """Whether the megatron backend starts on this machine: CUDA, or a CPU shim that lifted its requirement."""
+    import torch
+
+    from sfhpc.trainer import megatron_backend
+
+    return torch.cuda.is_available() or not megatron_backend.REQUIRE_CUDA
 
 
 def rank_capacity(device: str, ranks_on_host: int) -> int:
@@ -234,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         # Every rank, sharded or whole, trains one data-parallel rank's share of the global batch.
         local_rows = -(-args.rows // args.ranks)
         for setting in chosen:
+            if setting.backend == "megatron" and device == "cpu" and not megatron_runs_here():
+                print(f"  {setting.name}: refused: megatron-core needs CUDA GPUs (training.backend 'megatron')",
+                      flush=True)
+                report["settings"][setting.name] = {"refused": True, "why": "no CUDA"}
+                rows_table.append([setting.name, "refused", "-", "-", "-", "-"])
+                continue
             on_host = setting.ranks if device == "cpu" else 1
             plan = plan_for(shape, setting, local_rows=local_rows, length=args.length, device=device,
                             chunk=args.chunk, capacity=rank_capacity(device, on_host))
@@ -244,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                       "use micro-batches (training.micro_batch_tokens), sharding or checkpointing", flush=True)
                 entry["refused"] = True
                 report["settings"][setting.name] = entry
-                rows_table.append([setting.name, "refused", "-", gib(plan.total), "-"])
+                rows_table.append([setting.name, "refused", "-", "-", gib(plan.total), "-"])
                 continue
             results = run_setting(folder, setting, rows=local_rows, length=args.length, steps=args.steps,
                                   chunk=args.chunk)

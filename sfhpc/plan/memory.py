@@ -262,7 +262,8 @@ UNSPLIT_ACTIVATION_SHARE = 10 / 34
 
 
 def megatron_memory(shape: ModelShape, settings: MegatronSettings, *, tensor_parallel: int, pipeline_parallel: int,
-                    data_parallel: int, tokens: int, reference: bool, capacity: int, in_flight: int = 1) -> RankMemory:
+                    data_parallel: int, tokens: int, reference: bool, capacity: int, in_flight: int = 1,
+                    device: str = "gpu") -> RankMemory:
     """The megatron backend's rank, its model split over tensor x pipeline parallel: the weights (float32, or
     bf16 beside float32 master weights), the gradients (its DDP buffer, float32), Adam's moments (and the
     master weights, in bf16) divided over the data-parallel ranks with the distributed optimizer; a
@@ -289,7 +290,7 @@ def megatron_memory(shape: ModelShape, settings: MegatronSettings, *, tensor_par
     items += [("activations", int(activations)), ("logits", tokens * shape.vocab // tensor_parallel * LOGIT_BYTES)]
     if reference:
         items.append(("reference model", compute * p))
-    items.append(("runtime reserve", RUNTIME_RESERVE["gpu"]))
+    items.append(("runtime reserve", RUNTIME_RESERVE[device]))
     return RankMemory("trainer", tuple(items), capacity)
 
 

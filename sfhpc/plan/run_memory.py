@@ -116,7 +116,7 @@ def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool
         return megatron_memory(shape, settings, tensor_parallel=training.tensor_parallel,
                                pipeline_parallel=training.pipeline_parallel, data_parallel=data,
                                tokens=rows // count * length, in_flight=min(count, training.pipeline_parallel),
-                               reference=reference, capacity=capacity)
+                               reference=reference, capacity=capacity, device="gpu" if on_gpu else "cpu")
     rows = rows_per_trainer(recipe, trainer_ranks)
     tokens = micro_batch_tokens(training.micro_batch_tokens, rows, length)
     setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),
