@@ -175,6 +175,26 @@ class OverlongSpec:
                               "true, or both; or leave the section out")
 
 
+DAPO_GENERATION_BATCHES = 10  # DAPO's bound: at most this many batches' worth of groups played for one step
+
+
+@dataclasses.dataclass(frozen=True)
+class FilterGroupsSpec:
+    """DAPO's dynamic sampling (Yu et al. 2025, section 3.2; `sfhpc.rl.dynamic_sampling`): a group whose
+    advantages are all zero (GRPO: every reward of the group agrees) adds nothing to the policy gradient and
+    only dilutes the batch; it is kept in the store (status ``filtered``), not trained on, and another group is
+    played in its place until the step's batch holds only groups with a signal."""
+
+    max_groups_per_step: int | None = setting(
+        None, "groups a step judges, trained and filtered together, before groups without a signal fill the rest of "
+              "its batch (counted as filter_fallback_groups; null: 10 x budgets.prompts_per_step, as DAPO's bound of "
+              "10 generation batches)")
+
+    def validate(self, where: Where) -> None:
+        if self.max_groups_per_step is not None and self.max_groups_per_step < 1:
+            raise where.child("max_groups_per_step").error(f"must be at least 1, found {self.max_groups_per_step}")
+
+
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """The RL algorithm, its loss and its optimiser: the one config from the recipe's ``algorithm:``
@@ -239,6 +259,9 @@ class AlgorithmSpec:
                                       "most 2)")
     overlong: OverlongSpec | None = setting(None, "DAPO's over-long handling: a soft penalty near the reply budget "
                                                   "and/or cut replies left out of the loss (absent: none)")
+    filter_groups: FilterGroupsSpec | None = setting(
+        None, "DAPO's dynamic sampling: groups without a signal (rewards that all agree) are kept in the store, not "
+              "trained, and others played in their place (absent: every complete group trains; {} for the defaults)")
 
     def problems(self) -> list[tuple[str, str]]:
         """``(key, problem)`` for every setting out of range (empty when all are good): one check for
@@ -836,6 +859,17 @@ class Recipe:
             raise where.child("output_group").error(f"must be a Unix group's name, found {self.output_group!r}")
         for key, why in _unused_timing(self):
             raise where.child("timing_model").child(key).error(why)
+        filtering = self.algorithm.filter_groups
+        if filtering is not None:
+            here = where.child("algorithm").child("filter_groups")
+            if self.algorithm.name != "grpo":
+                raise here.error(f"needs algorithm.name: grpo (a group's agreeing rewards carry no signal only when "
+                                 f"advantages are measured within the group), found {self.algorithm.name!r}")
+            bound = filtering.max_groups_per_step
+            if bound is not None and bound < self.budgets.prompts_per_step:
+                raise here.child("max_groups_per_step").error(
+                    f"must be at least budgets.prompts_per_step ({self.budgets.prompts_per_step}), the groups one "
+                    f"batch trains, found {bound}")
         overlong = self.algorithm.overlong
         if overlong is not None and overlong.buffer_tokens >= self.budgets.max_new_tokens:
             raise where.child("algorithm").child("overlong").child("buffer_tokens").error(
@@ -966,6 +1000,9 @@ def load_recipe(path: str | Path, overrides: Mapping[str, Any] | None = None) ->
     algorithm = recipe.algorithm
     if algorithm.loss_aggregation == "token-sum-norm" and algorithm.loss_norm_tokens is None:
         algorithm = dataclasses.replace(algorithm, loss_norm_tokens=recipe.budgets.max_new_tokens)
+    if algorithm.filter_groups is not None and algorithm.filter_groups.max_groups_per_step is None:
+        algorithm = dataclasses.replace(algorithm, filter_groups=FilterGroupsSpec(
+            max_groups_per_step=DAPO_GENERATION_BATCHES * recipe.budgets.prompts_per_step))
     if algorithm.lr_schedule != "constant" and not algorithm.lr_decay_steps:
         # A decay over "the rest of the run": the trainers see steps, not the budget.
         algorithm = dataclasses.replace(algorithm,

@@ -11,7 +11,9 @@ hand-outs can never meet in one group, also after a crash lost the controller's 
 store which step consumed them, so nothing is trained on twice, also across a restart. A group may train a
 policy version when none of its tokens is newer than it (a token newer than the policy came from weights a
 restart lost) and, under a ``max_token_lag``, none lags it by more than that many versions (`trainable`;
-the pipeline policy, `sfhpc.rl.pipeline_policy`, says why there is no age bound by default).
+the pipeline policy, `sfhpc.rl.pipeline_policy`, says why there is no age bound by default). With a `judge`
+(dynamic sampling, `sfhpc.rl.dynamic_sampling`) a complete group is also judged once, when it is complete:
+one without a signal is closed ``filtered`` and leaves the book, kept in the store, never trained on.
 
 The book changes the trajectories' statuses through the `TrajectoryRegistry` it is given; neither is
 thread-safe: the `sfhpc.data.manager.TrajectoryManager` holds the lock over both.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from sfhpc.data import layout
 from sfhpc.data.errors import InvalidRequest
@@ -54,7 +56,7 @@ class Batch:
         return sum(t.num_generated for t in self.trajectories)
 
 
-DROP_CAUSES = ("stale", "aborted", "failed", "off-branch")  # why policy tokens were never trained on
+DROP_CAUSES = ("stale", "aborted", "failed", "filtered", "off-branch")  # why policy tokens were never trained on
 # The group key of an evaluation episode (`sfhpc.rl.evaluation`) begins so: such a group is never booked, never
 # in a batch; each of its trajectories is closed as it ends (evaluated, or failed) and its episode's reward noted.
 EVALUATION_PREFIX = "eval-"
@@ -110,6 +112,11 @@ class GroupBook:
         # Evaluation groups: key -> episode -> its reward (None: failed), as their episodes end (`end_evaluation`).
         self._evaluated: dict[str, dict[str, float | None]] = {}
         self._next_step = 0
+        # Dynamic sampling: whether a complete group's trajectories carry a training signal (None: all do), the
+        # groups judged to carry one, and how many were filtered (closed, never trained) this run.
+        self.judge: Callable[[Sequence[Trajectory]], bool] | None = None
+        self._judged: set[str] = set()
+        self.filtered = 0
         # Policy tokens never trained on, by cause: a trajectory closed stale, aborted or failed (all its
         # tokens), or trained with tokens off its branch (a fork left them behind). Counted as they happen.
         self.dropped_tokens: Counter[str] = Counter()
@@ -148,6 +155,7 @@ class GroupBook:
         members.remove(live.id)
         if not members:
             del self._members[live.group_key]
+            self._judged.discard(live.group_key)
 
     def give_up(self, live: LiveTrajectory) -> None:
         self.close(live, Status.ABORTED)
@@ -230,6 +238,14 @@ class GroupBook:
                     self.close(live, Status.STALE)
                 self._in_flight.discard(key)
                 continue
+            if self.judge is not None and key not in self._judged:
+                if not self.judge([live.snapshot() for live in finished]):
+                    for live in finished:
+                        self.close(live, Status.FILTERED)
+                    self._in_flight.discard(key)
+                    self.filtered += 1
+                    continue
+                self._judged.add(key)  # judged once: a group waiting for its batch is not snapshotted again
             yield finished
 
     def _trainable(self, lives: Sequence[LiveTrajectory], policy_version: int) -> bool:

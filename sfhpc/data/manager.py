@@ -287,6 +287,18 @@ class TrajectoryManager:
                 self.flush()
             return batch
 
+    def judge_groups(self, judge: Callable[[Sequence[Trajectory]], bool] | None) -> None:
+        """Dynamic sampling: from now on a complete group whose trajectories `judge` finds without a training
+        signal is closed ``filtered`` instead of trained on, and leaves the book (None: every group trains).
+        Groups judged already stay as judged."""
+        with self._lock:
+            self._groups.judge = judge
+
+    def filtered_groups(self) -> int:
+        """Groups closed ``filtered`` by dynamic sampling since this manager started."""
+        with self._lock:
+            return self._groups.filtered
+
     def take_evaluation(self, groups: Sequence[str], episodes: int) -> dict[str, dict[str, float | None]] | None:
         """The episodes of evaluation `groups` and their rewards (None: failed) once `episodes` of each ended
         (`GroupBook.take_evaluation`), else None."""
@@ -301,8 +313,8 @@ class TrajectoryManager:
 
     def dropped_tokens(self) -> dict[str, int]:
         """Policy tokens never trained on since this manager started, by cause: ``stale``, ``aborted``,
-        ``failed`` (every token of such a trajectory), ``off-branch`` (tokens a fork left behind on a trained
-        trajectory)."""
+        ``failed``, ``filtered`` (every token of such a trajectory), ``off-branch`` (tokens a fork left behind on a
+        trained trajectory)."""
         with self._lock:
             return dict(self._groups.dropped_tokens)
 

@@ -21,7 +21,7 @@ from sfhpc.data.store import StoreView, TrajectoryStore
 from sfhpc.data.trajectory import Segment, Status, Trajectory, branch_of
 
 # Only their status is kept in memory.
-CLOSED = (Status.CONSUMED, Status.STALE, Status.ABORTED, Status.FAILED, Status.EVALUATED)
+CLOSED = (Status.CONSUMED, Status.STALE, Status.ABORTED, Status.FAILED, Status.EVALUATED, Status.FILTERED)
 
 
 class LiveTrajectory:

@@ -40,6 +40,7 @@ class Status(enum.StrEnum):
     ABORTED = "aborted"  # given up by the run (e.g. another member of its GRPO group failed)
     FAILED = "failed"  # its agent or task raised or ran out of time (`fail_reason` says why); never trained on
     EVALUATED = "evaluated"  # an evaluation episode's, complete and rewarded (`sfhpc.rl.evaluation`); never trained on
+    FILTERED = "filtered"  # complete and rewarded, its group without a signal (dynamic sampling); never trained on
 
     @property
     def code(self) -> int:

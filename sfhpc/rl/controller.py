@@ -39,6 +39,7 @@ from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
+from sfhpc.rl.dynamic_sampling import DynamicSampling
 from sfhpc.rl.evaluation import Evaluation
 from sfhpc.rl.live_status import LiveStatus
 from sfhpc.rl.pipeline_policy import PipelinePolicy
@@ -92,6 +93,9 @@ class Controller:
         self.policy = PipelinePolicy.of(recipe)
         self.overlong = Overlong.of(recipe.algorithm.overlong, reply_budget(task, recipe.budgets.max_new_tokens))
         self.manager = TrajectoryManager(self.store, max_token_lag=self.policy.max_token_lag)
+        self.sampling = DynamicSampling.of(recipe.algorithm, self.overlong, self.manager)
+        if self.sampling is not None:
+            self.sampling.start()
         # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
         self.server = ManagerServer(self.manager, layout.manager_link,
                                     clients=self.scheduler.rollout_ranks + self.scheduler.lendable_ranks)
@@ -326,6 +330,8 @@ class Controller:
         self.live.enter("rollout", step)
         waiting_since = next_check = next_rebalance = time.monotonic()
         while True:
+            if self.sampling is not None:
+                self.sampling.keep_bound(per_step)
             batch = self.manager.take_batch(self.version, per_step, size, step)
             if batch is not None:
                 return batch
@@ -424,6 +430,7 @@ class Controller:
             "episodes_in_flight": self.episodes_in_flight(),
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
             **self._dropped_metrics(), **self._overlong_metrics(batch), **self.last_evaluation,
+            **(self.sampling.end_step(batch) if self.sampling is not None else {}),
         })
         self.last_evaluation = {}
 

@@ -33,7 +33,7 @@ def test_summary_sections(run_dir: Path) -> None:
     with open_run(run_dir) as run:
         summary = summarize(run)
     assert summary.by_status == {"running": 1, "interrupted": 0, "finished": 0, "consumed": 3, "stale": 0,
-                                 "aborted": 0, "failed": 1, "evaluated": 0}
+                                 "aborted": 0, "failed": 1, "evaluated": 0, "filtered": 0}
     assert summary.store["trajectories"] == 5 and summary.store["steps"] == 2 and summary.store["last_step"] == 1
     # step 0 trained plain (reward 1, 2 generated tokens) and cut (0.5, 16); step 1 multi (0.0, 5).
     ranges = [(r["first"], r["last"], r["trajectories"], r["reward_mean"], r["generated_mean"])

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_recipe
-from sfhpc.config.recipe import AlgorithmSpec, OverlongSpec
+from sfhpc.config.recipe import AlgorithmSpec, FilterGroupsSpec, OverlongSpec
 from sfhpc.errors import ConfigError
 from tests.config.test_config_files import GOOD_RECIPE
 
 EVERY_KEY = """\
 algorithm:
-  name: ppo
+  name: grpo
   group_size: 4
   learning_rate: 2.0e-5
   warmup_steps: 5
@@ -39,6 +39,7 @@ algorithm:
   advantage_eps: 1.0e-4
   temperature: 0.7
   overlong: {buffer_tokens: 4, penalty: 0.5, mask_truncated: true}
+  filter_groups: {max_groups_per_step: 48}
 """
 
 
@@ -46,14 +47,15 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
     path.write_text(GOOD_RECIPE + EVERY_KEY)
     spec = load_recipe(path).algorithm
-    assert spec == AlgorithmSpec(name="ppo", group_size=4, learning_rate=2e-5, warmup_steps=5, lr_schedule="linear",
+    assert spec == AlgorithmSpec(name="grpo", group_size=4, learning_rate=2e-5, warmup_steps=5, lr_schedule="linear",
                                  lr_decay_steps=100, min_learning_rate=1e-6, clip_ratio=0.1,
                                  clip_ratio_high=0.28, ratio_cap=5.0, kl_coef=0.05, loss_aggregation="sequence-mean",
                                  loss_norm_tokens=256, normalize_std=False, credit="turn", turn_reward_weight=0.5,
                                  max_grad_norm=0.5,
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
                                  temperature=0.7,
-                                 overlong=OverlongSpec(buffer_tokens=4, penalty=0.5, mask_truncated=True))
+                                 overlong=OverlongSpec(buffer_tokens=4, penalty=0.5, mask_truncated=True),
+                                 filter_groups=FilterGroupsSpec(max_groups_per_step=48))
     # The test names every field: a setting added later without a recipe key would show here.
     assert {f.name for f in dataclasses.fields(AlgorithmSpec)} == {
         line.split(":")[0].strip() for line in EVERY_KEY.splitlines()[1:]}
