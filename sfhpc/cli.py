@@ -14,7 +14,7 @@
                                                    launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
     sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
-    sfhpc export RUN --out DIR [--step N]          the trained policy as a Hugging Face folder
+    sfhpc export RUN --out DIR [--step N] [--adapter]  the trained policy as a Hugging Face folder
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
     sfhpc traj summary|export|plot|report RUN, show RUN ID, compare A B  a run's trajectory store
 
@@ -450,9 +450,10 @@ def available_benchmarks() -> list[str]:
 def cmd_export(args: argparse.Namespace) -> int:
     from sfhpc.rl.export import export
 
-    out = export(args.run, args.out, step=args.step, dtype=args.dtype)
+    out = export(args.run, args.out, step=args.step, dtype=args.dtype, adapter=args.adapter)
     info = json.loads((out / "sfhpc_export.json").read_text())
-    print(f"exported step {info['step']} (policy version {info['policy_version']}, {info['checkpoint']}) of "
+    what = "the LoRA adapter" if args.adapter else "step"
+    print(f"exported {what} {info['step']} (policy version {info['policy_version']}, {info['checkpoint']}) of "
           f"{args.run} to {out}: {', '.join(info['files'])} in {info['dtype']}")
     return 0
 
@@ -532,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="the checkpoint of this step (default: the newest)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
                    help="the weights' dtype (default bfloat16, as the engines serve them)")
+    p.add_argument("--adapter", action="store_true",
+                   help="a run with model.lora: write its adapter as a PEFT adapter folder (adapter_config.json, "
+                        "adapter_model.safetensors) instead of the merged model")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("eval", help="evaluate a run's checkpoint on held-out problems, on this machine",

@@ -123,6 +123,36 @@ class BuildSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; `sfhpc.trainer.lora`): the
+    model's weights stay frozen and each targeted linear layer learns ``W + (alpha / rank) * B A``, ``A`` of
+    ``rank x in`` and ``B`` of ``out x rank``; only ``A`` and ``B`` carry gradients and Adam's state. The
+    defaults are PEFT's."""
+
+    rank: int = setting(8, "the adapter's rank r (PEFT's default)")
+    alpha: int = setting(8, "the scale's numerator: an adapter adds (alpha / rank) * B A (PEFT's lora_alpha)")
+    dropout: float = setting(0.0, "dropout on the adapter's input while training (PEFT's lora_dropout)")
+    target_modules: str | tuple[str, ...] | None = setting(
+        None, "the linear layers that learn an adapter: their names (q_proj, k_proj, v_proj, o_proj, gate_proj, "
+              "up_proj, down_proj), all-linear (every linear layer but the output layer), or null: PEFT's default for "
+              "the architecture (q_proj and v_proj for Llama, Qwen2 and Mistral)")
+
+    def validate(self, where: Where) -> None:
+        if self.rank < 1:
+            raise where.child("rank").error(f"must be at least 1, found {self.rank}")
+        if self.alpha < 1:
+            raise where.child("alpha").error(f"must be more than 0, found {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise where.child("dropout").error(f"must be from 0 to less than 1, found {self.dropout}")
+        if isinstance(self.target_modules, tuple) and not self.target_modules:
+            raise where.child("target_modules").error("names no layer: name some, all-linear, or leave it out")
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelSpec:
     """The policy model: a Hugging Face folder (``path``), or, without one, a small one sfhpc builds in the
     run folder as ``build`` says."""
@@ -142,6 +172,8 @@ class ModelSpec:
     init_from: str | None = setting(None, "start from a trained policy: a run folder (its newest checkpoint) or one "
                                           "of its checkpoints (RUN/checkpoints/step-N); its weights, config and "
                                           "tokenizer become this run's model (path and build are left out)")
+    lora: LoraSpec | None = setting(None, "train a LoRA adapter on the frozen model instead of every weight (torch "
+                                          "backend, not sharded); absent: full fine-tuning")
 
     def validate(self, where: Where) -> None:
         if self.init_from is not None and (self.path is not None or self.build != BuildSpec()):
@@ -376,11 +408,12 @@ class TrainingSpec:
             return "bf16" if on_gpu else "float32"
         return self.precision
 
-    def shards(self, trainer_ranks: int, *, on_gpu: bool) -> bool:
+    def shards(self, trainer_ranks: int, *, on_gpu: bool, lora: bool = False) -> bool:
         """Whether the trainer shards its state over `trainer_ranks` ranks (`sharding`): the torch backend over
-        its trainer ranks, megatron over its data-parallel replicas."""
+        its trainer ranks, megatron over its data-parallel replicas. A LoRA trainer never shards (`LoraSpec`):
+        its frozen weights are compute-dtype copies and its trained state is small."""
         if self.sharding == "auto":
-            return on_gpu or trainer_ranks > 1
+            return not lora and (on_gpu or trainer_ranks > 1)
         return self.sharding == "full"
 
     def validate(self, where: Where) -> None:
@@ -859,6 +892,14 @@ class Recipe:
             raise where.child("output_group").error(f"must be a Unix group's name, found {self.output_group!r}")
         for key, why in _unused_timing(self):
             raise where.child("timing_model").child(key).error(why)
+        if self.model.lora is not None:
+            here = where.child("model").child("lora")
+            if self.training.backend == "megatron":
+                raise here.error("is refused with training.backend megatron (megatron-core has no LoRA layers sfhpc "
+                                 "could train; use the torch backend, or full fine-tuning with megatron)")
+            if self.training.sharding == "full":
+                raise here.error("trains a whole model per rank (the frozen weights in the compute dtype, the small "
+                                 "adapter and its Adam state beside them): set training.sharding none or auto")
         filtering = self.algorithm.filter_groups
         if filtering is not None:
             here = where.child("algorithm").child("filter_groups")

@@ -116,6 +116,7 @@ class TrainerSetup:
     logprob_chunk_tokens: int
     reference: bool = False  # a KL term keeps a frozen copy of the starting policy
     device: str = "gpu"  # "gpu" or "cpu"
+    lora_params: int = 0  # LoRA: the adapter's parameters (`lora_params`); 0: every weight trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,12 +204,33 @@ def equal_micro_batches(rows: int, width: int, budget: int | None, stages: int) 
     return next(m for m in range(least, rows + 1) if rows % m == 0)
 
 
+# The linear layers of a decoder layer a LoRA adapter may target: (inputs, outputs) of each, by its name.
+def lora_layers(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    h, q, kv, i = shape.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim, shape.intermediate
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+            "up_proj": (h, i), "down_proj": (i, h)}
+
+
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default for Llama, Qwen2 and Mistral
+
+
+def lora_params(shape: ModelShape, rank: int, targets: str | tuple[str, ...] | None) -> int:
+    """The parameters of a rank-`rank` adapter on `targets` (names, ``all-linear`` or None: PEFT's default):
+    ``rank x (in + out)`` for each targeted linear layer of every decoder layer."""
+    layers = lora_layers(shape)
+    names = tuple(layers) if targets == "all-linear" else (LORA_DEFAULT_TARGETS if targets is None else
+                                                            (targets,) if isinstance(targets, str) else targets)
+    return shape.layers * sum(rank * sum(layers[n]) for n in names if n in layers)
+
+
 def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) -> RankMemory:
     """The peak bytes of one torch-backend trainer rank (module docstring)."""
     p = shape.params
     shards = setup.ranks if setup.sharded else 1
     c = DTYPE_BYTES[setup.precision]
     bf16 = c == 2
+    if setup.lora_params:
+        return _lora_trainer_memory(shape, setup, capacity)
     items: list[tuple[str, int]] = [
         ("weights", MASTER_BYTES * p // shards),
         ("gradients", GRAD_BYTES * p // shards),
@@ -225,19 +247,40 @@ def trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int = 0) ->
         # buckets hold a second copy of the gradients.
         items.append(("bf16 weight copies", 2 * p if bf16 else 0))
         items.append(("DDP gradient buckets", GRAD_BYTES * p if setup.ranks > 1 else 0))
+    items += _activations_and_logits(shape, setup)
+    if setup.reference:
+        items.append(("reference model", MASTER_BYTES * p // shards))
+    items.append(("runtime reserve", RUNTIME_RESERVE[setup.device]))
+    return RankMemory("trainer", tuple(items), capacity)
+
+
+def _activations_and_logits(shape: ModelShape, setup: TrainerSetup) -> list[tuple[str, int]]:
     tokens = setup.micro_batch_tokens
     # Sharded bf16 computes in bf16 throughout; float32 and autocast keep the residual stream in float32.
-    act_bytes = c if setup.sharded else 4
+    act_bytes = DTYPE_BYTES[setup.precision] if setup.sharded else 4
     full_layer = shape.activation_elements() * act_bytes * tokens
     if setup.activation_checkpointing:
         activations = shape.layers * tokens * shape.hidden * CHECKPOINTED_PER_HIDDEN * act_bytes + full_layer
     else:
         activations = shape.layers * full_layer
-    items.append(("activations", int(activations)))
-    items.append(("logits chunk", min(setup.logprob_chunk_tokens, tokens) * shape.vocab * LOGIT_BYTES))
-    if setup.reference:
-        items.append(("reference model", MASTER_BYTES * p // shards))
-    items.append(("runtime reserve", RUNTIME_RESERVE[setup.device]))
+    return [("activations", int(activations)),
+            ("logits chunk", min(setup.logprob_chunk_tokens, tokens) * shape.vocab * LOGIT_BYTES)]
+
+
+def _lora_trainer_memory(shape: ModelShape, setup: TrainerSetup, capacity: int) -> RankMemory:
+    """A LoRA trainer rank (`sfhpc.trainer.lora`): the frozen weights once, in the compute dtype; the adapter in
+    float32 with its gradients, Adam's moments and (data parallel) DDP's buckets; no reference model (a KL term
+    scores with the adapter switched off)."""
+    a = setup.lora_params
+    items: list[tuple[str, int]] = [
+        ("frozen weights", DTYPE_BYTES[setup.precision] * shape.params),
+        ("adapter", MASTER_BYTES * a),
+        ("gradients", GRAD_BYTES * a),
+        ("optimizer", ADAM_BYTES * a),
+        ("DDP gradient buckets", GRAD_BYTES * a if setup.ranks > 1 else 0),
+        *_activations_and_logits(shape, setup),
+        ("runtime reserve", RUNTIME_RESERVE[setup.device]),
+    ]
     return RankMemory("trainer", tuple(items), capacity)
 
 

@@ -36,6 +36,7 @@ from sfhpc.plan.memory import (
     engine_items,
     equal_micro_batches,
     gib,
+    lora_params,
     megatron_memory,
     micro_batch_tokens,
     trainer_memory,
@@ -119,11 +120,14 @@ def _trainer(recipe: Recipe, shape: ModelShape, trainer_ranks: int, on_gpu: bool
                                reference=reference, capacity=capacity, device="gpu" if on_gpu else "cpu")
     rows = rows_per_trainer(recipe, trainer_ranks)
     tokens = micro_batch_tokens(training.micro_batch_tokens, rows, length)
-    setup = TrainerSetup(ranks=trainer_ranks, sharded=training.shards(trainer_ranks, on_gpu=on_gpu),
+    lora = recipe.model.lora
+    setup = TrainerSetup(ranks=trainer_ranks,
+                         sharded=training.shards(trainer_ranks, on_gpu=on_gpu, lora=lora is not None),
                          precision=training.compute_precision(on_gpu=on_gpu), micro_batch_tokens=tokens,
                          activation_checkpointing=training.activation_checkpointing,
                          logprob_chunk_tokens=training.logprob_chunk_tokens, reference=reference,
-                         device="gpu" if on_gpu else "cpu")
+                         device="gpu" if on_gpu else "cpu",
+                         lora_params=0 if lora is None else lora_params(shape, lora.rank, lora.target_modules))
     return trainer_memory(shape, setup, capacity)
 
 

@@ -129,6 +129,7 @@ class Controller:
         self._stop_noticed = 0.0
         self.started = time.monotonic()
         self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
+        self.update_bytes = 0  # the last weight update's bytes on the wire (the publisher's buckets)
         self.rebalanced = 0  # episodes moved onto lent ranks that ran dry, this step (for its metrics row)
         self.evaluation = None if recipe.evaluation is None else Evaluation(
             recipe.evaluation, task, source=recipe.source, seed=recipe.seed, last_step=recipe.budgets.steps)
@@ -412,6 +413,7 @@ class Controller:
                    for rank in answering]
         self.scheduler.set_state(everyone, RankState.WAITING)
         self.version = version
+        self.update_bytes = max(r.bytes for r in replies)
         return max(r.seconds for r in replies if r.rank in rollouts)
 
     def report(self, step: int, batch: Batch, trained: msg.Trained, sync_s: float, step_s: float) -> None:
@@ -422,7 +424,7 @@ class Controller:
             "trajectories": len(rewards), "generated_tokens": batch.num_generated, "trained_tokens": batch.num_tokens,
             "generated_tokens_per_s": batch.num_generated / step_s, "trained_tokens_per_s":
             batch.num_tokens / max(float(metrics.get("seconds", 0.0)), 1e-9),
-            "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s,
+            "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s, "update_bytes": self.update_bytes,
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
             "loss_tokens": int(metrics.get("tokens", 0)),

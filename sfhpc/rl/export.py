@@ -6,13 +6,18 @@ A run's checkpoints hold the trainer's state in sfhpc's own layout (`sfhpc.rl.ch
 model under its Hugging Face names, whole (gathered from the ranks that shard it); the megatron backend's in
 megatron's names, one file per tensor x pipeline parallel rank. The export takes a checkpoint (the newest sound
 one, or that of step N), merges the megatron parts (`sfhpc.trainer.megatron_names`: shards joined, stages'
-layers numbered globally, fused q/k/v and gate/up split) and writes:
+layers numbered globally, fused q/k/v and gate/up split) or, for a LoRA run (``model.lora``), merges its
+adapter into the model folder's weights (`sfhpc.trainer.lora`), and writes:
 
 * the weights as safetensors in `dtype` (bf16 by default, as the engines serve them), in files of at most
   5 GB with an index where there are several, a tied output layer once (as the embedding);
 * ``config.json`` (the run's model's, its dtype set), the tokenizer, the chat template and
   ``generation_config.json``, copied from the model folder the run trained (the one its store names);
 * ``sfhpc_export.json``: the run, the step and the policy version it holds.
+
+With ``--adapter`` (LoRA runs) it writes the adapter alone as a PEFT adapter folder instead
+(``adapter_config.json``, ``adapter_model.safetensors`` in `dtype`, the tokenizer and chat template beside
+them), which PEFT's ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` load over the model it names.
 
 The folder is written beside `--out` under a temporary name and renamed into place: a cut export leaves no
 half folder, and an existing folder is never overwritten.
@@ -84,14 +89,23 @@ def trained_model_dir(run_dir: Path) -> Path:
                       "copied into the export)")
 
 
-def hf_weights(info: CheckpointInfo, config: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint's whole model under Hugging Face names (float32, as trained)."""
+def hf_weights(info: CheckpointInfo, config: dict[str, Any], source: Path,
+               state: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The checkpoint's whole model under Hugging Face names (float32, as trained); a LoRA checkpoint's
+    adapter merged into `source`'s weights."""
     from sfhpc.trainer import checkpoint as ckpt
+    from sfhpc.trainer import lora
 
-    state = ckpt.load(info.trainer_file)
+    state = ckpt.load(info.trainer_file) if state is None else state
     if state.get("backend") == "megatron":
         return _merged_megatron(info.trainer_file, state, config)
-    weights = dict(state["model"])
+    spec = lora.spec_of(state)
+    if spec is not None:
+        from sfhpc.trainer.hf_weights import HfWeights
+
+        weights = dict(lora.merged(HfWeights(source), state["model"], spec.scale))
+    else:
+        weights = dict(state["model"])
     if config.get("tie_word_embeddings"):
         weights.pop("lm_head.weight", None)  # the embedding, saved once
     return weights
@@ -154,8 +168,10 @@ def write_weights(weights: dict[str, Any], folder: Path, dtype: str) -> list[str
     return written
 
 
-def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16") -> Path:
-    """Write the policy of `run_dir`'s checkpoint (newest, or of `step`) as a Hugging Face folder at `out`."""
+def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dtype: str = "bfloat16",
+           adapter: bool = False) -> Path:
+    """Write the policy of `run_dir`'s checkpoint (newest, or of `step`) as a Hugging Face folder at `out` (with
+    `adapter`, a LoRA run's adapter as a PEFT adapter folder)."""
     run_dir, out = Path(run_dir), Path(out)
     if dtype not in DTYPES:
         raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
@@ -166,7 +182,17 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
     info = find_checkpoint(run_dir, step)
     source = trained_model_dir(run_dir)
     config = json.loads((source / "config.json").read_text())
-    weights = hf_weights(info, config)
+    import torch
+
+    from sfhpc.trainer import checkpoint as ckpt
+    from sfhpc.trainer import lora
+
+    state = ckpt.load(info.trainer_file)
+    spec = lora.spec_of(state)
+    if adapter and spec is None:
+        raise ExportError(f"{info.path}: this run trained every weight (no model.lora): --adapter exports a LoRA "
+                          "run's adapter; leave it out for the whole model")
+    weights = {} if adapter else hf_weights(info, config, source, state)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -174,9 +200,14 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
             if file.is_file() and file.name != "config.json" and not file.name.endswith(WEIGHT_SUFFIXES) \
                     and file.name != "model.safetensors.index.json":
                 shutil.copy2(file, staging / file.name)
-        config["torch_dtype"] = config["dtype"] = dtype
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        files = write_weights(weights, staging, dtype)
+        if adapter:
+            assert spec is not None
+            cast = {k: v.to(getattr(torch, dtype)) for k, v in state["model"].items()}
+            files = lora.write_adapter_folder(staging, spec, cast, base_model=str(source))
+        else:
+            config["torch_dtype"] = config["dtype"] = dtype
+            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            files = write_weights(weights, staging, dtype)
         (staging / "sfhpc_export.json").write_text(json.dumps(
             {"run": str(run_dir.resolve()), "checkpoint": info.path.name, "step": info.step,
              "policy_version": info.version, "dtype": dtype, "files": files, "source_model": str(source)},

@@ -73,6 +73,7 @@ class Synced:
     rank: int
     version: int
     seconds: float
+    bytes: int = 0  # the publishing trainer's: the version's bytes on the wire
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,7 +46,7 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
         from sfhpc.trainer.torch_trainer import TorchTrainer
 
         trainer = TorchTrainer(model_dir, recipe.algorithm, dist=dist, seed=recipe.seed, device=device,
-                               training=recipe.training)
+                               training=recipe.training, lora_spec=recipe.model.lora)
     if resume_from is not None:
         trainer.load_checkpoint(resume_from)
     return trainer
@@ -85,21 +85,21 @@ class TrainerWorker:
         return msg.Trained(command.step, self.trainer.policy_version, metrics.as_dict()) if self.is_first else None
 
     def publish(self, command: msg.SyncWeights) -> msg.Synced | None:
-        start = time.perf_counter()
+        start, sent = time.perf_counter(), 0
         if self.publisher is not None:
             import torch
 
             # float32 master weights are cast to the engines' dtype into staging first; rollout ranks keep
             # generating until the header that follows it arrives.
-            self.publisher.publish(self.trainer.named_weights(), command.version,
-                                   dtype=getattr(torch, self.recipe.model.dtype))
+            sent = self.publisher.publish(self.trainer.named_weights(), command.version,
+                                          dtype=getattr(torch, self.recipe.model.dtype)).bytes
         elif self.gathers_published_weights:
             # Under tensor or pipeline parallelism the weight stream is collective over the root's
             # model-parallel group (shards gathered, stages broadcast): these ranks iterate it with the root
             # and drop what they get. The other data-parallel replicas hold copies and sit it out.
             for _ in self.trainer.named_weights():
                 pass
-        return msg.Synced(self.rank, command.version, time.perf_counter() - start) if self.is_first else None
+        return msg.Synced(self.rank, command.version, time.perf_counter() - start, sent) if self.is_first else None
 
     @property
     def gathers_published_weights(self) -> bool:

@@ -44,6 +44,7 @@ from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
+from sfhpc.trainer.hf_weights import HfWeights
 from sfhpc.trainer.losses import loss_units, policy_loss, tempered
 from sfhpc.trainer.torch_trainer import StepMetrics, batch_advantages, check_algorithm
 
@@ -176,35 +177,6 @@ def build_gpt_model(hf: dict[str, Any], config: Any) -> Any:
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=layout.tied_embeddings, position_embedding_type="rope",
                     rotary_percent=1.0, rotary_base=_rope_theta(hf))
-
-
-class HfWeights(Mapping[str, torch.Tensor]):
-    """The tensors of a folder's safetensors files by name, each read (as float32) when asked for: a rank
-    takes only its pipeline stage's, one fused tensor at a time (`load_hf_weights`), so its host memory never
-    holds the whole model (a 7B's 30 GB in float32)."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        from safetensors import safe_open
-
-        files = sorted(Path(model_dir).glob("*.safetensors"))
-        if not files:
-            raise TrainerError(f"{model_dir}: no .safetensors weights to start from")
-        self._file: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                self._file.update(dict.fromkeys(handle.keys(), f))
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self._file[name]), framework="pt") as handle:
-            return handle.get_tensor(name).to(torch.float32)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._file)
-
-    def __len__(self) -> int:
-        return len(self._file)
 
 
 def read_hf_weights(model_dir: str | Path) -> HfWeights:

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from sfhpc.config.recipe import AlgorithmSpec, TrainingSpec
+from sfhpc.config.recipe import AlgorithmSpec, LoraSpec, TrainingSpec
 from sfhpc.trainer import checkpoint as ckpt
-from sfhpc.trainer import host_memory, micro_batches, sharding
+from sfhpc.trainer import host_memory, lora, micro_batches, sharding
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
@@ -93,8 +93,9 @@ class TorchTrainer:
 
     def __init__(self, model_dir: str | Path, algorithm: AlgorithmSpec = DEFAULT_ALGORITHM, *,
                  dist: DistSpec | None = None, initial_version: int = 0, seed: int = 0,
-                 device: str = "cpu", training: TrainingSpec | None = None) -> None:
+                 device: str = "cpu", training: TrainingSpec | None = None, lora_spec: LoraSpec | None = None) -> None:
         self.algorithm = algorithm = check_algorithm(algorithm)
+        self.lora = lora_spec
         self.training = training = training or TrainingSpec()
         self.dist = dist or DistSpec(rank=0, world_size=1, backend="nccl" if device.startswith("cuda") else "gloo")
         self.model_dir = Path(model_dir)
@@ -106,7 +107,11 @@ class TorchTrainer:
         if self.device.type == "cpu":
             host_memory.return_freed_memory()
         self.compute_dtype = COMPUTE_DTYPES[training.compute_precision(on_gpu=self.device.type == "cuda")]
-        self.sharded = training.shards(self.dist.world_size, on_gpu=self.device.type == "cuda")
+        self.sharded = training.shards(self.dist.world_size, on_gpu=self.device.type == "cuda",
+                                       lora=lora_spec is not None)
+        if self.sharded and lora_spec is not None:
+            raise TrainerError("model.lora trains a whole model per trainer rank: set training.sharding none or auto")
+        self.peft: Any = None  # LoRA: the PEFT model around `model` (`sfhpc.trainer.lora`)
         # Sharding needs a process group even for one rank (a GPU of its own: FSDP over a group of one).
         self.dist.init_process_group(group_of_one=self.sharded)
         if self.sharded:
@@ -119,11 +124,15 @@ class TorchTrainer:
                 # DDP broadcasts rank 0's parameters at construction, so all ranks start identical.
                 self._forward_model = torch.nn.parallel.DistributedDataParallel(self.policy)
         self.reference: PolicyLM | None = None
-        if algorithm.kl_coef != 0.0:
+        if algorithm.kl_coef != 0.0 and self.peft is None:  # LoRA: the adapter switched off is the reference
             self.reference = (self._build_sharded(requires_grad=False)[1] if self.sharded
                               else PolicyLM(copy.deepcopy(self.model).eval().requires_grad_(False),
                                             training.logprob_chunk_tokens))
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=algorithm.learning_rate,
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+        if self.lora is not None and self.dist.rank == 0:
+            print(lora.describe(self.lora, sum(p.numel() for p in trained),
+                                sum(p.numel() for p in self.model.parameters())), flush=True)
+        self.optimizer = torch.optim.AdamW(trained, lr=algorithm.learning_rate,
                                            betas=(algorithm.adam_beta1, algorithm.adam_beta2), eps=algorithm.adam_eps,
                                            weight_decay=algorithm.weight_decay)
         self.step = 0
@@ -138,6 +147,8 @@ class TorchTrainer:
         model.config.use_cache = False
         if self.training.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            self.peft = lora.attach(model, self.lora, self.compute_dtype)  # `model` now holds the adapter's layers
         return model.train(), PolicyLM(model, self.training.logprob_chunk_tokens)
 
     def _build_sharded(self, *, requires_grad: bool) -> tuple[Any, PolicyLM]:
@@ -210,10 +221,7 @@ class TorchTrainer:
             piece = piece.to(self.device)
             with self._gradient_sync(last=i == len(pieces) - 1):
                 new_logprobs, entropy = self._score(self._forward_model, piece)
-                ref_logprobs = None
-                if self.reference is not None:
-                    with torch.no_grad():
-                        ref_logprobs = self._score(self.reference, piece)[0]
+                ref_logprobs = self._reference_logprobs(piece)
                 assert piece.advantages is not None  # set by with_advantages above; rows() keeps them
                 out = policy_loss(new_logprobs, piece.behaviour_logprobs, piece.advantages, piece.generated, cfg,
                                   ref_logprobs=ref_logprobs, normaliser=normaliser)
@@ -239,6 +247,17 @@ class TorchTrainer:
                            grad_norm=grad_norm, reward_mean=reward_sum / max(rows, 1.0), tokens=int(global_tokens),
                            sequences=int(rows), seconds=time.perf_counter() - start, entropy=entropy_sum / n,
                            micro_batches=len(pieces))
+
+    def _reference_logprobs(self, piece: TrainBatch) -> torch.Tensor | None:
+        """The KL term's reference: the frozen starting policy's log-probabilities (None without a KL term)."""
+        if self.algorithm.kl_coef == 0.0:
+            return None
+        with torch.no_grad():
+            if self.peft is not None:
+                with lora.reference_mode(self.peft):
+                    return self._score(self.policy, piece)[0]
+            assert self.reference is not None
+            return self._score(self.reference, piece)[0]
 
     def _gradient_sync(self, *, last: bool) -> contextlib.AbstractContextManager[object]:
         """Gradients are reduced over the ranks once, after the last micro-batch's backward."""
@@ -284,8 +303,12 @@ class TorchTrainer:
         parameter is gathered whole as it comes: every trainer rank iterates this together
         (`weights_are_sharded`), and each holds one parameter's whole copy at a time.
         """
-        for name, param in self.model.named_parameters():
-            t = sharding.full_tensor(param.detach())
+        if self.peft is not None:  # LoRA: the adapter merged into the frozen weights, in the model's names
+            named: Iterator[tuple[str, torch.Tensor]] = lora.merged(
+                lora.frozen_weights(self.model), lora.adapter_state(self.peft), self.lora.scale)  # type: ignore[union-attr]
+        else:
+            named = ((name, sharding.full_tensor(param.detach())) for name, param in self.model.named_parameters())
+        for name, t in named:
             yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
 
     @property
@@ -310,6 +333,7 @@ class TorchTrainer:
                 "model_config": self.model.config.to_dict(),
                 "world_size": self.dist.world_size,
                 "sharded": self.sharded,
+                "lora": None if self.lora is None else dataclasses.asdict(self.lora),
             }, path)
         if self.dist.distributed:
             import torch.distributed as tdist
@@ -319,6 +343,8 @@ class TorchTrainer:
 
     def _full_state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The model's and the optimizer's whole state (gathered onto the host of rank 0 when sharded)."""
+        if self.peft is not None:  # LoRA: the adapter alone (the frozen weights are the model folder's)
+            return lora.adapter_state(self.peft), self.optimizer.state_dict()
         if not self.sharded:
             return self.model.state_dict(), self.optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import (
@@ -341,6 +367,12 @@ class TorchTrainer:
             if bool(state.get("sharded", False)) != self.sharded:
                 raise ValueError("it was written by a trainer that " + ("shards" if state.get("sharded") else
                                  "does not shard") + " its parameters (training.sharding)")
+            if lora.spec_of(state) != self.lora:
+                raise ValueError(f"it was trained with model.lora {lora.spec_of(state)}, this run has {self.lora}")
+            if self.peft is not None:
+                lora.load_adapter_state(self.peft, state["model"])
+                self.optimizer.load_state_dict(state["optimizer"])
+                return
             if not self.sharded:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])

@@ -37,6 +37,11 @@ def resumed_in(run_dir: Path, restart: int) -> dict | None:
     return next((e for e in read_events(run_dir) if e["event"] == "resumed" and e["restart"] == restart), None)
 
 
+def resumed_after(run_dir: Path, restart: int) -> dict | None:
+    """The first `resumed` event of an allocation after allocation `restart` (None before one resumed)."""
+    return next((e for e in read_events(run_dir) if e["event"] == "resumed" and e["restart"] > restart), None)
+
+
 def in_phase(run_dir: Path, restart: int, phase: str, after_step: int, within_s: float) -> dict | None:
     """The live status when allocation `restart` entered `phase` of a step after `after_step` at most
     `within_s` seconds ago (None otherwise): a signal sent now reaches the ranks inside that phase, as

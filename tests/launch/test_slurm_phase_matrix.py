@@ -31,7 +31,7 @@ import pytest
 from sfhpc.data.store import open_store
 from sfhpc.rl.checkpoints import RunCheckpoints, verify
 from tests.conftest import run_sfhpc
-from tests.launch.run_watch import in_phase, job_end_state, read_events, resumed_in, wait_until
+from tests.launch.run_watch import in_phase, job_end_state, read_events, resumed_after, wait_until
 
 pytestmark = [pytest.mark.slurm]
 
@@ -80,21 +80,27 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
                     f"--output={tmp_path / 'urgent.out'}", "--wrap", "sleep 1"],
     }
     cuts: list[dict] = []
+    # The allocation each cut is aimed at: Slurm's restart count. An allocation whose step fails before the run
+    # starts (a rank that crashed on start) is requeued by the run itself, and the count moves on past it.
+    allocations = [0]
     try:
         resumed_step = 0
-        for restart, (trigger, phase) in enumerate(PLAN):
-            if restart:
+        for cut, (trigger, phase) in enumerate(PLAN):
+            if cut:
                 # Polled closely: a rollout cut aims at the rollout phase that begins as the allocation resumes.
-                resumed = wait_until(f"allocation {restart} to resume", lambda r=restart: resumed_in(run_dir, r),
-                                     timeout=600, poll_s=0.02)
+                resumed = wait_until(f"the allocation after {allocations[-1]} to resume",
+                                     lambda a=allocations[-1]: resumed_after(run_dir, a), timeout=600, poll_s=0.02)
                 resumed_step = resumed["step"]  # type: ignore[index]
+                allocations.append(resumed["restart"])  # type: ignore[index]
+            restart = allocations[-1]
             aimed = wait_until(f"allocation {restart} in phase {phase}",
                                lambda r=restart, p=phase, s=resumed_step: in_phase(run_dir, r, p, s, AIM_S),
                                timeout=600 if restart == 0 else 300, poll_s=0.01)  # the first builds the model
             fired = time.time()
             subprocess.run(triggers[trigger], check=True, capture_output=True, text=True)
             cuts.append({"trigger": trigger, "phase": phase, "fired": fired, "aimed": aimed})
-        wait_until(f"allocation {len(PLAN)} to resume", lambda: resumed_in(run_dir, len(PLAN)), timeout=600)
+        wait_until(f"the allocation after {allocations[-1]} to resume",
+                   lambda: resumed_after(run_dir, allocations[-1]), timeout=600)
         state = wait_until("the job to end", lambda: job_end_state(job_id), timeout=900, poll_s=1)
         assert state == "COMPLETED", state
     finally:
@@ -103,18 +109,22 @@ def test_every_trigger_in_every_phase(slurm_cluster: str, tmp_path: Path) -> Non
 
     events = read_events(run_dir)
     resumes = [e for e in events if e["event"] == "resumed"]
-    assert [e["restart"] for e in resumes] == list(range(1, len(PLAN) + 1)), events
+    assert [e["restart"] for e in resumes] == allocations[1:] + [resumes[-1]["restart"]], events
+    # A restart count skipped is an allocation whose step failed on start, which the batch log names.
+    log = "".join(p.read_text(errors="replace") for p in run_dir.glob("slurm-*.out"))
+    assert log.count("sfhpc: the step failed") == resumes[-1]["restart"] - len(PLAN), events
     # Each signal reached the ranks in the phase it was aimed at, the run stopped at its next safe point
     # (checkpoint of the step reached), and the next allocation went on from there.
     requested = {e["restart"]: e for e in events if e["event"] == "stop-requested"}
     stopped = {e["restart"]: e for e in events if e["event"] == "stopped"}
-    for restart, (trigger, phase) in enumerate(PLAN):
+    for cut, (trigger, phase) in enumerate(PLAN):
+        restart = allocations[cut]
         assert (requested[restart]["signal"], requested[restart]["phase"]) == (SIGNALS[trigger], phase), cuts
         # A step cut while it trains or sends its weights is finished first; one cut while it waits for its
         # episodes is not trained.
-        aimed_step = cuts[restart]["aimed"]["step"]
+        aimed_step = cuts[cut]["aimed"]["step"]
         assert stopped[restart]["step"] == (aimed_step - 1 if phase == "rollout" else aimed_step), cuts
-        assert stopped[restart]["step"] == resumes[restart]["step"], events
+        assert stopped[restart]["step"] == resumes[cut]["step"], events
     for resume in resumes:  # every restart continued from the newest checkpoint written before it
         earlier = [e["step"] for e in events if e["event"] == "checkpoint" and e["time"] < resume["time"]]
         assert resume["step"] == max(earlier), resume

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfhpc.config.recipe import AlgorithmSpec, TrainingSpec
+from sfhpc.config.recipe import AlgorithmSpec, LoraSpec, TrainingSpec
 from sfhpc.data.store_writer import TrajectoryStore
 from sfhpc.model.hf_folder import build_hf_model
 from sfhpc.rl.checkpoints import TRAINER_FILE, RunCheckpoints
@@ -97,6 +97,55 @@ def test_what_cannot_be_exported_is_one_line_and_writes_nothing(trained_run: tup
                           "no checkpoint of step 2", "steps 1, 3")
     assert_one_line_error(run_sfhpc("export", str(tmp_path), "--out", str(tmp_path / "y")), "no complete checkpoint")
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, TorchTrainer]:
+    """A run folder of a LoRA trainer (rank 4 on every linear layer) with a checkpoint of step 2."""
+    base = tmp_path_factory.mktemp("lora-export")
+    model = build_hf_model(base / "model", "qwen2", layers=2, dtype="float32")
+    run = base / "run"
+    run.mkdir()
+    TrajectoryStore.create(run / "trajectories.h5", run_metadata={"model": str(model)}).close()
+    trainer = TorchTrainer(model, AlgorithmSpec(learning_rate=3e-2), training=TrainingSpec(),
+                           lora_spec=LoraSpec(rank=4, alpha=16, target_modules="all-linear"))
+    vocab = trainer.model.config.vocab_size
+    for _ in range(2):
+        trainer.train_step(TrainBatch.from_rows([row(s, vocab) for s in range(8)]))
+    checkpoints = RunCheckpoints(run)
+    partial = checkpoints.begin(2)
+    trainer.save_checkpoint(partial / TRAINER_FILE)
+    checkpoints.commit(partial, step=2, version=trainer.policy_version, identity={}, reason="test")
+    return run, model, trainer
+
+
+def test_a_lora_run_exports_merged_or_as_its_adapter(lora_run: tuple[Path, Path, TorchTrainer],
+                                                     trained_run: tuple[Path, Path, TorchTrainer],
+                                                     tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    run, model, trainer = lora_run
+    batch = TrainBatch.from_rows([row(100, trainer.model.config.vocab_size)])
+    ours = trainer.logprobs(batch)[0, 10:]
+    original = AutoModelForCausalLM.from_pretrained(model).float().eval()
+    with torch.no_grad():
+        assert float((trainer.logprobs(batch, original)[0, 10:] - ours).abs().max()) > 0.01  # the adapter moved it
+    exported(run, tmp_path / "merged", "--dtype", "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float().eval()
+    with torch.no_grad():
+        assert float((trainer.logprobs(batch, merged)[0, 10:] - ours).abs().max()) < 1e-4
+    info = exported(run, tmp_path / "adapter", "--adapter", "--dtype", "float32")
+    assert info["files"] == ["adapter_config.json", "adapter_model.safetensors"]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 16, str(model))
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").stat().st_size < \
+        0.2 * (tmp_path / "merged" / "model.safetensors").stat().st_size
+    served = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model).float(), tmp_path / "adapter").eval()
+    with torch.no_grad():
+        assert float((trainer.logprobs(batch, served)[0, 10:] - ours).abs().max()) < 1e-4
+    assert_one_line_error(run_sfhpc("export", str(trained_run[0]), "--out", str(tmp_path / "no"), "--adapter"),
+                          "no model.lora", "--adapter")
 
 
 VLLM_SCORE = """
