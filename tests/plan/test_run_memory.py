@@ -11,7 +11,7 @@ import pytest
 
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import ResolveError
-from sfhpc.plan.memory import GIB, ModelShape
+from sfhpc.plan.memory import GIB, ModelShape, lora_layers
 from sfhpc.plan.resolve import resolve
 from sfhpc.plan.run_memory import engine_memory_share, planned_ranks
 from tests.conftest import RECIPES
@@ -122,3 +122,18 @@ def test_the_megatron_plan_follows_precision_the_distributed_optimizer_and_recom
     assert recomputed["activations"] < auto["activations"] / 4
     assert MegatronSettings.from_training(TrainingSpec(backend="megatron"), tensor=1, data=1, on_gpu=False) == \
         MegatronSettings()  # on CPUs, one replica: float32, nothing sharded
+
+
+def test_a_lora_trainer_fits_where_full_fine_tuning_did_not(tmp_path: Path) -> None:
+    """The 7B that a trainer + engine GPU refuses above trains there as a LoRA adapter: its frozen weights once in
+    bf16, the adapter's state beside them."""
+    cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
+    recipe = load_recipe(recipe_on_folder(tmp_path, QWEN_7B),
+                         {"model.lora": {"rank": 16, "target_modules": "all-linear"},
+                          "training.activation_checkpointing": True})
+    plan = resolve(recipe, cluster)
+    [rank] = planned_ranks(recipe, plan, cluster)
+    memory, shape = rank.memory, ModelShape.from_config(QWEN_7B)
+    adapter = 16 * shape.layers * sum(sum(io) for io in lora_layers(shape).values())
+    assert memory.fits and memory.item("frozen weights") == 2 * shape.params
+    assert (memory.item("adapter"), memory.item("optimizer")) == (4 * adapter, 8 * adapter)
