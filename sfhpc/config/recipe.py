@@ -169,9 +169,11 @@ class ModelSpec:
               "3.1's JSON; mistral: [TOOL_CALLS]); null: read from its chat template")
     build: BuildSpec = setting(BuildSpec(), "the tiny model sfhpc builds when path is null, and its warm start "
                                             "(refused beside path)")
-    init_from: str | None = setting(None, "start from a trained policy: a run folder (its newest checkpoint) or one "
-                                          "of its checkpoints (RUN/checkpoints/step-N); its weights, config and "
-                                          "tokenizer become this run's model (path and build are left out)")
+    init_from: str | None = setting(None, "start from a trained policy: a run folder (its newest checkpoint), one of "
+                                          "its checkpoints (RUN/checkpoints/step-N), or a PEFT LoRA adapter folder "
+                                          "(merged into the local model its adapter_config.json names); its weights, "
+                                          "config and tokenizer become this run's model (path and build are left "
+                                          "out)")
     lora: LoraSpec | None = setting(None, "train a LoRA adapter on the frozen model instead of every weight (torch "
                                           "backend, not sharded); absent: full fine-tuning")
 

@@ -173,12 +173,9 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
     """Write the policy of `run_dir`'s checkpoint (newest, or of `step`) as a Hugging Face folder at `out` (with
     `adapter`, a LoRA run's adapter as a PEFT adapter folder)."""
     run_dir, out = Path(run_dir), Path(out)
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
+    _check_output(out, dtype)
     if not run_dir.is_dir():
         raise ExportError(f"{run_dir}: no such run folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not empty: export into a new folder (nothing is overwritten)")
     info = find_checkpoint(run_dir, step)
     source = trained_model_dir(run_dir)
     config = json.loads((source / "config.json").read_text())
@@ -193,6 +190,81 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
         raise ExportError(f"{info.path}: this run trained every weight (no model.lora): --adapter exports a LoRA "
                           "run's adapter; leave it out for the whole model")
     weights = {} if adapter else hf_weights(info, config, source, state)
+
+    def write(staging: Path) -> list[str]:
+        if adapter:
+            assert spec is not None
+            cast = {k: v.to(getattr(torch, dtype)) for k, v in state["model"].items()}
+            return lora.write_adapter_folder(staging, spec, cast, base_model=str(source))
+        return _write_model(staging, config, weights, dtype)
+
+    return _write_folder(out, source, write, {"run": str(run_dir.resolve()), "checkpoint": info.path.name,
+                                              "step": info.step, "policy_version": info.version, "dtype": dtype})
+
+
+def is_adapter_folder(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file()
+
+
+def adapter_base(adapter_dir: Path) -> Path:
+    """The local model folder a PEFT adapter folder names as its base (``base_model_name_or_path``)."""
+    try:
+        config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"{adapter_dir}/adapter_config.json: cannot be read: {exc}") from None
+    base = Path(str(config.get("base_model_name_or_path") or ""))
+    if not (base / "config.json").is_file():
+        raise ExportError(f"{adapter_dir}: its base model {str(base)!r} (base_model_name_or_path in "
+                          "adapter_config.json) is not a local model folder; set it to the folder the adapter was "
+                          "trained on")
+    for key, plain in (("use_rslora", False), ("use_dora", False)):
+        if config.get(key, plain) != plain:
+            raise ExportError(f"{adapter_dir}: {key} adapters are not supported (plain LoRA: alpha / r scaling, "
+                              "no magnitude vector)")
+    return base
+
+
+def merge_adapter_folder(adapter_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
+    """A PEFT LoRA adapter folder merged into its base model (`adapter_base`) as a Hugging Face folder at `out`:
+    ``W + (lora_alpha / r) * B A`` for every layer the adapter targets (`sfhpc.trainer.lora.merged`)."""
+    from safetensors.torch import load_file
+
+    from sfhpc.trainer import lora
+    from sfhpc.trainer.hf_weights import HfWeights
+
+    adapter_dir, out = Path(adapter_dir), Path(out)
+    _check_output(out, dtype)
+    base = adapter_base(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    tensors = adapter_dir / "adapter_model.safetensors"
+    if not tensors.is_file():
+        raise ExportError(f"{adapter_dir}: no adapter_model.safetensors")
+    adapter = load_file(str(tensors))
+    scale = float(config["lora_alpha"]) / float(config["r"])
+    model_config = json.loads((base / "config.json").read_text())
+    weights = dict(lora.merged(HfWeights(base), adapter, scale))
+    if model_config.get("tie_word_embeddings"):
+        weights.pop("lm_head.weight", None)
+    return _write_folder(out, base, lambda staging: _write_model(staging, model_config, weights, dtype),
+                         {"adapter": str(adapter_dir.resolve()), "dtype": dtype})
+
+
+def _check_output(out: Path, dtype: str) -> None:
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype must be one of {', '.join(DTYPES)}, found {dtype!r}")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"{out} exists and is not empty: export into a new folder (nothing is overwritten)")
+
+
+def _write_model(staging: Path, config: dict[str, Any], weights: dict[str, Any], dtype: str) -> list[str]:
+    config = dict(config, torch_dtype=dtype, dtype=dtype)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return write_weights(weights, staging, dtype)
+
+
+def _write_folder(out: Path, source: Path, write: Any, about: dict[str, Any]) -> Path:
+    """`source`'s tokenizer, chat template and other small files, what `write(staging)` writes (it returns the
+    file names) and ``sfhpc_export.json``, under a temporary name beside `out`, renamed into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
@@ -200,18 +272,9 @@ def export(run_dir: str | Path, out: str | Path, *, step: int | None = None, dty
             if file.is_file() and file.name != "config.json" and not file.name.endswith(WEIGHT_SUFFIXES) \
                     and file.name != "model.safetensors.index.json":
                 shutil.copy2(file, staging / file.name)
-        if adapter:
-            assert spec is not None
-            cast = {k: v.to(getattr(torch, dtype)) for k, v in state["model"].items()}
-            files = lora.write_adapter_folder(staging, spec, cast, base_model=str(source))
-        else:
-            config["torch_dtype"] = config["dtype"] = dtype
-            (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            files = write_weights(weights, staging, dtype)
+        files = write(staging)
         (staging / "sfhpc_export.json").write_text(json.dumps(
-            {"run": str(run_dir.resolve()), "checkpoint": info.path.name, "step": info.step,
-             "policy_version": info.version, "dtype": dtype, "files": files, "source_model": str(source)},
-            indent=2) + "\n")
+            {**about, "files": files, "source_model": str(source)}, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
         staging.rename(out)

@@ -55,11 +55,15 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         else:
             problems += _tool_format_problems(recipe, task)
     if recipe.model.init_from is not None:
-        from sfhpc.rl.export import ExportError, find_checkpoint, split_checkpoint_path
+        from sfhpc.rl.export import ExportError, adapter_base, find_checkpoint, is_adapter_folder, split_checkpoint_path
 
-        run, step = split_checkpoint_path(Path(recipe.model.init_from))
+        start = Path(recipe.model.init_from)
+        run, step = split_checkpoint_path(start)
         try:
-            find_checkpoint(run, step)
+            if is_adapter_folder(start):
+                adapter_base(start)
+            else:
+                find_checkpoint(run, step)
         except ExportError as exc:
             problems.append(f"{recipe.source}: model.init_from: {exc}")
     if recipe.model.path is not None:
@@ -110,9 +114,14 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
 
 def _model_from_run(init_from: str, path: Path) -> None:
     """The trained policy of another run (`init_from`: a run folder, or one of its checkpoint folders) as this
-    run's model folder, in float32 so that training goes on from its master weights."""
-    from sfhpc.rl.export import export, split_checkpoint_path
+    run's model folder, in float32 so that training goes on from its master weights; or a PEFT LoRA adapter
+    folder merged into its base model."""
+    from sfhpc.rl.export import export, is_adapter_folder, merge_adapter_folder, split_checkpoint_path
 
+    if is_adapter_folder(Path(init_from)):
+        merge_adapter_folder(init_from, path, dtype="float32")
+        print(f"model: the adapter {init_from} merged into its base model", flush=True)
+        return
     run, step = split_checkpoint_path(Path(init_from))
     export(run, path, step=step, dtype="float32")
     print(f"model: from {init_from} (step {json.loads((path / 'sfhpc_export.json').read_text())['step']})",

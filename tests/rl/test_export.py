@@ -17,6 +17,7 @@ from sfhpc.config.recipe import AlgorithmSpec, LoraSpec, TrainingSpec
 from sfhpc.data.store_writer import TrajectoryStore
 from sfhpc.model.hf_folder import build_hf_model
 from sfhpc.rl.checkpoints import TRAINER_FILE, RunCheckpoints
+from sfhpc.rl.export import ExportError, merge_adapter_folder
 from sfhpc.trainer.batch import TrainBatch, TrainRow
 from sfhpc.trainer.torch_trainer import TorchTrainer
 from tests.conftest import ROOT, assert_one_line_error, run_sfhpc
@@ -146,6 +147,15 @@ def test_a_lora_run_exports_merged_or_as_its_adapter(lora_run: tuple[Path, Path,
         assert float((trainer.logprobs(batch, served)[0, 10:] - ours).abs().max()) < 1e-4
     assert_one_line_error(run_sfhpc("export", str(trained_run[0]), "--out", str(tmp_path / "no"), "--adapter"),
                           "no model.lora", "--adapter")
+    # model.init_from of the adapter folder: merged into the base model it names, it scores as the trainer.
+    merged_again = AutoModelForCausalLM.from_pretrained(merge_adapter_folder(tmp_path / "adapter",
+                                                                             tmp_path / "from-adapter")).eval()
+    with torch.no_grad():
+        assert float((trainer.logprobs(batch, merged_again)[0, 10:] - ours).abs().max()) < 1e-4
+    config["base_model_name_or_path"] = "Qwen/Qwen2.5-7B-Instruct"
+    (tmp_path / "adapter" / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ExportError, match="'Qwen/Qwen2.5-7B-Instruct' .* is not a local model folder"):
+        merge_adapter_folder(tmp_path / "adapter", tmp_path / "from-hub")
 
 
 VLLM_SCORE = """
