@@ -1,11 +1,11 @@
-"""The RL recipe stopped in every phase of its loop by every trigger, on the dev cluster (real slurmctld,
-slurmdbd, slurmd, real MPI, real torch training): one job, ten allocations.
+"""The RL recipe stopped in every phase of its loop by every signal a rank acts on, on the dev cluster (real
+slurmctld, slurmdbd, slurmd, real MPI, real torch training): one job, nine allocations.
 
 Phases: ``rollout`` (the controller waits for a batch), ``train`` (a training step) and ``broadcast``
 (the new weights on their way to the engine). Triggers: ``scancel --signal=USR2`` (the run requeues
-itself after its checkpoint), ``scontrol requeue`` (TERM; Slurm requeues the job) and a job on the
-``urgent`` partition that preempts it (TERM; the run requeues itself), each in every phase; and
-``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@N`` does ahead of the time limit: the batch
+itself after its checkpoint) and ``scontrol requeue`` (TERM; Slurm requeues the job), each in every phase;
+a job on the ``urgent`` partition that preempts it (TERM too; the run requeues itself), in the train phase;
+and ``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@N`` does ahead of the time limit: the batch
 shell alone gets it and passes it on), in the rollout phase. Each one checkpoints at the next safe point
 and the next allocation goes on from that checkpoint. With vLLM, `test_slurm_preemption.py`.
 
@@ -37,13 +37,14 @@ pytestmark = [pytest.mark.slurm]
 
 # (trigger, phase) of each allocation but the last, in order. The first cut trains step 1 (a cut in the
 # rollout phase of a first allocation would checkpoint before any step).
+# The two signals a rank acts on (USR2, TERM) each in every phase; USR1 (through the batch shell) and a
+# preemption (TERM too, and the run requeues itself) once each, since what differs is their path, not the phase.
 PLAN = (("usr2", "train"), ("usr2", "broadcast"), ("usr2", "rollout"), ("usr1", "rollout"),
-        ("requeue", "train"), ("requeue", "broadcast"), ("requeue", "rollout"),
-        ("preempt", "train"), ("preempt", "broadcast"), ("preempt", "rollout"))
+        ("requeue", "train"), ("requeue", "broadcast"), ("requeue", "rollout"), ("preempt", "train"))
 SIGNALS = {"usr2": "SIGUSR2", "usr1": "SIGUSR1", "requeue": "SIGTERM", "preempt": "SIGTERM"}
-# One step per train or broadcast cut (6), then the last allocation's own: two, which a cut that misses its
+# One step per train or broadcast cut (5), then the last allocation's own: two, which a cut that misses its
 # moment (the test saw the phase late) and waits for the next step's may use instead.
-STEPS = 8
+STEPS = 7
 RECIPE = f"""\
 name: phases
 seed: 5
