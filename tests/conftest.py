@@ -31,17 +31,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         slurm = item.get_closest_marker("slurm") is not None
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::", 1)[0]))
-    # The Slurm group first, then the files that start vLLM engines or MPI ranks (tens of seconds to minutes
-    # each), the quick ones last: they fill the end of both workers evenly instead of one long run alone.
-    # A file moves whole, its tests in their order; the sort is stable.
-    def weight(item: pytest.Item) -> tuple[bool, bool, bool]:
-        return tuple(item.get_closest_marker(m) is None for m in ("slurm", "vllm", "mpi"))  # type: ignore[return-value]
-
-    by_file: dict[str, tuple[bool, bool, bool]] = {}
-    for item in items:
-        key = item.nodeid.split("::", 1)[0]
-        by_file[key] = min(by_file.get(key, (True, True, True)), weight(item))
-    items.sort(key=lambda item: (weight(item)[0], by_file[item.nodeid.split("::", 1)[0]]))
+    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)
