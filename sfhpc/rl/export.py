@@ -89,14 +89,11 @@ def trained_model_dir(run_dir: Path) -> Path:
                       "copied into the export)")
 
 
-def hf_weights(info: CheckpointInfo, config: dict[str, Any], source: Path,
-               state: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The checkpoint's whole model under Hugging Face names (float32, as trained); a LoRA checkpoint's
-    adapter merged into `source`'s weights."""
-    from sfhpc.trainer import checkpoint as ckpt
+def hf_weights(info: CheckpointInfo, config: dict[str, Any], source: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """The whole model of the checkpoint `info` (its trainer `state`) under Hugging Face names (float32, as
+    trained); a LoRA checkpoint's adapter merged into `source`'s weights."""
     from sfhpc.trainer import lora
 
-    state = ckpt.load(info.trainer_file) if state is None else state
     if state.get("backend") == "megatron":
         return _merged_megatron(info.trainer_file, state, config)
     spec = lora.spec_of(state)
@@ -106,8 +103,13 @@ def hf_weights(info: CheckpointInfo, config: dict[str, Any], source: Path,
         weights = dict(lora.merged(HfWeights(source), state["model"], spec.scale))
     else:
         weights = dict(state["model"])
+    return untied(weights, config)
+
+
+def untied(weights: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """`weights` without the output layer where the config ties it to the embedding (saved once)."""
     if config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)  # the embedding, saved once
+        weights.pop("lm_head.weight", None)
     return weights
 
 
@@ -206,8 +208,9 @@ def is_adapter_folder(path: Path) -> bool:
     return (path / "adapter_config.json").is_file()
 
 
-def adapter_base(adapter_dir: Path) -> Path:
-    """The local model folder a PEFT adapter folder names as its base (``base_model_name_or_path``)."""
+def read_adapter(adapter_dir: Path) -> tuple[Path, float]:
+    """The local model folder a PEFT adapter folder names as its base (``base_model_name_or_path``) and its
+    scale, ``lora_alpha / r``."""
     try:
         config = json.loads((adapter_dir / "adapter_config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -221,11 +224,11 @@ def adapter_base(adapter_dir: Path) -> Path:
         if config.get(key, plain) != plain:
             raise ExportError(f"{adapter_dir}: {key} adapters are not supported (plain LoRA: alpha / r scaling, "
                               "no magnitude vector)")
-    return base
+    return base, float(config["lora_alpha"]) / float(config["r"])
 
 
 def merge_adapter_folder(adapter_dir: str | Path, out: str | Path, *, dtype: str = "float32") -> Path:
-    """A PEFT LoRA adapter folder merged into its base model (`adapter_base`) as a Hugging Face folder at `out`:
+    """A PEFT LoRA adapter folder merged into its base model (`read_adapter`) as a Hugging Face folder at `out`:
     ``W + (lora_alpha / r) * B A`` for every layer the adapter targets (`sfhpc.trainer.lora.merged`)."""
     from safetensors.torch import load_file
 
@@ -234,17 +237,12 @@ def merge_adapter_folder(adapter_dir: str | Path, out: str | Path, *, dtype: str
 
     adapter_dir, out = Path(adapter_dir), Path(out)
     _check_output(out, dtype)
-    base = adapter_base(adapter_dir)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base, scale = read_adapter(adapter_dir)
     tensors = adapter_dir / "adapter_model.safetensors"
     if not tensors.is_file():
         raise ExportError(f"{adapter_dir}: no adapter_model.safetensors")
-    adapter = load_file(str(tensors))
-    scale = float(config["lora_alpha"]) / float(config["r"])
     model_config = json.loads((base / "config.json").read_text())
-    weights = dict(lora.merged(HfWeights(base), adapter, scale))
-    if model_config.get("tie_word_embeddings"):
-        weights.pop("lm_head.weight", None)
+    weights = untied(dict(lora.merged(HfWeights(base), load_file(str(tensors)), scale)), model_config)
     return _write_folder(out, base, lambda staging: _write_model(staging, model_config, weights, dtype),
                          {"adapter": str(adapter_dir.resolve()), "dtype": dtype})
 

@@ -55,13 +55,13 @@ def runnable_problems(recipe: Recipe) -> list[str]:
         else:
             problems += _tool_format_problems(recipe, task)
     if recipe.model.init_from is not None:
-        from sfhpc.rl.export import ExportError, adapter_base, find_checkpoint, is_adapter_folder, split_checkpoint_path
+        from sfhpc.rl.export import ExportError, find_checkpoint, is_adapter_folder, read_adapter, split_checkpoint_path
 
         start = Path(recipe.model.init_from)
         run, step = split_checkpoint_path(start)
         try:
             if is_adapter_folder(start):
-                adapter_base(start)
+                read_adapter(start)
             else:
                 find_checkpoint(run, step)
         except ExportError as exc:
