@@ -234,6 +234,8 @@ class VllmEngine(RolloutEngine):
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         table, blob = pack_weights(weights)
+        if not table:
+            return  # a version's last call may only move the version (its weights came in earlier loads)
         await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
         await self._llm.reset_prefix_cache()
 

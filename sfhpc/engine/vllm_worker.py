@@ -5,7 +5,9 @@ memory (NCCL between GPUs, gloo on CPUs) with no copy through the rollout rank a
 vLLM mixes this class into its worker class and calls its methods by name through ``collective_rpc``: every
 worker of the engine (one per tensor-parallel rank) runs them. Each worker receives the whole version and
 `reload_weights` takes from it what its own shard needs. Only the manifest (names, shapes, offsets) travels
-with the call. The module is imported inside vLLM's worker: nothing here imports MPI.
+with the call. An adapter version (LoRA, `sfhpc.weights.adapter`) is received whole and merged into the frozen
+weights of the folder the engine started from, on the worker's device, before it is reloaded. The module is
+imported inside vLLM's worker: nothing here imports MPI.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 
+from sfhpc.weights import adapter
 from sfhpc.weights import group as weight_group
 from sfhpc.weights.manifest import WeightManifest, unpack
 
@@ -70,7 +73,9 @@ class WeightGroupWorker:
 
     rank: int
     model_runner: Any
+    model_config: Any
     _sfhpc_weight_group: Any = None
+    _sfhpc_adapter_merge: adapter.AdapterMerge | None = None
     _sfhpc_weight_device: torch.device = torch.device("cpu")
 
     def sfhpc_join_weight_group(self, address: dict[str, Any], first_member: int) -> int:
@@ -96,12 +101,24 @@ class WeightGroupWorker:
             buffer = buffers[index % len(buffers)]
             return [weight_group.broadcast(group, buffer[m.offset:m.end]) for m in manifest.bucket_messages(index)]
 
+        is_adapter = adapter.is_adapter(t.name for t in manifest.tensors)
+        received: list[tuple[str, torch.Tensor]] = []
         pending = post(0) if manifest.num_buckets else []
         for index in range(manifest.num_buckets):
             for work in pending:
                 work.wait()
             # The other buffer is free once the bucket before this one is loaded: receive into it meanwhile.
+            named = unpack(buffers[index % len(buffers)], manifest.bucket(index)) if load else []
+            if is_adapter:
+                received += [(name, t.clone()) for name, t in named]
             pending = post(index + 1) if index + 1 < manifest.num_buckets else []
-            if load:
-                reload_in_place(self.model_runner, unpack(buffers[index % len(buffers)], manifest.bucket(index)))
+            if named and not is_adapter:
+                reload_in_place(self.model_runner, named)
+        if received:
+            merge = self._sfhpc_adapter_merge
+            if merge is None:  # the frozen weights of the folder this engine started from, kept in host memory
+                merge = self._sfhpc_adapter_merge = adapter.AdapterMerge(self.model_config.model,
+                                                                         self.model_config.dtype, device=device)
+            for load_ in merge.loads(adapter.deltas_of(received)):
+                reload_in_place(self.model_runner, load_)
         return manifest.num_buckets

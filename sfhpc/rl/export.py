@@ -98,7 +98,7 @@ def hf_weights(info: CheckpointInfo, config: dict[str, Any], source: Path, state
         return _merged_megatron(info.trainer_file, state, config)
     spec = lora.spec_of(state)
     if spec is not None:
-        from sfhpc.trainer.hf_weights import HfWeights
+        from sfhpc.weights.hf_weights import HfWeights
 
         weights = dict(lora.merged(HfWeights(source), state["model"], spec.scale))
     else:
@@ -233,7 +233,7 @@ def merge_adapter_folder(adapter_dir: str | Path, out: str | Path, *, dtype: str
     from safetensors.torch import load_file
 
     from sfhpc.trainer import lora
-    from sfhpc.trainer.hf_weights import HfWeights
+    from sfhpc.weights.hf_weights import HfWeights
 
     adapter_dir, out = Path(adapter_dir), Path(out)
     _check_output(out, dtype)

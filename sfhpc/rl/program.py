@@ -226,7 +226,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
 
         worker = RolloutWorker(recipe, task, layout, engine, trainer=trainer_worker.trainer if trainer_worker else None,
                                tokenizer=load_tokenizer(model_dir),  # the endpoint speaks the model's tokenizer
-                               lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts)
+                               lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts, model_dir=model_dir)
         try:
             assert trainer_worker is not None or not lendable  # lendable ranks are trainer ranks
             if trainer_worker is not None:

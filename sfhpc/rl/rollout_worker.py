@@ -55,9 +55,10 @@ log = logging.getLogger("sfhpc")
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
                  trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False,
-                 agent_hosts: Path | None = None) -> None:
+                 agent_hosts: Path | None = None, model_dir: Path | None = None) -> None:
         """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back;
-        `agent_hosts`: the run folder's register of agent hosts, where a recipe with an agents role finds them."""
+        `agent_hosts`: the run folder's register of agent hosts, where a recipe with an agents role finds them;
+        `model_dir`: the folder the engine started from, into which a LoRA run's adapter versions are merged."""
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
@@ -111,6 +112,11 @@ class RolloutWorker:
             self.receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport,
                                                    engine_members=members,
                                                    join_engine=join_engine if members else None))
+        self.adapter_merge = None  # LoRA: each version is the adapter alone, merged here into the frozen weights
+        if self.receiver is not None and recipe.model.lora is not None and model_dir is not None:
+            from sfhpc.weights.adapter import AdapterMerge
+
+            self.adapter_merge = AdapterMerge(model_dir, _engine_dtype(recipe))
         self.playing: list[Future[Any]] = []
         self.quiesced = False  # the engine is paused for good: the rank is stopping
         # The episodes playing now (on the endpoint's loop), each with the trajectory ids it started: what a
@@ -251,7 +257,7 @@ class RolloutWorker:
                 raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
                                    f"{None if incoming is None else incoming.version}")
             start = time.perf_counter()
-            await apply_version(self.engine, incoming)
+            await apply_version(self.engine, incoming, self.adapter_merge)
             return time.perf_counter() - start
 
         async def from_own_trainer() -> float:

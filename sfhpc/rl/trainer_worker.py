@@ -91,13 +91,13 @@ class TrainerWorker:
 
             # float32 master weights are cast to the engines' dtype into staging first; rollout ranks keep
             # generating until the header that follows it arrives.
-            sent = self.publisher.publish(self.trainer.named_weights(), command.version,
+            sent = self.publisher.publish(self.trainer.update_weights(), command.version,
                                           dtype=getattr(torch, self.recipe.model.dtype)).bytes
         elif self.gathers_published_weights:
             # Under tensor or pipeline parallelism the weight stream is collective over the root's
             # model-parallel group (shards gathered, stages broadcast): these ranks iterate it with the root
             # and drop what they get. The other data-parallel replicas hold copies and sit it out.
-            for _ in self.trainer.named_weights():
+            for _ in self.trainer.update_weights():
                 pass
         return msg.Synced(self.rank, command.version, time.perf_counter() - start, sent) if self.is_first else None
 

@@ -11,9 +11,10 @@ Everything that leaves the trainer is in one of two forms, each made here once:
 
 * the adapter's state, in PEFT's names (``base_model.model.<module>.lora_A.weight``): what a checkpoint
   holds, and what an adapter folder (`write_adapter_folder`) holds for PEFT, vLLM and others to load;
-* the merged weights under the model's own Hugging Face names, ``W + scale * B A`` (`merged`): what engines
-  load at each weight update and what ``sfhpc export`` writes, from the trainer's live model or from a
-  checkpoint's adapter over the model folder's weights alike.
+* what each targeted layer gains, ``scale * B A``, by module in the model's own names (`deltas`): what a weight
+  update sends (`sfhpc.weights.adapter`; each engine merges it into its frozen weights), and, merged into the
+  model's weights (`merged`), what ``sfhpc export`` writes and what an engine sharing the trainer's rank loads,
+  from the trainer's live model or from a checkpoint's adapter over the model folder's weights alike.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from sfhpc.config.recipe import LoraSpec
+from sfhpc.weights import adapter as weight_adapter
 
 PEFT_PREFIX = "base_model.model."  # the adapter state's names: the model's own module names under this
 BASE_LAYER = ".base_layer"  # PEFT's frozen linear inside a LoRA layer
@@ -82,19 +84,23 @@ def frozen_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             yield name.replace(BASE_LAYER, ""), param.detach()
 
 
+def deltas(adapter: Mapping[str, torch.Tensor], scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The adapter's state (PEFT's names) as what each targeted layer gains, ``scale * B A``, by module in the
+    model's own names (`sfhpc.weights.adapter`: what an adapter weight update sends)."""
+    out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, a in adapter.items():
+        if name.endswith(".lora_A.weight"):
+            module = name.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight")
+            out[module] = (a, scale * adapter[name.replace(".lora_A.", ".lora_B.")])
+    return out
+
+
 def merged(weights: Iterator[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
            adapter: Mapping[str, torch.Tensor], scale: float) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of `weights` (Hugging Face names) with the adapter merged: ``W + scale * B A`` in float32
     where the adapter targets the layer, the tensor as it is elsewhere."""
-    items = weights.items() if isinstance(weights, Mapping) else weights
-    for name, tensor in items:
-        module = name.removesuffix(".weight")
-        a = adapter.get(f"{PEFT_PREFIX}{module}.lora_A.weight")
-        if a is None or module == name:
-            yield name, tensor
-            continue
-        b = adapter[f"{PEFT_PREFIX}{module}.lora_B.weight"].to(device=tensor.device, dtype=torch.float32)
-        yield name, tensor.float() + scale * (b @ a.to(device=tensor.device, dtype=torch.float32))
+    return weight_adapter.merged(weights.items() if isinstance(weights, Mapping) else weights,
+                                 deltas(adapter, scale))
 
 
 def write_adapter_folder(folder: Path, spec: LoraSpec, adapter: Mapping[str, torch.Tensor],

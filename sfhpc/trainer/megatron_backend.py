@@ -44,9 +44,9 @@ from sfhpc.trainer import megatron_names as names
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, CheckpointError, TrainerError
-from sfhpc.trainer.hf_weights import HfWeights
 from sfhpc.trainer.losses import loss_units, policy_loss, tempered
 from sfhpc.trainer.torch_trainer import StepMetrics, batch_advantages, check_algorithm
+from sfhpc.weights.hf_weights import HfWeights
 
 log = logging.getLogger("sfhpc")
 
@@ -481,6 +481,8 @@ class MegatronTrainer:
             for hf_name, t in names.megatron_to_hf(name, full, self.layout):
                 t = t.detach()
                 yield hf_name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+    update_weights = named_weights  # a weight update sends every weight
 
     def _full_megatron_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(global megatron name, unsharded tensor) for every parameter of every pipeline stage."""

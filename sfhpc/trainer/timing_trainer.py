@@ -60,6 +60,8 @@ class TimingTrainer:
     def named_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         yield WEIGHT_NAME, torch.full((16,), float(self.policy_version), dtype=dtype or torch.float32)
 
+    update_weights = named_weights  # a weight update sends every weight
+
     def save_checkpoint(self, path: str | Path) -> Path:
         path = Path(path)
         if self.comm is None or self.comm.Get_rank() == 0:

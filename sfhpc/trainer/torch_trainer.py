@@ -36,6 +36,7 @@ from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
 from sfhpc.trainer.losses import DEFAULT_ALGORITHM, algorithm_advantages, loss_units, policy_loss, token_logprobs
 from sfhpc.trainer.policy_forward import PolicyLM
+from sfhpc.weights import adapter as weight_adapter
 
 LM_PREFIX = "lm."  # PolicyLM's name for the model it wraps
 # training.precision's compute dtypes; the master weights and the optimizer's state are float32 in every case.
@@ -310,6 +311,14 @@ class TorchTrainer:
             named = ((name, sharding.full_tensor(param.detach())) for name, param in self.model.named_parameters())
         for name, t in named:
             yield name, (t.to(dtype) if dtype is not None and t.dtype != dtype else t)
+
+    def update_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a weight update sends: under LoRA the adapter alone, as the gain of each layer it targets
+        (`sfhpc.weights.adapter`, which each engine merges into the frozen weights it started with: a few MB
+        where the model is GB), else every weight (`named_weights`)."""
+        if self.peft is None:
+            return self.named_weights()
+        return weight_adapter.wire(lora.deltas(lora.adapter_state(self.peft), self.lora.scale))  # type: ignore[union-attr]
 
     @property
     def weights_are_sharded(self) -> bool:

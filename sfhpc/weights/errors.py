@@ -7,3 +7,7 @@ from sfhpc.errors import SfhpcError
 
 class WeightStreamError(SfhpcError):
     """The members of a weight-broadcast group disagree, or a side is used out of order."""
+
+
+class ModelFolderError(SfhpcError):
+    """A model folder lacks the weights asked of it; the message names the folder."""

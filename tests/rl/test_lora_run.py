@@ -1,8 +1,10 @@
 """A LoRA run on real vLLM engines (``model.lora``, rank 8 on every linear layer of a 4-layer built model):
-the engines sample with the weights the trainer holds after every update. For each trajectory sampled by one
-policy version after the first two updates, the trainer restored from that version's checkpoint (the frozen
-model plus its adapter) scores the sampled tokens as the engine did, within the full-model weight-sync test's
-tolerance (`tests/weights/test_vllm_sync.py`: bf16 engine weights against float32)."""
+each weight update sends the adapter alone (under 5% of the model's bytes), and the engines, merging it into
+their frozen weights, sample with the weights the trainer holds after every update. For each trajectory sampled
+by one policy version after the first two updates, the trainer restored from that version's checkpoint (the
+frozen model plus its adapter) scores the sampled tokens as the engine did, within the full-model weight-sync
+test's tolerance (`tests/weights/test_vllm_sync.py`: bf16 engine weights against float32). Over each transport:
+MPI to the rollout rank, which merges; a torch.distributed group that vLLM's worker joins, which merges there."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ import torch
 
 from sfhpc.config import load_recipe
 from sfhpc.data.store import open_store
+from sfhpc.plan.memory import ModelShape, lora_params
 from sfhpc.rl.checkpoints import TRAINER_FILE
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.torch_trainer import TorchTrainer
+from sfhpc.weights.hf_weights import HfWeights
 from tests.conftest import ROOT, run_recipe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
@@ -29,6 +33,7 @@ seed: 2
 model: {{build: {{layers: 4}}, lora: {{rank: 8, alpha: 16, target_modules: all-linear}}}}
 algorithm: {{name: grpo, group_size: 4, learning_rate: 2.0e-2}}
 pipeline: {{mode: sync}}
+engine: {{weight_transport: TRANSPORT}}
 budgets: {{steps: 4, prompts_per_step: 4}}
 training: {{checkpoint_every: 1}}
 task:
@@ -42,10 +47,17 @@ roles:
 """
 
 
-def test_vllm_samples_with_the_trainers_adapter_after_every_update(tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["mpi", "torch"])
+def test_vllm_samples_with_the_trainers_adapter_after_every_update(tmp_path: Path, transport: str) -> None:
     (tmp_path / "even.py").write_text(EVEN_REWARD)
-    run_dir, rows = run_recipe(tmp_path, LORA)
+    run_dir, rows = run_recipe(tmp_path, LORA.replace("TRANSPORT", transport))
     assert [r["version"] for r in rows if "reward_mean" in r] == [1, 2, 3, 4]
+    # Each update is the adapter alone, in the engines' bf16: 2 bytes an adapter parameter, under 5% of the model.
+    shape = ModelShape.from_folder(run_dir / "model")
+    adapter_bytes = 2 * lora_params(shape, 8, "all-linear")
+    model_bytes = 2 * sum(t.numel() for t in HfWeights(run_dir / "model").values())
+    assert [r["update_bytes"] for r in rows if "update_bytes" in r] == [adapter_bytes] * 4
+    assert adapter_bytes <= 0.05 * model_bytes, (adapter_bytes, model_bytes)
     spec = load_recipe(tmp_path / "recipe.yaml")
     with open_store(run_dir / "trajectories.h5") as store:
         trajectories = list(store.trajectories("consumed"))
