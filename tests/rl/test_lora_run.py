@@ -3,8 +3,9 @@ each weight update sends the adapter alone (under 5% of the model's bytes), and 
 their frozen weights, sample with the weights the trainer holds after every update. For each trajectory sampled
 by one policy version after the first two updates, the trainer restored from that version's checkpoint (the
 frozen model plus its adapter) scores the sampled tokens as the engine did, within the full-model weight-sync
-test's tolerance (`tests/weights/test_vllm_sync.py`: bf16 engine weights against float32). Over each transport:
-MPI to the rollout rank, which merges; a torch.distributed group that vLLM's worker joins, which merges there."""
+test's tolerance (`tests/weights/test_vllm_sync.py`: bf16 engine weights against float32). The weights travel
+over a torch.distributed group that vLLM's worker joins, and the worker merges them (the default on GPUs); the
+rollout rank's own merge, over MPI, is `tests/trainer/test_lora_updates.py`'s."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ seed: 2
 model: {{build: {{layers: 4}}, lora: {{rank: 8, alpha: 16, target_modules: all-linear}}}}
 algorithm: {{name: grpo, group_size: 4, learning_rate: 2.0e-2}}
 pipeline: {{mode: sync}}
-engine: {{weight_transport: TRANSPORT}}
+engine: {{weight_transport: torch}}
 budgets: {{steps: 4, prompts_per_step: 4}}
 training: {{checkpoint_every: 1}}
 task:
@@ -47,10 +48,9 @@ roles:
 """
 
 
-@pytest.mark.parametrize("transport", ["mpi", "torch"])
-def test_vllm_samples_with_the_trainers_adapter_after_every_update(tmp_path: Path, transport: str) -> None:
+def test_vllm_samples_with_the_trainers_adapter_after_every_update(tmp_path: Path) -> None:
     (tmp_path / "even.py").write_text(EVEN_REWARD)
-    run_dir, rows = run_recipe(tmp_path, LORA.replace("TRANSPORT", transport))
+    run_dir, rows = run_recipe(tmp_path, LORA)
     assert [r["version"] for r in rows if "reward_mean" in r] == [1, 2, 3, 4]
     # Each update is the adapter alone, in the engines' bf16: 2 bytes an adapter parameter, under 5% of the model.
     shape = ModelShape.from_folder(run_dir / "model")

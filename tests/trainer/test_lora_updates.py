@@ -1,19 +1,25 @@
 """A LoRA run's weight update (`sfhpc.weights.adapter`): the trainer sends the adapter alone, as each targeted
 layer's gain, and an engine's `AdapterMerge` turns it, over the model folder's frozen weights, into exactly the
-merged weights the trainer holds, in loads that keep an engine's fused projections together."""
+merged weights the trainer holds, in loads that keep an engine's fused projections together, and a rollout
+rank's `apply_version` loads exactly those (vLLM's worker merging over a torch group: `tests/rl/test_lora_run.py`)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from sfhpc.config.recipe import AlgorithmSpec, LoraSpec
+from sfhpc.engine.base import EngineStateError, RolloutEngine
+from sfhpc.engine.weight_sync import apply_version
 from sfhpc.trainer.torch_trainer import TorchTrainer
 from sfhpc.weights import adapter
 from sfhpc.weights.errors import WeightStreamError
-from sfhpc.weights.manifest import module_group
+from sfhpc.weights.manifest import module_group, plan_buckets
 from tests.trainer.conftest import toy_batch
 
 
@@ -63,3 +69,70 @@ def test_a_stream_that_is_not_a_whole_adapter_is_refused() -> None:
         adapter.deltas_of([("m.q_proj.lora_down", down), ("m.k_proj.lora_down", down), ("m.k_proj.lora_up", up)])
     with pytest.raises(WeightStreamError, match="no adapter tensor"):
         adapter.deltas_of([("m.q_proj.weight", down)])
+
+
+class _Loads(RolloutEngine):
+    """An engine that keeps what it is given to load (the rank's side of the weight stream is what is tested)."""
+
+    def __init__(self) -> None:
+        super().__init__("loads")
+        self.loads: list[dict[str, torch.Tensor]] = []
+
+    @property
+    def max_model_len(self) -> int:
+        return 1
+
+    async def generate(self, request: Any) -> Any:  # pragma: no cover - never asked to generate
+        raise NotImplementedError
+        yield
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    async def _pause_generation(self) -> None:
+        return None
+
+    async def _resume_generation(self) -> None:
+        return None
+
+    async def _load_weights(self, weights: Any) -> None:
+        self.loads.append({name: t.clone() for name, t in weights})
+
+
+class _Arriving:
+    """Stands in for `IncomingWeights` (the broadcast itself is `tests/weights/test_broadcast.py`'s): a
+    version's buckets, as a rollout rank iterates them."""
+
+    lands_in_engine = False
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], version: int) -> None:
+        self.manifest = plan_buckets(named, version, bucket_bytes=4096)
+        self.version, self.num_buckets, self._named = version, self.manifest.num_buckets, dict(named)
+
+    def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        for index in range(self.num_buckets):
+            yield [(meta.name, self._named[meta.name]) for meta in self.manifest.bucket(index)]
+
+    def drain(self) -> None:
+        return None
+
+
+def test_a_rollout_rank_merges_an_adapter_version_into_its_engine(tiny_model_dir: Path) -> None:
+    spec = LoraSpec(rank=4, alpha=8, target_modules="all-linear")
+    trainer = TorchTrainer(tiny_model_dir, AlgorithmSpec(learning_rate=1e-2), lora_spec=spec)
+    trainer.train_step(toy_batch())
+    full = dict(trainer.named_weights())
+    arriving = _Arriving(list(trainer.update_weights()), version=1)
+    assert arriving.num_buckets > 1
+    engine = _Loads()
+    version = asyncio.run(apply_version(engine, arriving, adapter.AdapterMerge(tiny_model_dir, torch.float32)))  # type: ignore[arg-type]
+    assert version == engine.version == 1 and not engine.paused
+    loaded = {name: t for load in engine.loads for name, t in load.items()}
+    assert set(loaded) == {n for n in full if n.endswith("_proj.weight")}  # every linear layer, merged
+    for name, tensor in loaded.items():
+        torch.testing.assert_close(tensor, full[name], atol=1e-6, rtol=0)
+    # A rank with no folder to merge into refuses the version and keeps its weights and version.
+    bare = _Loads()
+    with pytest.raises(EngineStateError, match="no model folder to merge it into"):
+        asyncio.run(apply_version(bare, _Arriving(list(trainer.update_weights()), version=1)))  # type: ignore[arg-type]
+    assert bare.version == 0 and not bare.loads
