@@ -14,8 +14,9 @@ On a built model (or ``--model``, a Hugging Face folder) and an adapter of ``--r
 
 For each it reports the decode throughput of a batch of ``--prompts`` greedy replies of ``--tokens`` tokens
 under an adapter (median over versions), the seconds from a version's tensors to the engine generating with
-it (median), and the bytes a version sends against the whole model's. Both engines decode the same replies
-(checked: the merge's tokens against vLLM's LoRA's, per version), so the two ways serve the same weights.
+it (median), and the bytes a version sends against the whole model's, then how many replies the two ways
+decode alike token for token: all of them in float32 (the same weights either way); in bf16 a merged weight is
+rounded once where vLLM adds a bf16 adapter product, and a random model's near-ties then go either way.
 Absolute figures depend on the machine and its load; the ratios, measured in one run, are what this measures.
 """
 
