@@ -364,9 +364,14 @@ class GroupBook:
 
     def drop_newer(self, policy_version: int) -> tuple[int, int]:
         """Abort every trajectory held that has tokens of a policy newer than `policy_version` (see
-        `TrajectoryManager.drop_newer`); returns (the trajectories aborted, their tokens newer than it)."""
+        `TrajectoryManager.drop_newer`), and with it the rest of its episode: an episode of several agents is
+        trained whole or not at all, so its finished members must not wait for a batch without it. Returns
+        (the trajectories aborted, their tokens newer than the version)."""
         newer = [(live, live.tokens_newer_than(policy_version)) for live in self.registry.live.values()]
         newer = [(live, count) for live, count in newer if count]
-        for live, _ in newer:
+        episodes = {(live.group_key, episode_of(live.id, live.metadata_json)) for live, _ in newer}
+        doomed = [live for live in self.registry.live.values()
+                  if (live.group_key, episode_of(live.id, live.metadata_json)) in episodes]
+        for live in doomed:
             self.give_up(live)
-        return len(newer), sum(count for _, count in newer)
+        return len(doomed), sum(count for _, count in newer)

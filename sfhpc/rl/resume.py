@@ -5,9 +5,10 @@ and weight version, the sampler's state, and the episodes it had handed out and 
 (`ControllerState`). On restart `plan_resume` walks those episode groups against the trajectories the
 store holds (the manager reloaded them; running ones came back interrupted):
 
-- first, every trajectory with tokens of a policy newer than the restored one is aborted and counted:
-  those weights died with the crash (a periodic checkpoint, then more steps), so the tokens can be
-  neither trained on nor continued;
+- first, every trajectory with tokens of a policy newer than the restored one is aborted and counted,
+  with the rest of its episode: those weights died with the crash (a periodic checkpoint, then more
+  steps), so the tokens can be neither trained on nor continued, and an episode of several agents is
+  trained whole or not at all (its finished members are played again with it);
 - under ``pipeline.max_token_lag``, a group whose oldest generated token is more than that many versions
   behind the restored policy is dropped whole, as stale (GRPO needs whole groups), and counted;
 - otherwise the group's held trajectories are taken episode by episode (an episode of several agents holds

@@ -228,6 +228,23 @@ def test_tokens_newer_than_the_policy_are_never_fresh(store_path):
     manager.close()
 
 
+def test_tokens_newer_than_the_policy_take_their_whole_episode_with_them(store_path):
+    """An episode of two agents: the solver finished on the restored policy's weights, the checker went on past
+    them. The checker's tokens are lost, and the solver must not be trained without it."""
+    manager = TrajectoryManager(TrajectoryStore.create(store_path))
+    manager.book_group("g")
+    solver = manager.start([1], group="g", metadata={"agent": "solver", "episode": "e1"})
+    manager.add_generated(solver, [2, 3], [-0.1] * 2, 3)
+    manager.finish(solver, reward=1.0)
+    checker = manager.start([1], group="g", metadata={"agent": "checker", "episode": "e1"})
+    manager.add_generated(checker, [4, 5], [-0.1] * 2, [3, 4])
+    other = _group(manager, "g", 1, version=3)  # another episode of the group, wholly on the restored weights
+    assert manager.drop_newer(3) == (2, 1)  # the checker (one token of version 4) and its solver
+    assert [manager.status(t) for t in (solver, checker, *other)] == ["aborted", "aborted", "finished"]
+    assert [[tid for tid, _, _ in members] for members in manager.group_episodes("g")] == [other]
+    manager.close()
+
+
 def test_restart_continues_the_run(store_path):
     manager = TrajectoryManager(TrajectoryStore.create(store_path), max_token_lag=10)
     _group(manager, "a", 2, version=0)
