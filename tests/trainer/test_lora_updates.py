@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sfhpc.config.recipe import AlgorithmSpec, LoraSpec
-from sfhpc.engine.base import EngineStateError, RolloutEngine
+from sfhpc.engine.base import EngineStateError
+from sfhpc.engine.scripted import ScriptedEngine
 from sfhpc.engine.weight_sync import apply_version
 from sfhpc.trainer.torch_trainer import TorchTrainer
 from sfhpc.weights import adapter
@@ -71,29 +72,12 @@ def test_a_stream_that_is_not_a_whole_adapter_is_refused() -> None:
         adapter.deltas_of([("m.q_proj.weight", down)])
 
 
-class _Loads(RolloutEngine):
-    """An engine that keeps what it is given to load (the rank's side of the weight stream is what is tested)."""
+class _Loads(ScriptedEngine):
+    """The test engine, keeping what it is given to load (the rank's side of the weight stream is what is tested)."""
 
     def __init__(self) -> None:
-        super().__init__("loads")
+        super().__init__(seed=0)
         self.loads: list[dict[str, torch.Tensor]] = []
-
-    @property
-    def max_model_len(self) -> int:
-        return 1
-
-    async def generate(self, request: Any) -> Any:  # pragma: no cover - never asked to generate
-        raise NotImplementedError
-        yield
-
-    async def abort(self, request_id: str) -> None:
-        return None
-
-    async def _pause_generation(self) -> None:
-        return None
-
-    async def _resume_generation(self) -> None:
-        return None
 
     async def _load_weights(self, weights: Any) -> None:
         self.loads.append({name: t.clone() for name, t in weights})
