@@ -99,6 +99,26 @@ def _first_token(llm: Any, lora_request: Any = None) -> None:
                  lora_request=lora_request, use_tqdm=False)
 
 
+def _measure(llm: Any, args: argparse.Namespace, states: list[dict[str, torch.Tensor]],
+             switch: Any) -> dict[str, Any]:
+    """Each version in turn: `switch(version, state)` brings it into `llm` (returning the bytes it sent and the
+    LoRA request to decode under, if any), timed until the first token; then the batch of replies."""
+    switches, decodes, replies, sent = [], [], [], 0
+    try:
+        _decode(llm, args)  # warm-up
+        for version, state in enumerate(states, start=1):
+            start = time.perf_counter()
+            sent, request = switch(version, state)
+            _first_token(llm, request)
+            switches.append(time.perf_counter() - start)
+            seconds, tokens = _decode(llm, args, request)
+            decodes.append(seconds)
+            replies.append(tokens)
+    finally:
+        _shutdown(llm)
+    return {"switch": switches, "decode": decodes, "replies": replies, "bytes": sent}
+
+
 def _merge_way(model_dir: Path, args: argparse.Namespace, spec: Any,
                states: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     from sfhpc.engine.vllm_engine import _reload_in_worker, pack_weights
@@ -107,24 +127,15 @@ def _merge_way(model_dir: Path, args: argparse.Namespace, spec: Any,
 
     llm = _engine(model_dir, args, None)
     merge = adapter.AdapterMerge(model_dir, getattr(torch, args.dtype))
-    switches, decodes, replies, sent = [], [], [], 0
-    try:
-        _decode(llm, args)  # warm-up
-        for state in states:
-            wire = [(n, t.to(getattr(torch, args.dtype))) for n, t in adapter.wire(lora.deltas(state, spec.scale))]
-            sent = sum(t.numel() * t.element_size() for _, t in wire)
-            start = time.perf_counter()
-            for load in merge.loads(adapter.deltas_of(wire)):
-                llm.collective_rpc(_reload_in_worker, args=pack_weights(load))
-            llm.reset_prefix_cache()
-            _first_token(llm)
-            switches.append(time.perf_counter() - start)
-            seconds, tokens = _decode(llm, args)
-            decodes.append(seconds)
-            replies.append(tokens)
-    finally:
-        _shutdown(llm)
-    return {"switch": switches, "decode": decodes, "replies": replies, "bytes": sent}
+
+    def switch(_version: int, state: dict[str, torch.Tensor]) -> tuple[int, None]:
+        wire = [(n, t.to(getattr(torch, args.dtype))) for n, t in adapter.wire(lora.deltas(state, spec.scale))]
+        for load in merge.loads(adapter.deltas_of(wire)):
+            llm.collective_rpc(_reload_in_worker, args=pack_weights(load))
+        llm.reset_prefix_cache()
+        return sum(t.numel() * t.element_size() for _, t in wire), None
+
+    return _measure(llm, args, states, switch)
 
 
 def _vllm_lora_way(model_dir: Path, args: argparse.Namespace, spec: Any, states: list[dict[str, torch.Tensor]],
@@ -134,24 +145,15 @@ def _vllm_lora_way(model_dir: Path, args: argparse.Namespace, spec: Any, states:
     from sfhpc.trainer import lora
 
     llm = _engine(model_dir, args, spec.rank)
-    switches, decodes, replies, sent = [], [], [], 0
-    try:
-        _decode(llm, args)  # warm-up
-        for version, state in enumerate(states, start=1):
-            wire = {n: t.to(getattr(torch, args.dtype)) for n, t in state.items()}
-            sent = sum(t.numel() * t.element_size() for t in wire.values())
-            start = time.perf_counter()
-            folder = scratch / f"adapter-{version}"
-            lora.write_adapter_folder(folder, spec, wire, str(model_dir))
-            request = LoRARequest(f"v{version}", version, str(folder))
-            _first_token(llm, request)
-            switches.append(time.perf_counter() - start)
-            seconds, tokens = _decode(llm, args, request)
-            decodes.append(seconds)
-            replies.append(tokens)
-    finally:
-        _shutdown(llm)
-    return {"switch": switches, "decode": decodes, "replies": replies, "bytes": sent}
+
+    def switch(version: int, state: dict[str, torch.Tensor]) -> tuple[int, Any]:
+        wire = {n: t.to(getattr(torch, args.dtype)) for n, t in state.items()}
+        folder = scratch / f"adapter-{version}"
+        lora.write_adapter_folder(folder, spec, wire, str(model_dir))
+        sent = sum(t.numel() * t.element_size() for t in wire.values())
+        return sent, LoRARequest(f"v{version}", version, str(folder))
+
+    return _measure(llm, args, states, switch)
 
 
 def _shutdown(llm: Any) -> None:

@@ -79,4 +79,3 @@ async def apply_version(engine: RolloutEngine, incoming: IncomingWeights,
     if not was_paused:
         await engine.resume()
     return engine.version
-
