@@ -13,7 +13,7 @@
     sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
                                                    launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
-    sfhpc tags show|check MAP                      the admin's tag map, and its check against Slurm
+    sfhpc tags show|check MAP [--recipe R]         the admin's tag map, and its check against Slurm
     sfhpc export RUN --out DIR [--step N] [--adapter]  the trained policy as a Hugging Face folder
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
     sfhpc traj summary|export|plot|report RUN, show RUN ID, compare A B  a run's trajectory store
@@ -423,13 +423,16 @@ def cmd_tags_show(args: argparse.Namespace) -> int:
 
 def cmd_tags_check(args: argparse.Namespace) -> int:
     from sfhpc.admin.live_cluster import query_live_cluster
+    from sfhpc.admin.site_check import check_site
     from sfhpc.admin.tags import check_tags, format_check
 
     cluster = load_cluster_map(args.map)
+    launch = load_recipe(args.recipe).launch if args.recipe else None
     live = query_live_cluster()
     problems = check_tags(cluster, live)
-    print(format_check(cluster, live, problems))
-    return 1 if problems else 0
+    site = check_site(cluster, live, launch)
+    print(format_check(cluster, live, problems, site))
+    return 1 if problems or site else 0
 
 
 def available_benchmarks() -> list[str]:
@@ -619,9 +622,13 @@ def build_parser() -> argparse.ArgumentParser:
     tags = sub.add_parser("tags", help="cluster tag maps (for admins)").add_subparsers(
         dest="tags_command", required=True, metavar="SUBCOMMAND")
     for name, func, help in (("show", cmd_tags_show, "table of tags -> partitions, nodes, GPUs"),
-                             ("check", cmd_tags_check, "compare a tag map with the live cluster")):
+                             ("check", cmd_tags_check, "compare a tag map with the live cluster, and check the "
+                                                       "site's Slurm settings sfhpc needs")):
         p = tags.add_parser(name, help=help, description=help)
         p.add_argument("map", help="cluster tag map YAML file")
+        if name == "check":
+            p.add_argument("--recipe", help="also check what this recipe's launch section needs (its MPI plugin, "
+                                            "its signal_grace_s against the grace a preemption gives)")
         p.set_defaults(func=func)
     return parser
 

@@ -4,7 +4,7 @@ Tiers, by marker: ``slurm`` (jobs on the dev cluster), ``vllm`` (a real vLLM eng
 with mpiexec); everything else is the fast tier (`make test-fast`). `make test` runs every tier on two
 pytest-xdist workers (``--dist loadgroup``): the Slurm tests in one group, since they share the cluster's four
 nodes (a preemption takes them all), every other module a group of its own (module-scoped engines start
-once); the Slurm group first, as the longest.
+once); the Slurm group first, as the longest, then the modules that start processes, then the fast tier.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ from typing import Any
 
 import pytest
 
+# Two workers share two cores and most tests start several processes: each computes on one thread, unbound,
+# and the Slurm jobs they submit inherit it. Left alone, torch starts a thread per core in every process and
+# vLLM for CPUs pins its engine's threads to core 0; on a machine this loaded either makes each small operation
+# wait for a time slice (a 300-step warm start took 9 minutes in the suite, 30 s alone).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = ROOT / "recipes"
 DEVCLUSTER = ROOT / "scripts" / "devcluster.sh"
@@ -31,7 +38,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         slurm = item.get_closest_marker("slurm") is not None
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: file order otherwise
+    # Longest first, so that neither worker is left alone with a long module at the end: the Slurm group, then
+    # the modules that start processes (MPI ranks, vLLM engines), then the fast tier, which fills the gaps.
+    items.sort(key=lambda item: (item.get_closest_marker("slurm") is None,
+                                 not any(item.get_closest_marker(m) for m in ("mpi", "vllm"))))  # stable otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,4 +1,4 @@
-"""What the live Slurm cluster says about its partitions and nodes (from sinfo and scontrol)."""
+"""What the live Slurm cluster says about its partitions, nodes and settings (from sinfo, scontrol and srun)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ class LiveCluster:
     name: str
     partitions: dict[str, tuple[str, ...]]   # partition -> node names
     nodes: dict[str, LiveNode]
+    config: dict[str, str] = dataclasses.field(default_factory=dict)  # `scontrol show config`: key -> value
+    # `scontrol show partition -o`: partition -> its settings (GraceTime, PreemptMode, ...)
+    partition_settings: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    node_states: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # node -> (state, reason)
+    mpi_plugins: tuple[str, ...] = ()  # `srun --mpi=list`
 
 
 def _gpus(gres: str) -> int:
@@ -52,8 +57,46 @@ def parse_sinfo(text: str) -> tuple[dict[str, tuple[str, ...]], dict[str, LiveNo
     return {p: tuple(n) for p, n in partitions.items()}, nodes
 
 
+def parse_config(text: str) -> dict[str, str]:
+    """``scontrol show config``: ``Key = value`` lines (the header and the plugin sections' other lines skipped)."""
+    config: dict[str, str] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(\w+)\s+=\s?(.*)$", line)
+        if match:
+            config.setdefault(match.group(1), match.group(2).strip())
+    return config
+
+
+def parse_partitions(text: str) -> dict[str, dict[str, str]]:
+    """``scontrol show partition -o``: one line per partition of ``Key=value`` words."""
+    partitions: dict[str, dict[str, str]] = {}
+    for line in text.splitlines():
+        settings = dict(word.split("=", 1) for word in line.split() if "=" in word)
+        if "PartitionName" in settings:
+            partitions[settings["PartitionName"]] = settings
+    return partitions
+
+
+def parse_node_states(text: str) -> dict[str, tuple[str, str]]:
+    """``sinfo -N -h -o '%N|%T|%E'``: node -> (state, reason); a node listed once per partition counts once."""
+    states: dict[str, tuple[str, str]] = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|", 2)
+        if len(fields) == 3:
+            states[fields[0]] = (fields[1], "" if fields[2] == "none" else fields[2])
+    return states
+
+
+def parse_mpi_plugins(text: str) -> tuple[str, ...]:
+    """``srun --mpi=list``: the plugin names, one per indented line after the heading."""
+    return tuple(line.strip() for line in text.splitlines()
+                 if line.startswith(("\t", " ")) and line.strip() and " " not in line.strip())
+
+
 def query_live_cluster() -> LiveCluster:
     partitions, nodes = parse_sinfo(slurm_command(["sinfo", "-N", "-h", "-o", "%N|%P|%f|%c|%m|%G"]))
-    config = slurm_command(["scontrol", "show", "config"])
-    match = re.search(r"^ClusterName\s*=\s*(\S+)", config, re.MULTILINE)
-    return LiveCluster(match.group(1) if match else "", partitions, nodes)
+    config = parse_config(slurm_command(["scontrol", "show", "config"]))
+    return LiveCluster(config.get("ClusterName", ""), partitions, nodes, config=config,
+                       partition_settings=parse_partitions(slurm_command(["scontrol", "show", "partition", "-o"])),
+                       node_states=parse_node_states(slurm_command(["sinfo", "-N", "-h", "-o", "%N|%T|%E"])),
+                       mpi_plugins=parse_mpi_plugins(slurm_command(["srun", "--mpi=list"])))

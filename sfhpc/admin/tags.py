@@ -1,6 +1,9 @@
-"""``sfhpc tags show|check``: the tag map as a table, and the map compared with the live cluster."""
+"""``sfhpc tags show|check``: the tag map as a table, and the map compared with the live cluster (the site's
+prerequisites beside it: `sfhpc.admin.site_check`)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from sfhpc.admin.live_cluster import LiveCluster
 from sfhpc.config.cluster import ClusterMap, Pool
@@ -24,7 +27,8 @@ def show_tags(cluster: ClusterMap) -> str:
     return head + "\n" + format_table(("tag", "partitions", "nodes", "gpus", "per node"), rows)
 
 
-def _pool_nodes(pool: Pool, live: LiveCluster) -> list[str]:
+def pool_nodes(pool: Pool, live: LiveCluster) -> list[str]:
+    """The live nodes of a pool: its partition's, those with the constraint's features."""
     names = live.partitions.get(pool.partition, ())
     if pool.constraint is None:
         return list(names)
@@ -43,7 +47,7 @@ def check_tags(cluster: ClusterMap, live: LiveCluster) -> list[str]:
             known = ", ".join(sorted(live.partitions))
             problems.append(f"{where}: partition '{pool.partition}' does not exist (partitions: {known})")
             continue
-        nodes = _pool_nodes(pool, live)
+        nodes = pool_nodes(pool, live)
         if pool.constraint is not None and not nodes:
             have = sorted({f for n in live.partitions[pool.partition] for f in live.nodes[n].features})
             problems.append(f"{where}: no node of partition '{pool.partition}' has feature "
@@ -63,18 +67,22 @@ def check_tags(cluster: ClusterMap, live: LiveCluster) -> list[str]:
     return problems
 
 
-def format_check(cluster: ClusterMap, live: LiveCluster, problems: list[str]) -> str:
+def format_check(cluster: ClusterMap, live: LiveCluster, problems: list[str], site: Sequence[str] = ()) -> str:
+    """The pools as a table, then each mismatch of the map and each problem of the site (`check_site`)."""
     rows = []
     for pool in cluster.pools:
         mine = [p for p in problems if p.startswith(f"pool '{pool.name}'")]
-        nodes = _pool_nodes(pool, live) if pool.partition in live.partitions else []
+        nodes = pool_nodes(pool, live) if pool.partition in live.partitions else []
         rows.append((pool.name, pool.label, ",".join(pool.tags), f"{len(nodes)}/{pool.nodes}",
                      "MISMATCH" if mine else "ok"))
     lines = [f"checking {cluster.source} against live cluster '{live.name}'",
              format_table(("pool", "partition", "tags", "nodes live/map", "result"), rows)]
+    lines += [f"mismatch: {p}" for p in problems]
+    lines += [f"site: {p}" for p in site]
     if problems:
-        lines += [f"mismatch: {p}" for p in problems]
         lines.append(f"{len(problems)} mismatch(es): fix the map (or the cluster) and check again")
     else:
         lines.append("the map matches the live cluster")
+    if site:
+        lines.append(f"{len(site)} site problem(s): runs may fail or lose work until they are fixed")
     return "\n".join(lines)

@@ -50,9 +50,13 @@ def warm_start(model_dir: str | Path, task: Task, *, steps: int, batch_size: int
     rng = random.Random(seed)
     torch.manual_seed(seed)
     # Under mpiexec torch starts with one thread; the other ranks wait asleep for this model
-    # (`sfhpc.runtime.idle_wait`), so its warm start may use every core the process may run on.
+    # (`sfhpc.runtime.idle_wait`), so its warm start may use every core the process may run on, unless
+    # OMP_NUM_THREADS says how many (a machine shared with other work: there more threads than free cores
+    # make every small operation wait for a time slice).
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, len(os.sched_getaffinity(0))))
+    wanted = os.environ.get("OMP_NUM_THREADS", "")
+    torch.set_num_threads(int(wanted) if wanted.isdigit() and int(wanted) > 0
+                          else max(threads, len(os.sched_getaffinity(0))))
     try:
         return _train(model_dir, task, tokenizer=load_tokenizer(model_dir), rng=rng, steps=steps,
                       batch_size=batch_size, learning_rate=learning_rate, save_dtype=save_dtype)

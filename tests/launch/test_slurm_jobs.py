@@ -185,6 +185,37 @@ def test_tags_check_against_live_cluster(slurm_cluster: str, tmp_path: Path) -> 
     assert "3 mismatch(es)" in bad.stdout
 
 
+def test_tags_check_names_each_site_problem_of_the_live_cluster(slurm_cluster: str, tmp_path: Path) -> None:
+    """The site check against the live dev cluster: nothing as it is; a drained node, a partition that never
+    preempts and one whose grace is shorter than the recipe's stopping time each give one line, then
+    nothing again once they are put back."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text((RECIPES / "report.yaml").read_text().replace("launch:\n", "launch:\n  signal_grace_s: 15\n"))
+    check = ("tags", "check", str(RECIPES / "cluster-dev.yaml"), "--recipe", str(recipe))
+    shipped = run_sfhpc(*check)
+    assert shipped.returncode == 0 and "site:" not in shipped.stdout, shipped.stdout + shipped.stderr
+    changes = (["nodename=n2", "state=drain", "reason=site check test"], ["partitionname=train", "PreemptMode=OFF"],
+               ["partitionname=rollout", "GraceTime=0"])
+    undo = (["nodename=n2", "state=resume"], ["partitionname=train", "PreemptMode=REQUEUE"],
+            ["partitionname=rollout", "GraceTime=5"])
+    try:
+        for change in changes:
+            subprocess.run(["scontrol", "update", *change], check=True, capture_output=True, timeout=30)
+        changed = run_sfhpc(*check)
+    finally:
+        for change in undo:
+            subprocess.run(["scontrol", "update", *change], check=True, capture_output=True, timeout=30)
+    assert changed.returncode == 1, changed.stdout + changed.stderr
+    site = [line.removeprefix("site: ") for line in changed.stdout.splitlines() if line.startswith("site: ")]
+    assert [line.split(":")[0] for line in site] == ["pool 'h100'", "partition 'train'", "partition 'rollout'"], site
+    assert site[0].startswith("pool 'h100': n2 drained ('site check test'): not capacity, 1 of its 2 node(s)")
+    assert "PreemptMode=OFF under preempt/partition_prio" in site[1]
+    assert "GraceTime 0 s + KillWait 10 s = 10 s after TERM, less than the 15 s" in site[2]
+    assert "3 site problem(s)" in changed.stdout and "the map matches the live cluster" in changed.stdout
+    again = run_sfhpc(*check)
+    assert again.returncode == 0 and "site:" not in again.stdout, again.stdout
+
+
 def test_cancel_and_status_of_a_running_job(slurm_cluster: str, tmp_path: Path) -> None:
     out = subprocess.run(["sbatch", "--parsable", "-p", "rollout", "-o", "/dev/null", "--wrap", "sleep 120"],
                          capture_output=True, text=True, check=True)
