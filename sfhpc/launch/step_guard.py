@@ -12,8 +12,9 @@ So the batch script runs srun through this guard:
 Every rank, at interpreter exit (after its results are written, before MPI finalizes), leaves a mark:
 one small file holding its outcome, in the folder the guard exports as ``$SFHPC_STEP_MARKS``. While
 srun runs the guard only watches; srun's own exit status is the guard's. When every rank has left its
-mark and srun is still there `grace` seconds later, the guard says so on stderr, ends srun and exits
-with the worst outcome the ranks reported. A rank that dies without a mark (killed, crashed) keeps the
+mark and srun is still there `grace` seconds later (a few seconds once Slurm has sent the job TERM, which
+it follows with SIGKILL after KillWait), the guard says so on stderr, ends srun and exits with the worst
+outcome the ranks reported. A rank that dies without a mark (killed, crashed) keeps the
 guard out of the way: srun's ``--kill-on-bad-exit`` handles that case.
 
 The batch script ``exec``s the guard, so the guard is the batch shell: the signals Slurm sends it (USR1
@@ -38,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from sfhpc.errors import SfhpcError
@@ -48,6 +49,10 @@ from sfhpc.runtime.slurm_env import current_job_id, restart_count
 from sfhpc.runtime.step_marks import MARKS_ENV, read_marks
 
 DEFAULT_GRACE_S = 30.0
+# The grace once Slurm has sent the job TERM (a requeue, preemption, cancel or node shutdown): Slurm kills the
+# batch shell KillWait seconds later (30 by default, 10 on the dev cluster), so a srun that hangs after its
+# ranks left is ended soon enough for the shell to exit with the ranks' status before that.
+STOPPING_GRACE_S = 3.0
 POLL_S = 1.0
 # Passed on to srun: the job's own stop requests. Not TERM/INT/HUP: srun answers those by killing the
 # step at once ("forcing job termination"), which would take the ranks' checkpoint grace away; when Slurm
@@ -99,7 +104,8 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
         else:
             process = subprocess.Popen(list(command), env=dict(os.environ, **{MARKS_ENV: str(folder)}))
             try:
-                status = _watch(process, folder, ranks, grace_s, poll_s)
+                status = _watch(process, folder, ranks, grace_s, poll_s,
+                                stopping=lambda: any(signum in _HELD for signum in received))
                 outcomes = read_marks(folder)
             finally:
                 shutil.rmtree(folder, ignore_errors=True)
@@ -119,8 +125,10 @@ def guard(command: Sequence[str], ranks: int, grace_s: float = DEFAULT_GRACE_S,
             signal.signal(signum, handler)
 
 
-def _watch(process: subprocess.Popen[bytes], folder: Path, ranks: int, grace_s: float, poll_s: float) -> int:
-    """srun's exit status, or the ranks' worst outcome once srun has outlived them all by `grace_s`."""
+def _watch(process: subprocess.Popen[bytes], folder: Path, ranks: int, grace_s: float, poll_s: float,
+           stopping: Callable[[], bool] = lambda: False) -> int:
+    """srun's exit status, or the ranks' worst outcome once srun has outlived them all by `grace_s` (by
+    `STOPPING_GRACE_S` at most once `stopping()`: Slurm is ending the job)."""
     all_marked_at: float | None = None
     while (status := process.poll()) is None:
         time.sleep(poll_s)
@@ -128,10 +136,11 @@ def _watch(process: subprocess.Popen[bytes], folder: Path, ranks: int, grace_s: 
         if len(outcomes) < ranks:
             continue
         all_marked_at = all_marked_at or time.monotonic()
-        if time.monotonic() - all_marked_at < grace_s or process.poll() is not None:
+        grace = min(grace_s, STOPPING_GRACE_S) if stopping() else grace_s
+        if time.monotonic() - all_marked_at < grace or process.poll() is not None:
             continue
         worst = max(outcomes.values())
-        print(f"sfhpc: srun still running {grace_s:.0f} s after all {ranks} ranks exited (outcome {worst}); "
+        print(f"sfhpc: srun still running {grace:.0f} s after all {ranks} ranks exited (outcome {worst}); "
               "ending it (Slurm mpi/pmix srun hang)", file=sys.stderr, flush=True)
         process.kill()
         process.wait()

@@ -37,6 +37,21 @@ def test_a_hung_srun_is_ended_after_the_grace_and_the_ranks_outcome_returned(
     assert failing == 2  # the worst outcome a rank reported
 
 
+def test_after_a_term_a_hung_srun_is_ended_within_slurms_kill_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A requeue's TERM reaches the guard (the batch shell), which holds it; Slurm kills the shell KillWait
+    # later, so a srun that hangs after its ranks left gets a few seconds, not the 30 s grace.
+    import threading
+
+    from sfhpc.launch.step_guard import STOPPING_GRACE_S
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    start = time.monotonic()
+    assert guard([*STAND_IN, "3"], ranks=3, grace_s=30, marks=tmp_path / "marks", poll_s=0.1) == 0
+    assert STOPPING_GRACE_S <= time.monotonic() - start < 20
+
+
 def test_srun_that_ends_by_itself_keeps_its_status_and_missing_marks_keep_the_guard_out(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYTHONPATH", str(ROOT))
