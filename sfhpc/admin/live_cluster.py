@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from sfhpc.errors import SlurmError
 from sfhpc.launch.jobs import slurm_command
 
 
@@ -27,6 +28,8 @@ class LiveCluster:
     partition_settings: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     node_states: dict[str, tuple[str, str]] = dataclasses.field(default_factory=dict)  # node -> (state, reason)
     mpi_plugins: tuple[str, ...] = ()  # `srun --mpi=list`
+    # `sacctmgr show qos`: QOS -> its PreemptMode and GraceTime (empty without accounting)
+    qos: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
 
 def _gpus(gres: str) -> int:
@@ -93,10 +96,30 @@ def parse_mpi_plugins(text: str) -> tuple[str, ...]:
                  if line.startswith(("\t", " ")) and line.strip() and " " not in line.strip())
 
 
+def parse_qos(text: str) -> dict[str, dict[str, str]]:
+    """``sacctmgr -nP show qos format=name,preemptmode,gracetime``: QOS -> {PreemptMode, GraceTime}."""
+    qos = {}
+    for line in text.splitlines():
+        fields = line.strip().split("|")
+        if len(fields) == 3 and fields[0]:
+            qos[fields[0]] = {"PreemptMode": fields[1], "GraceTime": fields[2]}
+    return qos
+
+
+def _optional(args: list[str]) -> str:
+    """A Slurm command a cluster may lack (sacctmgr without accounting): its output, or nothing."""
+    try:
+        return slurm_command(args)
+    except SlurmError:
+        return ""
+
+
 def query_live_cluster() -> LiveCluster:
     partitions, nodes = parse_sinfo(slurm_command(["sinfo", "-N", "-h", "-o", "%N|%P|%f|%c|%m|%G"]))
     config = parse_config(slurm_command(["scontrol", "show", "config"]))
     return LiveCluster(config.get("ClusterName", ""), partitions, nodes, config=config,
                        partition_settings=parse_partitions(slurm_command(["scontrol", "show", "partition", "-o"])),
                        node_states=parse_node_states(slurm_command(["sinfo", "-N", "-h", "-o", "%N|%T|%E"])),
-                       mpi_plugins=parse_mpi_plugins(slurm_command(["srun", "--mpi=list"])))
+                       mpi_plugins=parse_mpi_plugins(slurm_command(["srun", "--mpi=list"])),
+                       qos=parse_qos(_optional(["sacctmgr", "-nP", "show", "qos",
+                                                "format=name,preemptmode,gracetime"])))

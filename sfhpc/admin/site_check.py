@@ -86,36 +86,45 @@ def _seconds(value: str) -> int:
 
 
 def _preemption(cluster: ClusterMap, live: LiveCluster, launch: LaunchSpec | None) -> list[str]:
-    """What a preemption does to a run on each partition a pool uses: sfhpc resumes a requeued run from its
-    checkpoint, which the run writes between TERM and the kill (GraceTime, then KillWait)."""
+    """What a preemption does to a run: sfhpc resumes a requeued run from its checkpoint, which the run writes
+    between TERM and the kill (GraceTime, then KillWait). Under ``preempt/qos`` the run's QOS (the recipe's
+    ``launch.qos``, else ``normal``) says what happens; under the other types, each partition a pool uses."""
     preempt_type = live.config.get("PreemptType", "preempt/none")
     if preempt_type == "preempt/none":
         return []  # nothing is ever preempted
-    problems = []
+    global_mode = live.config.get("PreemptMode", "OFF")
+    if preempt_type == "preempt/qos":
+        name = (launch.qos if launch is not None else None) or "normal"
+        settings = live.qos.get(name)
+        scopes = [] if settings is None else [(f"QOS '{name}'", settings.get("PreemptMode", ""), settings)]
+    else:
+        scopes = [(f"partition '{p}'", live.partition_settings[p].get("PreemptMode", ""), live.partition_settings[p])
+                  for p in dict.fromkeys(pool.partition for pool in cluster.pools) if p in live.partition_settings]
     kill_wait = _seconds(live.config.get("KillWait", "30"))
-    for partition in dict.fromkeys(p.partition for p in cluster.pools):
-        settings = live.partition_settings.get(partition)
-        if settings is None:
-            continue
-        where = f"partition '{partition}'"
-        mode = settings.get("PreemptMode", live.config.get("PreemptMode", "OFF")).upper()
-        if "CANCEL" in mode:
-            problems.append(f"{where}: PreemptMode={mode}: a preempted run is cancelled, not requeued, and its "
-                            "allocation's work is left to the user to restart; set PreemptMode=REQUEUE (a requeued "
-                            "run resumes from its checkpoint)")
-        elif "SUSPEND" in mode:
-            problems.append(f"{where}: PreemptMode={mode}: a preempted run's ranks stop in the middle of their MPI "
-                            "calls and their peers in other components time out; set PreemptMode=REQUEUE")
-        elif mode == "OFF":
-            problems.append(f"{where}: PreemptMode=OFF under {preempt_type}: a run there is never preempted, so it "
-                            "holds its nodes to its time limit and cannot serve as preemptible work; set "
-                            "PreemptMode=REQUEUE (a requeued run resumes from its checkpoint)")
+    problems = []
+    for where, own_mode, settings in scopes:
+        mode = (own_mode if own_mode and own_mode.lower() != "cluster" else global_mode).upper()
+        problems += _mode_problem(where, mode, preempt_type)
         if launch is None or not launch.requeue or mode == "OFF":
             continue
         grace = _seconds(settings.get("GraceTime", "0"))
         if grace + kill_wait < launch.signal_grace_s:
             problems.append(f"{where}: a preempted job is killed GraceTime {grace} s + KillWait {kill_wait} s = "
                             f"{grace + kill_wait} s after TERM, less than the {launch.signal_grace_s} s the recipe "
-                            "gives a run to checkpoint (launch.signal_grace_s); raise the partition's GraceTime or "
-                            "lower signal_grace_s")
+                            f"gives a run to checkpoint (launch.signal_grace_s); raise the {where.split()[0]}'s "
+                            "GraceTime or lower signal_grace_s")
     return problems
+
+
+def _mode_problem(where: str, mode: str, preempt_type: str) -> list[str]:
+    if "CANCEL" in mode:
+        return [f"{where}: PreemptMode={mode}: a preempted run is cancelled, not requeued, and its allocation's work "
+                "is left to the user to restart; set PreemptMode=REQUEUE (a requeued run resumes from its checkpoint)"]
+    if "SUSPEND" in mode:
+        return [f"{where}: PreemptMode={mode}: a preempted run's ranks stop in the middle of their MPI calls and "
+                "their peers in other components time out; set PreemptMode=REQUEUE"]
+    if mode == "OFF":
+        return [f"{where}: PreemptMode=OFF under {preempt_type}: a run there is never preempted, so it holds its "
+                "nodes to its time limit and cannot serve as preemptible work; set PreemptMode=REQUEUE (a requeued "
+                "run resumes from its checkpoint)"]
+    return []

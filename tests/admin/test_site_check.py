@@ -16,6 +16,7 @@ from sfhpc.admin.live_cluster import (
     parse_mpi_plugins,
     parse_node_states,
     parse_partitions,
+    parse_qos,
 )
 from sfhpc.admin.site_check import _seconds, check_site
 from sfhpc.config import load_cluster_map
@@ -46,12 +47,16 @@ MPI = ("MPI plugin types are...\n\tpmix\n\tnone\n\tcray_shasta\n\tpmi2\n"
        "specific pmix plugin versions available: pmix_v4\n")
 
 
+QOS = "normal|cluster|00:00:00\nscavenger|cancel|00:00:30\nlong|requeue|00:10:00\n"
+
+
 def live(**changes: object) -> LiveCluster:
     nodes = {f"n{i}": LiveNode(f"n{i}", frozenset({"train", "h100"} if i < 3 else {"rollout", "l40s"}), 4, 4000, 0)
              for i in range(1, 5)}
     cluster = LiveCluster("sfhpcdev", {"train": ("n1", "n2"), "rollout": ("n3", "n4"), "urgent": tuple(nodes)},
                           nodes, config=parse_config(CONFIG), partition_settings=parse_partitions(PARTITIONS),
-                          node_states={n: ("idle", "") for n in nodes}, mpi_plugins=parse_mpi_plugins(MPI))
+                          node_states={n: ("idle", "") for n in nodes}, mpi_plugins=parse_mpi_plugins(MPI),
+                          qos=parse_qos(QOS))
     return dataclasses.replace(cluster, **changes)  # type: ignore[arg-type]
 
 
@@ -66,6 +71,7 @@ def test_outputs_are_read_as_slurm_prints_them() -> None:
     assert parse_node_states(STATES) == {"n1": ("idle", ""), "n2": ("drained", "disk replaced"),
                                          "n3": ("down*", "Not responding"), "n4": ("mixed", "")}
     assert parse_mpi_plugins(MPI) == ("pmix", "none", "cray_shasta", "pmi2")
+    assert parse_qos(QOS)["scavenger"] == {"PreemptMode": "cancel", "GraceTime": "00:00:30"}
     assert [_seconds(v) for v in ("10 sec", "5", "00:02:00", "1-00:00:30", "0")] == [10, 5, 120, 86430, 0]
 
 
@@ -113,3 +119,17 @@ def test_gpu_pools_need_cons_tres_and_preempt_none_checks_no_grace() -> None:
     assert check_site(cluster, site, LaunchSpec(signal_grace_s=600)) == [
         "SelectType=select/cons_res: sfhpc asks for GPUs per task (--gpus-per-task, --gpu-bind), which needs "
         "select/cons_tres"]
+
+
+def test_under_qos_preemption_the_runs_qos_decides() -> None:
+    """preempt/qos: the partitions' PreemptMode is not what applies, the run's QOS is (``cluster``: the global
+    mode); without launch.qos, ``normal``."""
+    cluster = load_cluster_map(RECIPES / "cluster-dev.yaml")
+    site = live(config=parse_config(CONFIG.replace("partition_prio", "qos")),
+                partition_settings=parse_partitions(PARTITIONS.replace("REQUEUE", "CANCEL")))
+    assert check_site(cluster, site) == []  # normal: the cluster's REQUEUE
+    assert check_site(cluster, site, LaunchSpec(signal_grace_s=600, qos="long")) == []  # 600 s + 10 s
+    [cancel, grace] = check_site(cluster, site, LaunchSpec(signal_grace_s=60, qos="scavenger"))
+    assert cancel.startswith("QOS 'scavenger': PreemptMode=CANCEL: a preempted run is cancelled")
+    assert grace.startswith("QOS 'scavenger': a preempted job is killed GraceTime 30 s + KillWait 10 s = 40 s after "
+                            "TERM, less than the 60 s") and "raise the QOS's GraceTime" in grace
