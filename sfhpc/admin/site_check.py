@@ -3,8 +3,8 @@
 The map's check (`sfhpc.admin.tags.check_tags`) compares pools with partitions; this one reads the settings a
 run depends on (docs/cluster-admins.md, "Site prerequisites"): the Slurm version and scheduler, the GPU
 selection plugin, srun's MPI plugins, the state of each pool's nodes, and what a preemption does to a run on
-the partitions the pools use. Each problem is one line naming the setting, what it does to a run and the fix;
-none: the site is ready as far as Slurm can tell.
+the partitions the pools use (under QOS-based preemption, in the run's QOS). Each problem is one line naming
+the setting, what it does to a run and the fix; none: the site is ready as far as Slurm can tell.
 """
 
 from __future__ import annotations
@@ -95,14 +95,14 @@ def _preemption(cluster: ClusterMap, live: LiveCluster, launch: LaunchSpec | Non
     global_mode = live.config.get("PreemptMode", "OFF")
     if preempt_type == "preempt/qos":
         name = (launch.qos if launch is not None else None) or "normal"
-        settings = live.qos.get(name)
-        scopes = [] if settings is None else [(f"QOS '{name}'", settings.get("PreemptMode", ""), settings)]
+        scopes = {f"QOS '{name}'": live.qos[name]} if name in live.qos else {}
     else:
-        scopes = [(f"partition '{p}'", live.partition_settings[p].get("PreemptMode", ""), live.partition_settings[p])
-                  for p in dict.fromkeys(pool.partition for pool in cluster.pools) if p in live.partition_settings]
+        scopes = {f"partition '{p}'": live.partition_settings[p]
+                  for p in dict.fromkeys(pool.partition for pool in cluster.pools) if p in live.partition_settings}
     kill_wait = _seconds(live.config.get("KillWait", "30"))
     problems = []
-    for where, own_mode, settings in scopes:
+    for where, settings in scopes.items():
+        own_mode = settings.get("PreemptMode", "")
         mode = (own_mode if own_mode and own_mode.lower() != "cluster" else global_mode).upper()
         problems += _mode_problem(where, mode, preempt_type)
         if launch is None or not launch.requeue or mode == "OFF":
