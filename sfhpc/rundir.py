@@ -83,6 +83,11 @@ class RunPaths:
         return self.root / "model"
 
     @property
+    def teacher(self) -> Path:
+        """The distillation teacher's folder, when the recipe names a run to take it from."""
+        return self.root / "teacher"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -31,7 +31,7 @@ from sfhpc.config.cluster import check_name
 from sfhpc.config.schema import Where, build, doc, setting
 from sfhpc.config.yaml_source import read_yaml
 
-RoleName = Literal["controller", "trainer", "rollout", "agents", "reward"]
+RoleName = Literal["controller", "trainer", "rollout", "teacher", "agents", "reward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +44,11 @@ class Role:
     """
 
     name: RoleName = dataclasses.field(metadata=doc("the role: controller (the one rank that runs the RL loop, "
-                                                    "trajectory manager and store), trainer, rollout, or agents "
-                                                    "(nodes of their own for the recipe's agent programs, outside "
-                                                    "the MPI world; a reward role is refused: rewards are computed "
-                                                    "where episodes play)"))
+                                                    "trajectory manager and store), trainer, rollout, teacher (the "
+                                                    "model that scores the policy's tokens, algorithm.distill), or "
+                                                    "agents (nodes of their own for the recipe's agent programs, "
+                                                    "outside the MPI world; a reward role is refused: rewards are "
+                                                    "computed where episodes play)"))
     tags: tuple[str, ...] = setting((), "capability tags every node of this role carries (the cluster map says which "
                                         "pools offer them); needed for a role on nodes of its own")
     nodes: int = setting(1, "nodes of its own (a role with tags)")
@@ -230,6 +231,28 @@ class FilterGroupsSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillSpec:
+    """On-policy distillation (Agarwal et al. 2024, GKD; Gu et al. 2024, MiniLLM): the ``teacher`` role's ranks
+    score every token the policy sampled, and the per-token reverse KL to the teacher, ``log pi_teacher(y_t) -
+    log pi_behaviour(y_t)`` at the token's sampling temperature, times ``weight``, is added to that token's
+    advantage (`sfhpc.trainer.losses.distill_advantages`); with ``task_reward: false`` it is the advantage
+    alone (pure distillation). The teacher shares the policy's tokenizer."""
+
+    teacher: str = dataclasses.field(metadata=doc(
+        "the teacher: a Hugging Face folder with the policy's tokenizer, or a run folder (its newest checkpoint) or "
+        "one of its checkpoints (RUN/checkpoints/step-N), exported into the run folder at start"))
+    weight: float = setting(1.0, "the weight of the reverse-KL term in each generated token's advantage")
+    task_reward: bool = setting(True, "add the term to the task reward's advantages; false: the term alone is the "
+                                      "advantage (pure distillation: the reward is recorded, not trained on)")
+
+    def validate(self, where: Where) -> None:
+        if not self.teacher:
+            raise where.child("teacher").error("is empty: name the teacher's model folder or run folder")
+        if not (math.isfinite(self.weight) and self.weight > 0):
+            raise where.child("weight").error(f"must be more than 0, found {self.weight}")
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmSpec:
     """The RL algorithm, its loss and its optimiser: the one config from the recipe's ``algorithm:``
     section to the loss. Every training backend takes it as it is (the loss is
@@ -296,6 +319,9 @@ class AlgorithmSpec:
     filter_groups: FilterGroupsSpec | None = setting(
         None, "DAPO's dynamic sampling: groups without a signal (rewards that all agree) are kept in the store, not "
               "trained, and others played in their place (absent: every complete group trains; {} for the defaults)")
+    distill: DistillSpec | None = setting(
+        None, "on-policy distillation: a teacher role scores the policy's tokens and the per-token reverse KL to it "
+              "joins the advantages (absent: none; needs roles.teacher)")
 
     def problems(self) -> list[tuple[str, str]]:
         """``(key, problem)`` for every setting out of range (empty when all are good): one check for
@@ -940,6 +966,7 @@ class Recipe:
                     f"is placed with '{target}', which has no nodes of its own; place it with "
                     f"'{other.place_with or other.colocate_with}' instead")
         self._validate_agents_role(roles)
+        self._validate_teacher_role(where)
         controller = self.role("controller")
         assert controller is not None
         if controller.colocate_with is not None or controller.num_tasks != 1:
@@ -991,6 +1018,27 @@ class Recipe:
         if self.agent is None:
             raise where.error("holds the recipe's agent programs, but the recipe names none: add agent: {command: "
                               "[...]} or remove this role")
+
+    def _validate_teacher_role(self, where: Where) -> None:
+        """A teacher role and ``algorithm.distill`` come together; the teacher is ranks of its own (its model and
+        its scoring beside nothing else), on nodes of its own or placed with another role's."""
+        teacher, distill = self.role("teacher"), self.algorithm.distill
+        roles = where.child("roles")
+        if distill is not None and teacher is None:
+            raise where.child("algorithm").child("distill").error(
+                "needs a teacher role to score the policy's tokens: add roles.teacher (for example {place_with: "
+                "trainer} or {tags: [train], nodes: 1})")
+        if teacher is None:
+            return
+        if distill is None:
+            raise roles.child("teacher").error("scores tokens for algorithm.distill, which the recipe lacks: add "
+                                               "algorithm.distill: {teacher: FOLDER} or remove this role")
+        if teacher.colocate_with is not None:
+            raise roles.child("teacher").error("runs on ranks of its own: use place_with or tags and nodes, not "
+                                               "colocate_with")
+        for role in self.roles:
+            if "teacher" in (role.place_with, role.colocate_with):
+                raise roles.child(role.name).error("cannot be placed with 'teacher': place both with another role")
 
     @property
     def agent_hosts(self) -> Role | None:

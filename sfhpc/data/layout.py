@@ -14,16 +14,20 @@ metadata, per-turn rewards) lives in flat arrays that fixed-size table rows poin
     /statuses          table    status changes, appended; the latest record of a trajectory is its status
     /marks             table    consumption marks: training step -> trajectory row
     /timeline          table    one row per state interval of a rank: rank, role, state, start, end, step
+    /blobs/scores      float32  per-token scores of trained trajectories (the distillation teacher's logprobs)
+    /scores            table    one row per scored trajectory: step, trajectory row, scorer, values (start, count)
     /commits           table    one row per flush: how many elements of every dataset above are complete
 
 A flush writes the data arrays, then the tables that point into them, then a commit row. Readers (and a
 writer that reopens after a crash) trust only what the last commit row counts, so a writer killed in the
 middle of a flush leaves at most an uncommitted tail, never a row that points at missing data.
 
-Schema history. Version 2 added the sampling of each generated segment (``temperature``, ``top_p``; NaN:
-unknown) and the ``/timeline`` table. A version 1 file has neither: readers see its segments with unknown
-sampling and an empty timeline, and a writer that reopens one keeps writing version 1 rows (an HDF5 dataset's
-type is fixed and SWMR cannot add datasets), so a run resumed on an old store records no timeline.
+Schema history. Version 3 added ``/blobs/scores`` and ``/scores`` (a store written before has no scores, and
+a writer that reopens it records none). Version 2 added the sampling of each generated segment
+(``temperature``, ``top_p``; NaN: unknown) and the ``/timeline`` table. A version 1 file has neither: readers
+see its segments with unknown sampling and an empty timeline, and a writer that reopens one keeps writing
+version 1 rows (an HDF5 dataset's type is fixed and SWMR cannot add datasets), so a run resumed on an old store
+records no timeline.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import numpy as np
 
 from sfhpc.data.errors import InvalidRequest
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SCHEMA_ATTR = "sfhpc_schema"  # file attribute: the layout version; readers refuse newer ones
 KIND_ATTR = "sfhpc_kind"
 KIND = "trajectory-store"
@@ -46,6 +50,7 @@ ENGINE_BYTES = 64
 REASON_BYTES = 32
 ROLE_BYTES = 32  # a rank's roles, comma-joined ("trainer", "rollout", "trainer,rollout")
 STATE_BYTES = 16
+SCORER_BYTES = 32
 
 TRAJECTORY_DTYPE = np.dtype([
     ("id", f"S{ID_BYTES}"),
@@ -104,21 +109,31 @@ TIMELINE_DTYPE = np.dtype([
     ("step", "i8"),  # the training step the run was working towards when the interval began
 ])
 
+SCORE_DTYPE = np.dtype([
+    ("step", "i8"),  # the training step that trained on the trajectory
+    ("trajectory", "i8"),  # row in /trajectories
+    ("scorer", f"S{SCORER_BYTES}"),  # who scored it ("teacher")
+    ("start", "i8"),  # into /blobs/scores: one value per token of the trajectory's trained branch
+    ("count", "i8"),
+])
+
 # The growing datasets, in the order a flush writes them: data first, the rows that point into it after.
-DATA: dict[str, np.dtype] = {
+DATA_V2: dict[str, np.dtype] = {
     "tokens/ids": np.dtype("i4"),
     "tokens/logprobs": np.dtype("f4"),
     "tokens/versions": np.dtype("i4"),
     "blobs/metadata": np.dtype("u1"),
     "blobs/rewards": np.dtype("f8"),
 }
-TABLES: dict[str, np.dtype] = {
+DATA: dict[str, np.dtype] = {**DATA_V2, "blobs/scores": np.dtype("f4")}
+TABLES_V2: dict[str, np.dtype] = {
     "trajectories": TRAJECTORY_DTYPE,
     "segments": SEGMENT_DTYPE,
     "statuses": STATUS_DTYPE,
     "marks": MARK_DTYPE,
     "timeline": TIMELINE_DTYPE,
 }
+TABLES: dict[str, np.dtype] = {**TABLES_V2, "scores": SCORE_DTYPE}
 GROWING = {**DATA, **TABLES}
 COMMITS = "commits"
 
@@ -135,10 +150,10 @@ COMMIT_DTYPE = _commit_dtype(GROWING)
 class Schema:
     """The datasets of one schema version and their types (what a reader checks, what a writer writes)."""
 
-    def __init__(self, version: int, tables: dict[str, np.dtype]) -> None:
+    def __init__(self, version: int, data: dict[str, np.dtype], tables: dict[str, np.dtype]) -> None:
         self.version = version
-        self.tables = tables
-        self.growing = {**DATA, **tables}
+        self.data, self.tables = data, tables
+        self.growing = {**data, **tables}
         self.commit_dtype = _commit_dtype(self.growing)
 
     @property
@@ -151,8 +166,9 @@ class Schema:
 
 
 _SCHEMAS = {
-    1: Schema(1, {**{k: v for k, v in TABLES.items() if k != "timeline"}, "segments": SEGMENT_DTYPE_V1}),
-    SCHEMA_VERSION: Schema(SCHEMA_VERSION, TABLES),
+    1: Schema(1, DATA_V2, {**{k: v for k, v in TABLES_V2.items() if k != "timeline"}, "segments": SEGMENT_DTYPE_V1}),
+    2: Schema(2, DATA_V2, TABLES_V2),
+    SCHEMA_VERSION: Schema(SCHEMA_VERSION, DATA, TABLES),
 }
 
 
@@ -177,7 +193,7 @@ def upgraded(name: str, rows: np.ndarray) -> np.ndarray:
     return out
 
 CHUNK_ELEMENTS = {"tokens/ids": 1 << 16, "tokens/logprobs": 1 << 16, "tokens/versions": 1 << 16,
-                  "blobs/metadata": 1 << 16, "blobs/rewards": 4096, COMMITS: 1024}
+                  "blobs/metadata": 1 << 16, "blobs/rewards": 4096, "blobs/scores": 1 << 16, COMMITS: 1024}
 DEFAULT_TABLE_CHUNK = 2048
 
 

@@ -287,6 +287,13 @@ class TrajectoryManager:
                 self.flush()
             return batch
 
+    def record_scores(self, step: int, scorer: str, scores: Sequence[tuple[str, np.ndarray]]) -> None:
+        """Per-token scores of trajectories trained at `step` (the distillation teacher's log-probabilities),
+        into the store with its next flush (`TrajectoryStore.add_scores`; no-op without a store)."""
+        with self._lock:
+            if self.store is not None:
+                self.store.add_scores(step, scorer, scores)
+
     def judge_groups(self, judge: Callable[[Sequence[Trajectory]], bool] | None) -> None:
         """Dynamic sampling: from now on a complete group whose trajectories `judge` finds without a training
         signal is closed ``filtered`` instead of trained on, and leaves the book (None: every group trains).

@@ -223,6 +223,18 @@ class StoreView:
         return [ConsumptionMark(int(m["step"]), _text(ids[m["trajectory"]]), int(m["policy_version"]),
                                 float(m["time"])) for m in self._tables["marks"]]
 
+    def scores(self, trajectory_id: str, scorer: str = "teacher") -> dict[int, np.ndarray]:
+        """Training step -> `scorer`'s per-token scores of the trajectory's trained branch (the distillation
+        teacher's log-probabilities, one per token of ``Trajectory.context()``, 0 at the first); empty when
+        nothing scored it (or the file's schema, before version 3, has no scores)."""
+        row = self._rows.get(trajectory_id)
+        if row is None:
+            raise UnknownTrajectory(f"{self.path}: no trajectory with id {trajectory_id!r}")
+        table = self._tables["scores"]
+        mine = table[(table["trajectory"] == row) & (table["scorer"] == scorer.encode("utf-8"))]
+        return {int(r["step"]): self._read("blobs/scores", int(r["start"]), int(r["start"] + r["count"]))
+                for r in mine}
+
     def get(self, trajectory_id: str) -> Trajectory:
         """The trajectory as last committed; raises UnknownTrajectory."""
         row = self._rows.get(trajectory_id)
@@ -247,8 +259,9 @@ class StoreView:
     # -- whole tables, for analyses over every record at once (sfhpc.analysis) --------------------------
 
     def table(self, name: str) -> np.ndarray:
-        """Every committed row of `trajectories`, `segments`, `statuses`, `marks` or `timeline`, read-only, in
-        the current schema's row types (for an older file: unknown fields NaN, a table it lacks empty)."""
+        """Every committed row of `trajectories`, `segments`, `statuses`, `marks`, `timeline` or `scores`,
+        read-only, in the current schema's row types (for an older file: unknown fields NaN, a table it lacks
+        empty)."""
         rows = self._tables[name].view()
         rows.flags.writeable = False
         return rows
@@ -275,7 +288,7 @@ class StoreView:
         return list(self.trajectories(Status.FINISHED))
 
     def _read(self, name: str, start: int, stop: int) -> np.ndarray:
-        return self._ds[name][start:stop] if stop > start else np.zeros(0, layout.DATA[name])
+        return self._ds[name][start:stop] if stop > start else np.zeros(0, self._layout.growing[name])
 
     def _assemble(self, row: int) -> Trajectory:
         index = self._index()

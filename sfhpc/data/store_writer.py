@@ -266,6 +266,23 @@ class TrajectoryStore:
                                     _fixed_cached(i.state, layout.STATE_BYTES, "rank state"), i.t_start, i.t_end,
                                     i.step), 1)
 
+    @property
+    def records_scores(self) -> bool:
+        """Whether this store keeps per-token scores (a store of schema 2 or older, reopened, does not)."""
+        return self._layout.has("scores")
+
+    def add_scores(self, step: int, scorer: str, scores: Iterable[tuple[str, np.ndarray]]) -> None:
+        """Per-token scores of trajectories trained at `step` (``(trajectory id, one value per token of its
+        trained branch)``), from `scorer`; dropped when the store's schema has no scores."""
+        self._check_open()
+        if not self.records_scores:
+            return
+        name = _fixed_cached(scorer, layout.SCORER_BYTES, "scorer")
+        for trajectory_id, values in scores:
+            values = np.asarray(values, np.float32)
+            start = self._push("blobs/scores", values, len(values))
+            self._push("scores", (step, self._row(trajectory_id), name, start, len(values)), 1)
+
     def write(self, trajectory: Trajectory) -> None:
         """Record a whole trajectory at once: header, every segment, its status (and rewards)."""
         self.add_trajectory(trajectory.id, task=trajectory.task, group=trajectory.group,
@@ -292,7 +309,7 @@ class TrajectoryStore:
                 pending = self._pending[name]
                 if not pending:
                     continue
-                values = np.concatenate(pending) if name in layout.DATA else np.array(pending, dtype=dtype)
+                values = np.concatenate(pending) if name in self._layout.data else np.array(pending, dtype=dtype)
                 dataset, start = self._ds[name], self._committed[name]
                 dataset.resize((start + len(values),))
                 dataset[start:] = values

@@ -297,6 +297,20 @@ def engine_items(shape: ModelShape, *, dtype_bytes: int, tensor_parallel: int,
             ("engine reserve", ENGINE_RESERVE)]
 
 
+def teacher_memory(shape: ModelShape, *, on_gpu: bool, micro_batch_tokens: int, chunk_tokens: int,
+                   capacity: int = 0) -> RankMemory:
+    """The peak bytes of a distillation teacher rank (`sfhpc.trainer.teacher`): its weights (bfloat16 on a GPU,
+    float32 on a CPU), one micro-batch's forward without a gradient (a layer's input, output and MLP at once)
+    and one chunk of float32 logits with their log-softmax."""
+    dtype = 2 if on_gpu else 4
+    return RankMemory("teacher", (
+        ("teacher weights", shape.params * dtype),
+        ("teacher forward", micro_batch_tokens * (3 * shape.hidden + 2 * shape.intermediate) * dtype),
+        ("logits chunk", min(chunk_tokens, micro_batch_tokens) * shape.vocab * 4 * 2),
+        ("runtime", RUNTIME_RESERVE["gpu" if on_gpu else "cpu"]),
+    ), capacity)
+
+
 # Of a layer's activations, the share outside the tensor-parallel regions (norms, residuals, dropout masks),
 # which tensor parallelism alone does not split and sequence parallelism does: 10 of 34 bytes per token and
 # hidden unit in the published count for GPT layers (Korthikanti et al., 2022, "Reducing Activation
@@ -339,6 +353,10 @@ def megatron_memory(shape: ModelShape, settings: MegatronSettings, *, tensor_par
 
 def advice(memory: RankMemory) -> str:
     """What to change for a plan that does not fit, by what weighs most in it."""
+    if memory.item("teacher weights") > memory.total / 2:
+        return "give the teacher role a pool with larger GPUs, or distil from a smaller teacher"
+    if memory.item("teacher weights"):
+        return "lower training.micro_batch_tokens or training.logprob_chunk_tokens (the teacher scores with them)"
     state = sum(memory.item(k) for k in ("weights", "master weights", "gradients", "optimizer", "reference model"))
     passes = sum(memory.item(k) for k in ("activations", "logits", "logits chunk"))
     if memory.item("engine weights") > state and memory.item("engine weights") > passes:

@@ -39,6 +39,7 @@ from sfhpc.plan.memory import (
     lora_params,
     megatron_memory,
     micro_batch_tokens,
+    teacher_memory,
     trainer_memory,
 )
 
@@ -76,11 +77,14 @@ def rows_per_trainer(recipe: Recipe, data_parallel: int) -> int:
 
 
 def planned_ranks(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[PlannedRank]:
-    """Every kind of trainer and engine rank of the run with its memory; empty when the model is sfhpc's own."""
-    shape = model_shape(recipe)
-    if shape is None or recipe.training.backend == "timing":  # a timing model holds no model
+    """Every kind of trainer, engine and teacher rank of the run with its memory; none of the policy's when the
+    model is sfhpc's own."""
+    if recipe.training.backend == "timing":  # a timing model holds no model
         return []
     pools = {p.name: p for p in cluster.pools}
+    shape = model_shape(recipe)
+    if shape is None:
+        return _teachers(recipe, plan, pools)
     slots = plan.ranks()
     trainers = [s for s in slots if "trainer" in s.roles]
     lending = recipe.pipeline.mode == "seamless"
@@ -103,6 +107,40 @@ def planned_ranks(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list
             count = sum(1 for s in slots if s.pool == pool_name and "rollout" in s.roles)
             out.append(PlannedRank("engine", pool_name, count, True,
                                    RankMemory("engine", tuple(_engine(recipe, shape)), capacity)))
+    return out + _teachers(recipe, plan, pools)
+
+
+def teacher_shape(recipe: Recipe) -> ModelShape | None:
+    """The shape of ``algorithm.distill.teacher`` (a model folder, or the model folder of the run it names);
+    None without distillation or where no config.json says it before the run."""
+    distill = recipe.algorithm.distill
+    if distill is None:
+        return None
+    source = Path(distill.teacher)
+    for folder in (source, source / "model", source.parent.parent / "model"):  # a folder, a run, a checkpoint
+        if (folder / "config.json").is_file():
+            try:
+                return ModelShape.from_folder(folder)
+            except (OSError, ValueError):
+                return None
+    return None
+
+
+def _teachers(recipe: Recipe, plan: LaunchPlan, pools: dict[str, Pool]) -> list[PlannedRank]:
+    """The teacher ranks on GPUs, each holding the teacher and scoring one micro-batch at a time."""
+    teacher, shape = recipe.role("teacher"), teacher_shape(recipe)
+    if teacher is None or shape is None or teacher.gpus_per_task == 0:
+        return []
+    slots = [s for s in plan.ranks() if "teacher" in s.roles]
+    training = recipe.training
+    tokens = micro_batch_tokens(training.micro_batch_tokens, rows_per_trainer(recipe, len(slots)),
+                                recipe.model.max_seq_len)
+    out = []
+    for pool_name in sorted({s.pool for s in slots}):
+        memory = teacher_memory(shape, on_gpu=True, micro_batch_tokens=tokens,
+                                chunk_tokens=training.logprob_chunk_tokens,
+                                capacity=_capacity(recipe, pools[pool_name], True, "teacher"))
+        out.append(PlannedRank("teacher", pool_name, sum(1 for s in slots if s.pool == pool_name), True, memory))
     return out
 
 
@@ -155,7 +193,7 @@ def memory_problems(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> li
                + (f", gpu_memory_utilization {recipe.engine.gpu_memory_utilization:g}" if rank.role == "engine" else "")
                + ")") if rank.on_gpu else f"its share of the node's memory, {gib(rank.memory.capacity)}"
         parts = ", ".join(f"{name} {b / GIB:.1f}" for name, b in rank.memory.items if b)
-        key = "roles.rollout" if rank.role == "engine" else "roles.trainer"
+        key = {"engine": "roles.rollout", "teacher": "roles.teacher"}.get(rank.role, "roles.trainer")
         problems.append(f"{key}: a {rank.role} rank on pool '{rank.pool}' needs {gib(rank.memory.total)} > {has} "
                         f"({parts} GiB): {advice(rank.memory)}")
     return problems

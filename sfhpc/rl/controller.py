@@ -39,6 +39,7 @@ from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
+from sfhpc.rl.distillation import Distillation
 from sfhpc.rl.dynamic_sampling import DynamicSampling
 from sfhpc.rl.evaluation import Evaluation
 from sfhpc.rl.live_status import LiveStatus
@@ -96,6 +97,9 @@ class Controller:
         self.sampling = DynamicSampling.of(recipe.algorithm, self.overlong, self.manager)
         if self.sampling is not None:
             self.sampling.start()
+        # algorithm.distill: every batch is scored by the teacher ranks before it trains.
+        self.distillation = (Distillation(layout, self.manager, self.stop_requested)
+                             if recipe.algorithm.distill is not None else None)
         # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
         self.server = ManagerServer(self.manager, layout.manager_link,
                                     clients=self.scheduler.rollout_ranks + self.scheduler.lendable_ranks)
@@ -386,8 +390,11 @@ class Controller:
     def train(self, step: int, batch: Batch) -> msg.Trained:
         from sfhpc.trainer.batch import TrainBatch
 
-        command = msg.Train(step, TrainBatch.from_trajectories(batch.trajectories, overlong=self.overlong))
         self.live.enter("train", step)
+        train_batch = TrainBatch.from_trajectories(batch.trajectories, overlong=self.overlong)
+        if self.distillation is not None:
+            train_batch = self.distillation.scored(step, train_batch, batch.trajectories)
+        command = msg.Train(step, train_batch)
         trainers = self.scheduler.trainer_ranks
         self.scheduler.set_state(trainers, RankState.TRAINING)
         # The batch goes to the first trainer alone, which broadcasts it over the trainers' communicator;
@@ -433,6 +440,7 @@ class Controller:
             "history_mismatches": sum(t.history_mismatches for t in batch.trajectories), **self._lending_metrics(),
             **self._dropped_metrics(), **self._overlong_metrics(batch), **self.last_evaluation,
             **(self.sampling.end_step(batch) if self.sampling is not None else {}),
+            **(self.distillation.end_step() if self.distillation is not None else {}),
         })
         self.last_evaluation = {}
 

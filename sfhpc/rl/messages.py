@@ -145,6 +145,22 @@ class Cancelled:
 
 
 @dataclasses.dataclass(frozen=True)
+class Score:
+    """Controller -> a teacher rank (``algorithm.distill``): the teacher's log-probability of every token of
+    these rows (a `sfhpc.trainer.batch.TrainBatch`, at each token's sampling temperature); answer `Scored`."""
+
+    step: int
+    batch: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Scored:
+    rank: int
+    logprobs: Any  # float32 numpy array [rows, length], 0 at position 0 and after each row's end
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 
@@ -152,7 +168,7 @@ class Stop:
 # Each command's reply, from the ranks that answer it (None: no rank answers).
 REPLIES: dict[type, type | None] = {
     Play: None, Train: Trained, SyncWeights: Synced, Checkpoint: CheckpointWritten, Quiesce: Quiesced,
-    Reclaim: Reclaimed, Release: Released, Cancel: Cancelled, Stop: None,
+    Reclaim: Reclaimed, Release: Released, Cancel: Cancelled, Score: Scored, Stop: None,
 }
 
 

@@ -79,7 +79,9 @@ def runnable_problems(recipe: Recipe) -> list[str]:
 
             shape = model_shape(recipe)
             problems += layout_problems(recipe, shape) if shape is not None else []
-    return problems + tracker_problems(recipe)
+    from sfhpc.rl.teacher_worker import teacher_problem
+
+    return problems + [p for p in [teacher_problem(recipe)] if p] + tracker_problems(recipe)
 
 
 def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
@@ -182,6 +184,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     from sfhpc.rl.rank_commands import serve
     from sfhpc.rl.rollout_worker import RolloutWorker
     from sfhpc.rl.scheduler import Scheduler
+    from sfhpc.rl.teacher_worker import prepare_teacher
     from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer
 
     check_runnable(recipe)
@@ -194,7 +197,14 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
             print(f"the run in {run_dir} is complete (checkpoint {resume_from.path.name}, step {resume_from.step} "
                   f"of {recipe.budgets.steps}); nothing to do", flush=True)
         return {"rank": identity.rank, "complete": True}
+    teacher_dir = prepare_teacher(recipe, run_dir, world)
     layout = build_comm_layout(world, plan)
+    if identity.has_role("teacher"):
+        from sfhpc.rl.teacher_worker import TeacherWorker
+
+        assert teacher_dir is not None  # a teacher role comes with algorithm.distill (the recipe's check)
+        serve(layout, teacher=TeacherWorker(recipe, teacher_dir, model_dir, identity.rank))
+        return {"rank": identity.rank, "roles": list(identity.roles)}
     if identity.has_role("controller"):
         from sfhpc.rollout.agent import reply_budget_line
 

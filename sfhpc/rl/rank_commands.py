@@ -1,7 +1,7 @@
 """A worker rank's command loop: which handler answers each of the controller's commands, by the roles the
 rank plays, and the one loop that runs them until Stop.
 
-A rank plays one of four parts:
+A rank plays one of five parts:
 
 * a **trainer** (`TrainerWorker`): Train, SyncWeights (the first trainer publishes the weights),
   Checkpoint, Stop;
@@ -13,7 +13,8 @@ A rank plays one of four parts:
 * a trainer **lent** to rollout (``seamless``): the trainer's commands, then, on the same rank, the
   rollout's Play, Quiesce and Cancel, Reclaim, and a SyncWeights its engine follows after the broadcast
   (the trainer answers it; the engine's load keeps no rollout rank waiting); its engine sleeps through a
-  Train as a colocated one does.
+  Train as a colocated one does;
+* a **teacher** (`TeacherWorker`, ``algorithm.distill``): Score, Stop.
 
 A command some role of the rank handles goes to each such role's handler in that order; a handler's reply
 (the command's own type, `sfhpc.rl.messages.REPLIES`) goes to the controller at once. Any other command is
@@ -31,19 +32,24 @@ from sfhpc.runtime.comm_layout import CommLayout
 
 if TYPE_CHECKING:
     from sfhpc.rl.rollout_worker import RolloutWorker
+    from sfhpc.rl.teacher_worker import TeacherWorker
     from sfhpc.rl.trainer_worker import TrainerWorker
 
 Handler = Callable[[Any], object]  # command -> its reply, or None where this rank does not answer
 
 
 def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
-                  lent: bool = False) -> dict[type, tuple[Handler, ...]]:
+                  lent: bool = False, teacher: TeacherWorker | None = None) -> dict[type, tuple[Handler, ...]]:
     """Command type -> the handlers that run it on a rank with these roles (`lent`: `rollout` is the engine
     of the trainer rank `trainer`, lent to rollout now and then)."""
     table: dict[type, list[Handler]] = {}
 
     def on(kind: type, handler: Handler) -> None:
         table.setdefault(kind, []).append(handler)
+
+    if teacher is not None:
+        on(msg.Score, teacher.score)
+        on(msg.Stop, lambda _command: None)
 
     colocated = trainer is not None and rollout is not None and not lent
     if trainer is not None and rollout is not None:  # the engine shares the trainer's GPU: it sleeps first
@@ -77,11 +83,11 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
 
 
 def serve(layout: CommLayout, trainer: TrainerWorker | None = None, rollout: RolloutWorker | None = None,
-          lent: bool = False) -> None:
+          lent: bool = False, teacher: TeacherWorker | None = None) -> None:
     """The rank's command loop (its main thread), until the controller says Stop. While it waits, a stop
     signal is passed on to the controller, and an episode that crashed on this rank's engine ends the run."""
     world, controller = layout.world, layout.controller_rank
-    table = command_table(trainer, rollout, lent)
+    table = command_table(trainer, rollout, lent, teacher)
     notice = preemption.StopNotice(world, controller)
 
     def idle() -> None:

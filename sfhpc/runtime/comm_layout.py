@@ -8,6 +8,8 @@ Nothing else in sfhpc calls ``Split``. The layout is validated when it is built 
 * ``weight_broadcast`` the first trainer rank (root, rank 0 in this communicator) and every rollout
   rank that does not train (a rank that also trains loads its own trainer's weights): new weights are
   broadcast over it;
+* ``teachers``         no communicator: the ranks with the teacher role (``algorithm.distill``) each score
+  their share of a batch for the controller, which sends it point-to-point over ``world``;
 * ``manager_link``     a duplicate of ``world`` that carries only the trajectory manager's requests
   (the controller serves them in a thread of its own, so they must not mix with control messages); a
   trainer rank lent to rollout (``seamless``) records its episodes over it like a rollout rank, while
@@ -39,6 +41,7 @@ class CommLayout:
     trainer_ranks: tuple[int, ...]        # world ranks, in communicator order
     rollout_ranks: tuple[int, ...]
     broadcast_ranks: tuple[int, ...]      # world ranks; the first is the root
+    teacher_ranks: tuple[int, ...] = ()   # world ranks that score tokens for distillation
     controller_rank: int = CONTROLLER_RANK
 
     @property
@@ -54,6 +57,8 @@ class CommLayout:
                 ("rollouts", str(len(self.rollout_ranks)), _ranks(self.rollout_ranks)),
                 ("weight_broadcast", str(len(self.broadcast_ranks)),
                  f"root {self.weight_root} -> {_ranks(self.broadcast_ranks[1:]) or 'none'}")]
+        if self.teacher_ranks:
+            rows.append(("teachers", str(len(self.teacher_ranks)), f"{_ranks(self.teacher_ranks)} (no communicator)"))
         return "communicators:\n" + format_table(("name", "size", "world ranks"), rows, indent="  ")
 
 
@@ -71,6 +76,7 @@ def build_comm_layout(world: Any, plan: LaunchPlan) -> CommLayout:
     controllers = [s.rank for s in slots if "controller" in s.roles]
     trainers = tuple(s.rank for s in slots if "trainer" in s.roles)
     rollouts = tuple(s.rank for s in slots if "rollout" in s.roles)
+    teachers = tuple(s.rank for s in slots if "teacher" in s.roles)
     if controllers != [CONTROLLER_RANK]:
         raise SfhpcError(f"the controller must be world rank {CONTROLLER_RANK} alone, found ranks {controllers}")
     if not trainers or not rollouts:
@@ -85,7 +91,7 @@ def build_comm_layout(world: Any, plan: LaunchPlan) -> CommLayout:
         return None if comm == MPI.COMM_NULL else comm
 
     layout = CommLayout(world, world.Dup(), split(trainers), split(rollouts), split(broadcast), trainers, rollouts,
-                        broadcast)
+                        broadcast, teachers)
     for comm, members in ((layout.trainers, trainers), (layout.rollouts, rollouts),
                           (layout.weight_broadcast, broadcast)):
         if comm is not None:

@@ -77,6 +77,9 @@ class TrainBatch:
     # int64 [B, T]: the turn each generated token belongs to, as the trajectory manager recorded the turns
     # (`Trajectory.token_turns`), -1 elsewhere; None: the runs of generated tokens number the replies
     reply_turns: torch.Tensor | None = None
+    # float32 [B, T]: the distillation teacher's log-probability of each token at its sampling temperature
+    # (``algorithm.distill``, scored by the teacher role); None: no teacher
+    teacher_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         b, t = self.tokens.shape
@@ -84,7 +87,7 @@ class TrainBatch:
             object.__setattr__(self, "temperatures", torch.ones((b, t), dtype=torch.float32))
         elif not bool((self.temperatures > 0).all()):
             raise BatchError("TrainBatch.temperatures must be more than 0 everywhere (1 where nothing was sampled)")
-        for name in ("generated", "behaviour_logprobs", "versions", "temperatures", "reply_turns"):
+        for name in ("generated", "behaviour_logprobs", "versions", "temperatures", "reply_turns", "teacher_logprobs"):
             if getattr(self, name) is not None and tuple(getattr(self, name).shape) != (b, t):
                 raise BatchError(f"TrainBatch.{name} has shape {tuple(getattr(self, name).shape)}, "
                                  f"expected {(b, t)} like tokens")
@@ -200,7 +203,8 @@ class TrainBatch:
                           advantages=None if self.advantages is None else self.advantages[idx],
                           temperatures=self.temperatures[idx],
                           turn_rewards=None if self.turn_rewards is None else self.turn_rewards[idx],
-                          reply_turns=None if self.reply_turns is None else self.reply_turns[idx])
+                          reply_turns=None if self.reply_turns is None else self.reply_turns[idx],
+                          teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs[idx])
 
 
 def segment_temperature(trajectory: Trajectory, index: int, segment: Segment) -> float:

@@ -102,6 +102,18 @@ same turn and added:
 turn-level advantage of multi-turn agent RL (outcome advantage plus a per-turn one): the outcome keeps
 what the recipe optimises, the turn term says which replies moved towards it.
 
+On-policy distillation (``algorithm.distill``, `distill_advantages`). A teacher scores every token the
+policy sampled; the reverse KL of the sampling policy to the teacher, estimated per sampled token, is
+``log pi_b(y_t) - log pi_T(y_t)`` (both at the token's sampling temperature), and its negative joins the
+token's advantage with the weight ``lambda``:
+
+    A_{i,t} = A_i + lambda * (log pi_T(y_t) - log pi_b(y_t))      (task_reward: true)
+    A_{i,t} =       lambda * (log pi_T(y_t) - log pi_b(y_t))      (task_reward: false, pure distillation)
+
+The surrogate then raises the probability of tokens the teacher likes more than the policy did, token by
+token (Agarwal et al. 2024; the per-token reverse-KL advantage of on-policy distillation), whatever the task
+reward said of the whole reply.
+
 The settings (``eps_low`` = ``clip_ratio``, ``eps_high`` = ``clip_ratio_high``, ``C`` = ``ratio_cap``,
 ``beta`` = ``kl_coef``, the GRPO ``eps`` = ``advantage_eps``, ``L`` = ``loss_norm_tokens``) are the recipe's
 `AlgorithmSpec`, taken as it is.
@@ -350,3 +362,22 @@ def ppo_clip_loss(new_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, 
             raise ValueError("ppo_clip_loss needs advantages or rewards")
         advantages = baseline_advantages(rewards)
     return policy_loss(new_logprobs, behaviour_logprobs, advantages, mask, algorithm, **kwargs)  # type: ignore[arg-type]
+
+
+def distill_advantages(advantages: torch.Tensor | None, teacher_logprobs: torch.Tensor,
+                       behaviour_logprobs: torch.Tensor, generated: torch.Tensor, weight: float) -> torch.Tensor:
+    """Per-token advantages ``[batch, seq]`` with the distillation term: ``advantages`` (``[batch]`` or
+    ``[batch, seq]``; None for pure distillation) plus ``weight * (teacher - behaviour)`` on generated tokens."""
+    term = weight * (teacher_logprobs - behaviour_logprobs) * generated
+    if advantages is None:
+        return term.float()
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    return (advantages + term).float()
+
+
+def reverse_kl(teacher_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, generated: torch.Tensor) -> float:
+    """The mean over generated tokens of ``log pi_b - log pi_T``: the estimate of the sampling policy's reverse
+    KL to the teacher that a step's metrics report (``distill_kl``); 0 when nothing was generated."""
+    count = int(generated.sum())
+    return float(((behaviour_logprobs - teacher_logprobs) * generated).sum()) / count if count else 0.0

@@ -42,13 +42,16 @@ def plan_micro_batches(lengths: list[int], budget: int | None) -> list[list[int]
     return pieces
 
 
+# The batch's [rows, length] fields (advantages are one of them when they are per token).
+PER_TOKEN = ("tokens", "generated", "behaviour_logprobs", "versions", "temperatures", "reply_turns", "teacher_logprobs")
+
+
 def trimmed(batch: TrainBatch) -> TrainBatch:
     """`batch` cut to its longest row (micro-batches drop the padding their rows do not need)."""
     width = max(int(batch.lengths.max()), 1) if batch.size else 1
     if width >= batch.tokens.shape[1]:
         return batch
-    cut = {f.name: getattr(batch, f.name)[:, :width] for f in dataclasses.fields(batch)
-           if f.name in ("tokens", "generated", "behaviour_logprobs", "versions", "temperatures")}
+    cut = {name: getattr(batch, name)[:, :width] for name in PER_TOKEN if getattr(batch, name) is not None}
     if batch.advantages is not None and batch.advantages.dim() == 2:
         cut["advantages"] = batch.advantages[:, :width]
     return dataclasses.replace(batch, **cut)
@@ -69,7 +72,7 @@ def empty_like(batch: TrainBatch) -> TrainBatch:
         temperatures=torch.ones(1, 1), rewards=one.rewards[:1] * 0,
         advantages=None if one.advantages is None else (one.advantages[:, :1] if one.advantages.dim() == 2
                                                         else one.advantages[:1]) * 0,
-        turn_rewards=None, reply_turns=None)
+        turn_rewards=None, reply_turns=None, teacher_logprobs=None)
 
 
 def pad_to(pieces: list[TrainBatch], count: int, like: TrainBatch) -> list[TrainBatch]:

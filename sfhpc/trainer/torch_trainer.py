@@ -34,7 +34,14 @@ from sfhpc.trainer import host_memory, lora, micro_batches, sharding
 from sfhpc.trainer.batch import TrainBatch
 from sfhpc.trainer.distributed import DistSpec
 from sfhpc.trainer.errors import BatchError, TrainerError
-from sfhpc.trainer.losses import DEFAULT_ALGORITHM, algorithm_advantages, loss_units, policy_loss, token_logprobs
+from sfhpc.trainer.losses import (
+    DEFAULT_ALGORITHM,
+    algorithm_advantages,
+    distill_advantages,
+    loss_units,
+    policy_loss,
+    token_logprobs,
+)
 from sfhpc.trainer.policy_forward import PolicyLM
 from sfhpc.weights import adapter as weight_adapter
 
@@ -83,8 +90,15 @@ def batch_advantages(batch: TrainBatch, algorithm: AlgorithmSpec) -> torch.Tenso
     Shared by every training backend, so they agree on what a step optimises."""
     if batch.advantages is not None:
         return batch.advantages
-    return algorithm_advantages(algorithm, batch.rewards, batch.groups, batch.generated, batch.turn_rewards,
-                                batch.reply_turns)
+    distill = algorithm.distill
+    task = None if distill is not None and not distill.task_reward else algorithm_advantages(
+        algorithm, batch.rewards, batch.groups, batch.generated, batch.turn_rewards, batch.reply_turns)
+    if distill is None:
+        assert task is not None
+        return task
+    if batch.teacher_logprobs is None:
+        raise BatchError("algorithm.distill trains on the teacher's log-probabilities, which this batch lacks")
+    return distill_advantages(task, batch.teacher_logprobs, batch.behaviour_logprobs, batch.generated, distill.weight)
 
 
 class TorchTrainer:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sfhpc.config import load_recipe
-from sfhpc.config.recipe import AlgorithmSpec, FilterGroupsSpec, OverlongSpec
+from sfhpc.config.recipe import AlgorithmSpec, DistillSpec, FilterGroupsSpec, OverlongSpec
 from sfhpc.errors import ConfigError
 from tests.config.test_config_files import GOOD_RECIPE
 
@@ -40,12 +40,14 @@ algorithm:
   temperature: 0.7
   overlong: {buffer_tokens: 4, penalty: 0.5, mask_truncated: true}
   filter_groups: {max_groups_per_step: 48}
+  distill: {teacher: teacher-folder, weight: 0.5, task_reward: false}
 """
+TEACHER_ROLE = "  teacher: {place_with: trainer}\n"  # continues GOOD_RECIPE's roles
 
 
 def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
     path = tmp_path / "r.yaml"
-    path.write_text(GOOD_RECIPE + EVERY_KEY)
+    path.write_text(GOOD_RECIPE + TEACHER_ROLE + EVERY_KEY)
     spec = load_recipe(path).algorithm
     assert spec == AlgorithmSpec(name="grpo", group_size=4, learning_rate=2e-5, warmup_steps=5, lr_schedule="linear",
                                  lr_decay_steps=100, min_learning_rate=1e-6, clip_ratio=0.1,
@@ -55,7 +57,8 @@ def test_every_setting_is_a_recipe_key(tmp_path: Path) -> None:
                                  weight_decay=0.01, adam_beta1=0.85, adam_beta2=0.95, adam_eps=1e-6, advantage_eps=1e-4,
                                  temperature=0.7,
                                  overlong=OverlongSpec(buffer_tokens=4, penalty=0.5, mask_truncated=True),
-                                 filter_groups=FilterGroupsSpec(max_groups_per_step=48))
+                                 filter_groups=FilterGroupsSpec(max_groups_per_step=48),
+                                 distill=DistillSpec(teacher="teacher-folder", weight=0.5, task_reward=False))
     # The test names every field: a setting added later without a recipe key would show here.
     assert {f.name for f in dataclasses.fields(AlgorithmSpec)} == {
         line.split(":")[0].strip() for line in EVERY_KEY.splitlines()[1:]}
@@ -144,3 +147,21 @@ def test_dr_grpo_divides_by_the_reply_budget_unless_told() -> None:
     told = load_recipe(RECIPES / "demo.yaml", {"algorithm.loss_aggregation": "token-sum-norm",
                                                "algorithm.loss_norm_tokens": 512})
     assert told.algorithm.loss_norm_tokens == 512
+
+
+@pytest.mark.parametrize(("roles", "algorithm", "key", "fragment"), [
+    ("", "{distill: {teacher: t}}", "algorithm.distill", "needs a teacher role to score the policy's tokens"),
+    (TEACHER_ROLE, "{}", "roles.teacher", "scores tokens for algorithm.distill, which the recipe lacks"),
+    ("  teacher: {colocate_with: trainer}\n", "{distill: {teacher: t}}", "roles.teacher",
+     "runs on ranks of its own"),
+    (TEACHER_ROLE, "{distill: {teacher: t, weight: 0}}", "algorithm.distill.weight", "more than 0, found 0"),
+    (TEACHER_ROLE, "{distill: {weight: 1}}", "algorithm.distill", "missing required key 'teacher'"),
+])
+def test_distillation_needs_its_teacher_role_and_a_teacher(tmp_path: Path, roles: str, algorithm: str, key: str,
+                                                            fragment: str) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD_RECIPE + roles + f"algorithm: {algorithm}\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert f" {key}: " in message and fragment in message and "\n" not in message, message

@@ -187,7 +187,7 @@ def test_sampling_and_timeline_round_trip(store_path):
         store.flush()
         store.add_intervals(intervals[1:])
     with open_store(store_path) as reader:
-        assert reader.schema == layout.SCHEMA_VERSION == 2 and reader.records_timeline
+        assert reader.schema == layout.SCHEMA_VERSION == 3 and reader.records_timeline
         back = reader.get("sampled")
         assert back == sampled
         assert (back.segments[1].temperature, back.segments[1].top_p) == (0.7, 0.95)  # exactly
@@ -199,3 +199,27 @@ def test_sampling_and_timeline_round_trip(store_path):
     with TrajectoryStore.create(store_path.with_name("bad.h5")) as store, \
             pytest.raises(InvalidRequest, match="rank state 'w{20}'... is 20 bytes long; the store holds at most 16"):
         store.add_intervals([RankInterval(1, "trainer", "w" * 20, 0.0, 1.0)])
+
+
+def test_teacher_scores_round_trip_per_step(store_path):
+    """Distillation's per-token teacher log-probabilities go into /scores with their step and come back per
+    trajectory, one value per token of its trained branch; an unknown trajectory is refused."""
+    first = make_trajectory(0)
+    second = make_trajectory(1)
+    values = np.linspace(-3.0, 0.0, len(first.context()), dtype=np.float32)
+    with TrajectoryStore.create(store_path) as store:
+        store.write(first)
+        store.write(second)
+        assert store.records_scores
+        store.add_scores(4, "teacher", [(first.id, values)])
+        store.flush()
+        store.add_scores(5, "teacher", [(first.id, values + 1), (second.id, np.zeros(3, np.float32))])
+    with open_store(store_path) as reader:
+        scores = reader.scores(first.id)
+        assert sorted(scores) == [4, 5]
+        assert scores[4].tolist() == values.tolist() and scores[5].tolist() == (values + 1).tolist()
+        assert reader.scores(second.id)[5].tolist() == [0.0, 0.0, 0.0]
+        assert reader.scores(first.id, scorer="other") == {}
+        assert len(reader.table("scores")) == 3 and reader.counts["blobs/scores"] == 2 * len(values) + 3
+        with pytest.raises(UnknownTrajectory):
+            reader.scores("absent")

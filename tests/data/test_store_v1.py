@@ -63,9 +63,12 @@ def test_a_schema_1_store_reads_with_no_timeline_and_reopens_in_its_own_schema(v
                                                Segment.of(SegmentKind.GENERATED, 0, 1, [8, 9], versions=2,
                                                           temperature=0.5, top_p=0.9)), status=Status.FINISHED))
         store.add_intervals([RankInterval(1, "trainer", "waiting", T0, T0 + 1)])
+        assert not store.records_scores
+        store.add_scores(1, "teacher", [("v1-appended", np.zeros(3, np.float32))])  # dropped, as the timeline
     with open_store(v1_store) as reader:
         assert reader.schema == 1 and reader.session == 2
         appended = reader.get("v1-appended")
         assert appended.segments[1].tokens.tolist() == [8, 9] and appended.segments[1].temperature is None
         assert reader.get("v1-finished").segments[3].tokens.tolist() == [30]
         assert len(reader.table("timeline")) == 0
+        assert reader.scores("v1-appended") == {} and len(reader.table("scores")) == 0

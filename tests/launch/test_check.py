@@ -41,3 +41,18 @@ def test_a_recipe_that_does_not_load_is_one_line(tmp_path: Path) -> None:
     recipe.write_text((RECIPES / "demo.yaml").read_text().replace("budgets:", "budget:"))
     done = run_sfhpc("check", str(recipe))
     assert done.returncode == 2 and len(done.stderr.splitlines()) == 1 and "budget" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("teacher", ["nowhere", "empty"])
+def test_a_distillation_teacher_that_cannot_be_loaded_is_one_line(tmp_path: Path, teacher: str) -> None:
+    (tmp_path / "empty").mkdir()
+    recipe = tmp_path / "distill.yaml"
+    recipe.write_text("name: distill\ntask: {name: next-letter}\n"
+                      f"algorithm: {{distill: {{teacher: {tmp_path / teacher}}}}}\n"
+                      "roles:\n  controller: {place_with: trainer}\n  trainer: {tags: [train]}\n"
+                      "  rollout: {tags: [rollout]}\n  teacher: {place_with: trainer}\n")
+    done = run_sfhpc("check", str(recipe))
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(f"sfhpc: error: {recipe}: algorithm.distill.teacher: {tmp_path / teacher} ")
+    assert {"nowhere": "does not exist", "empty": "is no Hugging Face folder (no config.json)"}[teacher] in line

@@ -137,3 +137,37 @@ def test_a_lora_trainer_fits_where_full_fine_tuning_did_not(tmp_path: Path) -> N
     adapter = 16 * shape.layers * sum(sum(io) for io in lora_layers(shape).values())
     assert memory.fits and memory.item("frozen weights") == 2 * shape.params
     assert (memory.item("adapter"), memory.item("optimizer")) == (4 * adapter, 8 * adapter)
+
+
+QWEN_32B = {"hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "intermediate_size": 27648, "vocab_size": 152064, "tie_word_embeddings": False}
+
+
+@pytest.mark.parametrize(("teacher", "fits"), [(QWEN_7B, True), (QWEN_32B, False)])
+def test_a_distillation_teacher_is_planned_on_its_own_gpu(tmp_path: Path, teacher: dict[str, object],
+                                                          fits: bool) -> None:
+    """The teacher's rank holds its bf16 weights, one micro-batch's forward and one logits chunk: a 7B teacher fits an
+    L40S of 48 GiB beside nothing else; a 32B one is refused there in one line that names the teacher's role."""
+    cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
+    folder = tmp_path / "teacher"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(teacher))
+    recipe_path = recipe_on_folder(tmp_path, QWEN_1_5B)
+    recipe_path.write_text(recipe_path.read_text() + "  teacher:    {tags: [rollout], nodes: 1, gpus_per_task: 1}\n"
+                           f"algorithm: {{distill: {{teacher: {folder}}}}}\n")
+    recipe = load_recipe(recipe_path)
+    shape = ModelShape.from_config(teacher)
+    if not fits:
+        with pytest.raises(ResolveError) as refused:
+            resolve(recipe, cluster)
+        line = str(refused.value)
+        assert line.startswith("roles.teacher: a teacher rank on pool 'l40s' needs ") and "\n" not in line
+        assert f"teacher weights {2 * shape.params / GIB:.1f}" in line and "> its GPU's 45.60 GiB" in line
+        assert "give the teacher role a pool with larger GPUs" in line
+        return
+    plan = resolve(recipe, cluster)
+    ranks = {rank.role: rank for rank in planned_ranks(recipe, plan, cluster)}
+    assert sorted(ranks) == ["teacher", "trainer + engine"]
+    memory = ranks["teacher"].memory
+    assert ranks["teacher"].pool == "l40s" and memory.fits and memory.item("teacher weights") == 2 * shape.params
+    assert memory.item("logits chunk") == 1024 * shape.vocab * 8  # the default chunk, float32 and its log-softmax
