@@ -15,6 +15,7 @@ import torch
 from sfhpc.config.recipe import AlgorithmSpec, DistillSpec
 from sfhpc.errors import SfhpcError
 from sfhpc.trainer import micro_batches
+from sfhpc.trainer.batch import TrainBatch, TrainRow
 from sfhpc.trainer.losses import algorithm_advantages, distill_advantages, reverse_kl
 from sfhpc.trainer.teacher import TeacherScorer, tokenizer_mismatch
 from sfhpc.trainer.torch_trainer import TorchTrainer, batch_advantages
@@ -63,11 +64,15 @@ def test_the_reverse_kl_term_joins_each_generated_tokens_advantage() -> None:
 def test_the_teachers_scores_follow_their_rows_into_micro_batches() -> None:
     batch = toy_batch(rows=8)
     teacher = torch.arange(batch.tokens.numel(), dtype=torch.float32).reshape(batch.tokens.shape)
-    scored = dataclasses.replace(batch, teacher_logprobs=teacher)
-    for index in micro_batches.plan_micro_batches(batch.lengths.tolist(), 2 * int(batch.lengths.min())):
+    turns = torch.where(batch.generated, 0, -1)  # per-turn credit's token turns are cut likewise
+    scored = dataclasses.replace(batch, teacher_logprobs=teacher, reply_turns=turns)
+    pieces = micro_batches.plan_micro_batches(batch.lengths.tolist(), 2 * int(batch.lengths.min()))
+    assert len({int(batch.lengths[i].max()) for i in (torch.tensor(p) for p in pieces)}) > 1  # some are trimmed
+    for index in pieces:
         piece = micro_batches.trimmed(scored.rows(index))
-        assert piece.teacher_logprobs is not None
+        assert piece.teacher_logprobs is not None and piece.reply_turns is not None
         assert torch.equal(piece.teacher_logprobs, teacher[index, :piece.tokens.shape[1]])
+        assert torch.equal(piece.reply_turns, turns[index, :piece.tokens.shape[1]])
     assert micro_batches.empty_like(scored).teacher_logprobs is None
 
 
@@ -79,3 +84,25 @@ def test_a_teacher_of_another_tokenizer_is_named(tiny_model_dir: Path, tmp_path:
     tokenizer.write_text(tokenizer.read_text().replace('"<|user|>"', '"<|player|>"'))
     problem = tokenizer_mismatch(other, tiny_model_dir)
     assert problem is not None and "'<|user|>'" in problem and "absent for the teacher" in problem
+
+
+def test_an_agents_episode_is_distilled_reply_by_reply_and_its_observations_are_context() -> None:
+    """Two replies with an observation between, credit per turn: each generated token gets its turn's advantage
+    plus its own reverse-KL term; the prompt's and the observation's tokens get nothing."""
+    def row(reward: float, group: int) -> TrainRow:
+        # prompt (3) | reply 0 (2) | observation (2) | reply 1 (3)
+        generated = [False] * 3 + [True] * 2 + [False] * 2 + [True] * 3
+        turns = [-1] * 3 + [0, 0] + [-1, -1] + [1, 1, 1]
+        return TrainRow(tokens=list(range(1, 11)), generated=generated,
+                        logprobs=[-2.0 if g else 0.0 for g in generated], versions=[0 if g else -1 for g in generated],
+                        reward=reward, group=group, turns=turns)
+
+    batch = TrainBatch.from_rows([row(1.0, 0), row(0.0, 0)])
+    teacher = torch.full(batch.tokens.shape, -0.5) * batch.generated
+    scored = dataclasses.replace(batch, teacher_logprobs=teacher)
+    spec = AlgorithmSpec(group_size=2, credit="turn")
+    task = algorithm_advantages(spec, batch.rewards, batch.groups, batch.generated, None, batch.reply_turns)
+    advantages = batch_advantages(scored, dataclasses.replace(spec, distill=DistillSpec("t", weight=2.0)))
+    assert torch.allclose(advantages, task + 2.0 * 1.5 * batch.generated)  # teacher -0.5, behaviour -2.0
+    assert (advantages[~batch.generated] == task[~batch.generated]).all()
+    assert advantages[0, 3].item() == pytest.approx(task[0, 3].item() + 3.0) and task[0, 3] > 0 > task[1, 3]
