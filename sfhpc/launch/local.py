@@ -5,6 +5,7 @@ map of this machine (`sfhpc.plan.local_map`).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from sfhpc.config.overrides import Overrides, as_arguments
 from sfhpc.errors import SfhpcError
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.plan.local_map import LOCAL_MAP_NAME
+from sfhpc.rundir import RunPaths
 from sfhpc.runtime.slurm_env import PLAN_SHOWN_VAR, TASKS_PER_COMPONENT_VAR
 
 
@@ -52,13 +54,54 @@ def run_local(plan: LaunchPlan, recipe_path: str, cluster_path: str | None, run_
         env[PLAN_SHOWN_VAR] = "1"
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    stderr = None if output is None else subprocess.STDOUT
+    # On the console, mpiexec's stderr passes through a filter (`LauncherNoise`); into a file, as it is.
+    filtered = output is None and not verbose
+    stderr = subprocess.PIPE if filtered else None if output is None else subprocess.STDOUT
     hosts = [] if probe else start_agent_hosts(plan, recipe_path, run_dir, output, overrides)
     try:
-        return subprocess.call(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose, overrides),
-                               env=env, stdout=output, stderr=stderr)
+        with subprocess.Popen(mpiexec_command(plan, recipe_path, cluster_path, run_dir, probe, verbose, overrides),
+                              env=env, stdout=output, stderr=stderr) as process:
+            try:
+                if process.stderr is not None:
+                    LauncherNoise(RunPaths(run_dir).logs / "mpiexec.log").forward(process.stderr, sys.stderr)
+                return process.wait()
+            except BaseException:  # as subprocess.call: an interrupted wait leaves no mpiexec behind
+                process.kill()
+                raise
     finally:
         stop_agent_hosts(hosts)
+
+
+class LauncherNoise:
+    """mpiexec's stderr on its way to the console, less the lines that say nothing to a user.
+
+    Open MPI's event library (libevent, epoll) prints ``[warn] Epoll MOD(1) on fd 23 failed ... Bad file
+    descriptor`` when a process of the job ends while a socket to it is being watched: a race in its shutdown,
+    harmless (open-mpi/ompi#2004, #5520), seen after a rank's fault ended the job. On the console it would stand
+    beside the fault's one line as a second, misleading one; such lines go to ``logs/mpiexec.log`` instead.
+    Every other line passes through as it comes."""
+
+    PATTERN = re.compile(rb"^\[warn\] Epoll [A-Z]+\(\d+\) on fd \d+ failed")
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+
+    def forward(self, source: IO[bytes], console: IO[str]) -> None:
+        """Copy `source` line by line until it ends (the process exits)."""
+        target = console.buffer if hasattr(console, "buffer") else None
+        for line in iter(source.readline, b""):
+            if self.PATTERN.match(line):
+                self.log.parent.mkdir(parents=True, exist_ok=True)
+                with self.log.open("ab") as kept:
+                    kept.write(line)
+                continue
+            if target is not None:
+                console.flush()
+                target.write(line)
+                target.flush()
+            else:
+                console.write(line.decode("utf-8", "replace"))
+                console.flush()
 
 
 def start_agent_hosts(plan: LaunchPlan, recipe_path: str, run_dir: Path, output: IO[str] | None,

@@ -56,3 +56,22 @@ def test_verbose_gives_the_console_back_to_mpiexec_and_the_libraries(tmp_path: P
     verbose = mpiexec_command(plan, "r.yaml", None, tmp_path, verbose=True)
     assert "--quiet" in quiet and "--verbose" not in quiet
     assert "--quiet" not in verbose and verbose[-1] == "--verbose"  # an argument of the rank's command
+
+
+def test_the_event_librarys_shutdown_warnings_leave_the_console_for_the_log(tmp_path: Path) -> None:
+    """libevent's race at a job's abnormal end ("[warn] Epoll MOD(1) on fd 23 failed") goes to logs/mpiexec.log;
+    every other line of mpiexec's stderr reaches the console as it came, in order."""
+    import io
+
+    from sfhpc.launch.local import LauncherNoise
+
+    noise = (b"[warn] Epoll MOD(1) on fd 23 failed. Old events were 6; read change was 0 (none); write change was "
+             b"2 (del); close change was 0 (none): Bad file descriptor\n")
+    lines = [b"sfhpc: error: rank 0 (controller, node vm): a user error\n", noise,
+             b"[warn] something else\n", "caf\xe9 \u2713\n".encode(), b"last line without a newline"]
+    console = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+    log = tmp_path / "logs" / "mpiexec.log"
+    LauncherNoise(log).forward(io.BytesIO(b"".join(lines)), console)
+    console.flush()
+    assert console.buffer.getvalue() == b"".join(lines[:1] + lines[2:])  # type: ignore[attr-defined]
+    assert log.read_bytes() == noise
