@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sfhpc.config.recipe import AlgorithmSpec, BuildSpec, ModelSpec, TrainingSpec, load_recipe
+from sfhpc.config.recipe import AlgorithmSpec, BuildSpec, DistillSpec, ModelSpec, TrainingSpec, load_recipe
 from sfhpc.trainer.errors import CheckpointError, TrainerError
 from sfhpc.trainer.losses import token_logprobs
 from sfhpc.trainer.torch_trainer import TorchTrainer
@@ -90,10 +90,13 @@ def test_recipe_model_trains_one_step_and_publishes_engine_names(gqa_dir: Path) 
 
 
 @pytest.mark.parametrize("config", [CONFIG, dataclasses.replace(CONFIG, normalize_std=False, loss_norm_tokens=16,
-                                                                 loss_aggregation="token-sum-norm")],
-                         ids=["grpo", "dr-grpo"])
+                                                                 loss_aggregation="token-sum-norm"),
+                                    dataclasses.replace(CONFIG, distill=DistillSpec("teacher", weight=0.5))],
+                         ids=["grpo", "dr-grpo", "distill"])
 def test_one_step_matches_the_torch_backend(gqa_dir: Path, config: AlgorithmSpec) -> None:
     batch = toy_batch(version=3)
+    if config.distill is not None:  # the teacher's scores of the batch (the teacher role's, in a run)
+        batch = dataclasses.replace(batch, teacher_logprobs=torch.where(batch.generated, -1.0, 0.0))
     megatron = mb.MegatronTrainer(gqa_dir, config, initial_version=5)
     torch_trainer = TorchTrainer(gqa_dir, config, initial_version=5)
     got, want = megatron.train_step(batch), torch_trainer.train_step(batch)
