@@ -56,3 +56,18 @@ def test_a_distillation_teacher_that_cannot_be_loaded_is_one_line(tmp_path: Path
     [line] = done.stderr.splitlines()
     assert line.startswith(f"sfhpc: error: {recipe}: algorithm.distill.teacher: {tmp_path / teacher} ")
     assert {"nowhere": "does not exist", "empty": "is no Hugging Face folder (no config.json)"}[teacher] in line
+
+
+@pytest.mark.parametrize("name", ["arith-word-distill.yaml", "arith-word-distill-lora.yaml"])
+def test_the_distillation_recipes_start_once_given_their_teacher(tmp_path: Path, name: str) -> None:
+    """As shipped they name a teacher run to make first (`sfhpc check` says so); given one, nothing is left."""
+    from sfhpc.config import load_recipe
+    from sfhpc.rl.program import runnable_problems
+
+    done = run_sfhpc("check", str(RECIPES / name))
+    assert done.returncode == 2 and "algorithm.distill.teacher: runs/arith-word does not exist" in done.stderr
+    (tmp_path / "config.json").write_text("{}")
+    recipe = load_recipe(RECIPES / name, {"algorithm.distill.teacher": str(tmp_path)})
+    assert runnable_problems(recipe) == []
+    assert recipe.role("teacher") is not None and recipe.model.build.layers == 2
+    assert (recipe.model.lora is not None) == name.endswith("lora.yaml")
