@@ -239,8 +239,9 @@ class DistillSpec:
     alone (pure distillation). The teacher shares the policy's tokenizer."""
 
     teacher: str = dataclasses.field(metadata=doc(
-        "the teacher: a Hugging Face folder with the policy's tokenizer, or a run folder (its newest checkpoint) or "
-        "one of its checkpoints (RUN/checkpoints/step-N), exported into the run folder at start"))
+        "the teacher: a Hugging Face folder with the policy's tokenizer, or a run folder (its newest checkpoint), one "
+        "of its checkpoints (RUN/checkpoints/step-N) or a PEFT LoRA adapter folder, taken into the run folder at "
+        "start as model.init_from takes one"))
     weight: float = setting(1.0, "the weight of the reverse-KL term in each generated token's advantage")
     task_reward: bool = setting(True, "add the term to the task reward's advantages; false: the term alone is the "
                                       "advantage (pure distillation: the reward is recorded, not trained on)")

@@ -54,18 +54,8 @@ def runnable_problems(recipe: Recipe) -> list[str]:
             problems.append(str(exc))
         else:
             problems += _tool_format_problems(recipe, task)
-    if recipe.model.init_from is not None:
-        from sfhpc.rl.export import ExportError, find_checkpoint, is_adapter_folder, read_adapter, split_checkpoint_path
-
-        start = Path(recipe.model.init_from)
-        run, step = split_checkpoint_path(start)
-        try:
-            if is_adapter_folder(start):
-                read_adapter(start)
-            else:
-                find_checkpoint(run, step)
-        except ExportError as exc:
-            problems.append(f"{recipe.source}: model.init_from: {exc}")
+    if recipe.model.init_from is not None and (problem := trained_policy_problem(Path(recipe.model.init_from))):
+        problems.append(f"{recipe.source}: model.init_from: {problem}")
     if recipe.model.path is not None:
         from sfhpc.model.folder import model_folder_problem
 
@@ -79,9 +69,36 @@ def runnable_problems(recipe: Recipe) -> list[str]:
 
             shape = model_shape(recipe)
             problems += layout_problems(recipe, shape) if shape is not None else []
-    from sfhpc.rl.teacher_worker import teacher_problem
-
     return problems + [p for p in [teacher_problem(recipe)] if p] + tracker_problems(recipe)
+
+
+def trained_policy_problem(start: Path) -> str | None:
+    """Why `start`, a run folder, one of its checkpoints or a PEFT LoRA adapter folder, gives no trained policy
+    (`_model_from_run` takes one from it); None when it gives one."""
+    from sfhpc.rl.export import ExportError, find_checkpoint, is_adapter_folder, read_adapter, split_checkpoint_path
+
+    try:
+        if is_adapter_folder(start):
+            read_adapter(start)
+        else:
+            find_checkpoint(*split_checkpoint_path(start))
+    except ExportError as exc:
+        return str(exc)
+    return None
+
+
+def teacher_problem(recipe: Recipe) -> str | None:
+    """What in ``algorithm.distill.teacher`` would stop the run once its ranks started (a missing folder, a run
+    folder without a checkpoint), as one line; None when the teacher can be loaded."""
+    distill = recipe.algorithm.distill
+    if distill is None or (Path(distill.teacher) / "config.json").is_file():
+        return None
+    source, where = Path(distill.teacher), f"{recipe.source}: algorithm.distill.teacher"
+    if not source.exists():
+        return f"{where}: {source} does not exist; name the teacher's Hugging Face folder or a run folder"
+    problem = trained_policy_problem(source)
+    return None if problem is None else (f"{where}: {source} is no Hugging Face folder (no config.json) and no run "
+                                         f"to take a policy from: {problem}")
 
 
 def _tool_format_problems(recipe: Recipe, task: Task) -> list[str]:
@@ -114,19 +131,34 @@ def prepare_model(recipe: Recipe, task: Task, run_dir: Path, world: Any) -> Path
     return Path(shared)
 
 
-def _model_from_run(init_from: str, path: Path) -> None:
+def prepare_teacher(recipe: Recipe, run_dir: Path, world: Any) -> Path | None:
+    """The distillation teacher's Hugging Face folder (None without ``algorithm.distill``), every rank told
+    (collective): the recipe's folder as it is, or the policy of the run it names, taken into the run folder by
+    rank 0 as `model.init_from` takes one (once: a restarted job keeps it)."""
+    distill = recipe.algorithm.distill
+    if distill is None:
+        return None
+    path = Path(distill.teacher)
+    if world.Get_rank() == 0 and not (path / "config.json").is_file():
+        source, path = path, RunPaths(run_dir).teacher
+        if not (path / "config.json").is_file():
+            _model_from_run(str(source), path, what="teacher")
+    return Path(bcast_when_ready(world, str(path)))
+
+
+def _model_from_run(init_from: str, path: Path, what: str = "model") -> None:
     """The trained policy of another run (`init_from`: a run folder, or one of its checkpoint folders) as this
-    run's model folder, in float32 so that training goes on from its master weights; or a PEFT LoRA adapter
-    folder merged into its base model."""
+    run's model folder (or, `what`, its teacher's), in float32 so that training goes on from its master weights;
+    or a PEFT LoRA adapter folder merged into its base model."""
     from sfhpc.rl.export import export, is_adapter_folder, merge_adapter_folder, split_checkpoint_path
 
     if is_adapter_folder(Path(init_from)):
         merge_adapter_folder(init_from, path, dtype="float32")
-        print(f"model: the adapter {init_from} merged into its base model", flush=True)
+        print(f"{what}: the adapter {init_from} merged into its base model", flush=True)
         return
     run, step = split_checkpoint_path(Path(init_from))
     export(run, path, step=step, dtype="float32")
-    print(f"model: from {init_from} (step {json.loads((path / 'sfhpc_export.json').read_text())['step']})",
+    print(f"{what}: from {init_from} (step {json.loads((path / 'sfhpc_export.json').read_text())['step']})",
           flush=True)
 
 
@@ -184,7 +216,6 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     from sfhpc.rl.rank_commands import serve
     from sfhpc.rl.rollout_worker import RolloutWorker
     from sfhpc.rl.scheduler import Scheduler
-    from sfhpc.rl.teacher_worker import prepare_teacher
     from sfhpc.rl.trainer_worker import TrainerWorker, build_trainer
 
     check_runnable(recipe)
