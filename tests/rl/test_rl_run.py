@@ -43,8 +43,10 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > first + 0.3 and last > 0.4, rewards
     assert [r["version"] for r in rows] == list(range(1, 61))
-    # Async: rollout ran ahead of training, so some trained tokens came from the previous version.
-    assert max(r["max_staleness"] for r in rows) == 1
+    # Async: rollout ran ahead of training, so the trained tokens came from the previous version, step after
+    # step. (`max_staleness` bounds admission: a group whose reply crossed an update may train one version later.)
+    staleness = [r["max_staleness"] for r in rows]
+    assert staleness.count(1) >= len(rows) - 5 and max(staleness) <= 2, staleness
     assert (run_dir / "reward.png").stat().st_size > 1000
     # Greedy replies to 16 held-out problems, before training, at step 30 and after the last: the policy's
     # pass@1 rises with the training reward.
