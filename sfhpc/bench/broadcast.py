@@ -265,20 +265,30 @@ def run_ranks(args: argparse.Namespace) -> int:
     return 0 if all(r["verified"] for r in results) else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    if _under_mpi() or os.environ.get(CHILD_VAR):
-        return run_ranks(args)
+def under_mpi() -> bool:
+    """Whether this process is a rank of an MPI launch (or the child `relaunch_under_mpiexec` started)."""
+    return _under_mpi() or bool(os.environ.get(CHILD_VAR))
+
+
+def relaunch_under_mpiexec(module: str, ranks: int, argv: Sequence[str] | None) -> int:
+    """Start benchmark `module` again as `ranks` ranks of ``mpiexec`` on this machine, with the same options."""
     mpiexec = shutil.which("mpiexec")
     if mpiexec is None:
         raise SfhpcError("'mpiexec' not found on PATH: install Open MPI (apt-get install openmpi-bin)")
     env = dict(os.environ, **{CHILD_VAR: "1"})
     if os.geteuid() == 0:  # Open MPI refuses root unless told twice
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(args.ranks), sys.executable,
-               "-m", "sfhpc.bench.broadcast", *argv]
+    options = list(sys.argv[1:] if argv is None else argv)
+    command = [mpiexec, "--oversubscribe", "--bind-to", "none", "-n", str(ranks), sys.executable, "-m", module,
+               *options]
     return subprocess.call(command, env=env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if under_mpi():
+        return run_ranks(args)
+    return relaunch_under_mpiexec("sfhpc.bench.broadcast", args.ranks, argv)
 
 
 if __name__ == "__main__":

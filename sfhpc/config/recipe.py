@@ -512,6 +512,10 @@ class EngineSpec:
         "auto", "how new weights reach the engines: mpi (host memory, MPI broadcast), torch (a torch.distributed "
                 "group: NCCL between GPUs, gloo on CPUs; vLLM's workers receive into their own memory), or auto "
                 "(torch where the first trainer has CUDA, else mpi)")
+    weight_delta: bool = setting(False, "send each weight version as the bf16 elements that changed since the one "
+                                        "before (whole where that is smaller, and the first version whole); each "
+                                        "rollout rank keeps a copy of the weights to apply it to and receives the "
+                                        "version itself (also under the torch transport)")
 
     def validate(self, where: Where) -> None:
         if not self.token_delay_s >= 0:
@@ -923,6 +927,10 @@ class Recipe:
             raise where.child("timing_model").child(key).error(why)
         if self.model.lora is not None:
             here = where.child("model").child("lora")
+            if self.engine.weight_delta:
+                raise where.child("engine").child("weight_delta").error(
+                    "is refused with model.lora: a LoRA version is the adapter alone (already a small part of the "
+                    "model), merged whole by each engine; leave weight_delta out")
             if self.training.backend == "megatron":
                 raise here.error("is refused with training.backend megatron (megatron-core has no LoRA layers sfhpc "
                                  "could train; use the torch backend, or full fine-tuning with megatron)")

@@ -73,7 +73,7 @@ class Synced:
     rank: int
     version: int
     seconds: float
-    bytes: int = 0  # the publishing trainer's: the version's bytes on the wire
+    bytes: int = 0  # the publishing trainer's: the version's bytes on the wire (a delta's, with engine.weight_delta)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,10 +108,13 @@ class RolloutWorker:
             def join_engine(group: WeightGroup, first_member: int) -> None:
                 self.server.call(self.engine.join_weight_group(group, first_member), timeout=group.timeout_s + 60)
 
-            members = self.engine.weight_group_members
+            # With delta updates the rank receives each version itself (its copy is what a delta applies to),
+            # so an engine that could join the weight group does not.
+            members = 0 if recipe.engine.weight_delta else self.engine.weight_group_members
             self.receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport,
                                                    engine_members=members,
-                                                   join_engine=join_engine if members else None))
+                                                   join_engine=join_engine if members else None),
+                                           delta=recipe.engine.weight_delta)
         self.adapter_merge = None  # LoRA: each version is the adapter alone, merged here into the frozen weights
         if self.receiver is not None and recipe.model.lora is not None and model_dir is not None:
             from sfhpc.weights.adapter import AdapterMerge

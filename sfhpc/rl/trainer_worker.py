@@ -68,7 +68,8 @@ class TrainerWorker:
         if layout.weight_broadcast is not None and self.rank == layout.weight_root:
             from sfhpc.weights.transport import connect
 
-            self.publisher = WeightPublisher(connect(layout.weight_broadcast, self.recipe.engine.weight_transport))
+            self.publisher = WeightPublisher(connect(layout.weight_broadcast, self.recipe.engine.weight_transport),
+                                             delta=self.recipe.engine.weight_delta)
 
     def train(self, command: msg.Train) -> msg.Trained | None:
         if hold := fault_injection.hold_seconds("train"):
@@ -92,7 +93,7 @@ class TrainerWorker:
             # float32 master weights are cast to the engines' dtype into staging first; rollout ranks keep
             # generating until the header that follows it arrives.
             sent = self.publisher.publish(self.trainer.update_weights(), command.version,
-                                          dtype=getattr(torch, self.recipe.model.dtype)).bytes
+                                          dtype=getattr(torch, self.recipe.model.dtype)).wire_bytes
         elif self.gathers_published_weights:
             # Under tensor or pipeline parallelism the weight stream is collective over the root's
             # model-parallel group (shards gathered, stages broadcast): these ranks iterate it with the root

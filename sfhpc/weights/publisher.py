@@ -31,6 +31,13 @@ done, send when the controller asks). The source holds one copy of the weights i
 Every bucket must be consumed on every receiver (the broadcasts are collective); `IncomingWeights.drain`
 does so for a receiver that has nothing to load. `WeightReceiver.start` waits for a header without
 blocking (poll `PendingVersion.ready`), for ranks that generate while they wait.
+
+With ``delta=True`` on both sides a version whose layout the receivers hold is sent as what changed
+(`sfhpc.weights.delta`): while staging, each bucket is compared with the version staging held, and the header
+is followed by a table (per bucket: encoding, bytes, checksum, over the header's channel) and only the
+buckets' encodings. Receivers keep a copy of every bucket, apply each delta to it, check the checksum and
+hand only the buckets that changed to their engine. A new layout, and a version staged over one the receivers
+never got, go whole.
 """
 
 from __future__ import annotations
@@ -42,14 +49,16 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from sfhpc.weights import delta
 from sfhpc.weights.errors import WeightStreamError
-from sfhpc.weights.manifest import WeightManifest, module_group, plan_buckets, typed_view, unpack
+from sfhpc.weights.manifest import MAX_MESSAGE, WeightManifest, module_group, plan_buckets, typed_view, unpack
 from sfhpc.weights.transport import Transfer, WeightTransport
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
 HEADER_WORDS = 4  # kind, version, layout hash, number of messages
-_FINISH, _SAME_LAYOUT, _NEW_LAYOUT = 0, 1, 2
+_FINISH, _SAME_LAYOUT, _NEW_LAYOUT, _DELTA = 0, 1, 2, 3
+TABLE_COLUMNS = 3  # per bucket of a delta version: encoding, payload bytes, checksum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +71,12 @@ class PublishStats:
     stage_seconds: float  # casting/copying the tensors into staging (receivers not involved)
     send_seconds: float  # header, manifest if sent, every message, as the source saw it
     manifest_sent: bool
+    wire_bytes: int = -1  # what crossed the wire: `bytes` for a whole version, less for a delta (-1: `bytes`)
+    encodings: tuple[int, ...] = ()  # buckets sent in each encoding of `sfhpc.weights.delta` (delta versions)
+
+    def __post_init__(self) -> None:
+        if self.wire_bytes < 0:
+            object.__setattr__(self, "wire_bytes", self.bytes)
 
     @property
     def seconds(self) -> float:
@@ -86,21 +101,46 @@ class _Staging:
         self.views: list[torch.Tensor | None] = [
             typed_view(self.buffer, meta, base=-starts[meta.bucket]) if meta.nbytes and self.buffer is not None
             else None for meta in manifest.tensors]
+        self.starts = starts
         self.wires = [transport.wire(self.buffer, starts[m.bucket] + m.offset, m.nbytes)
                       for m in manifest.messages] if self.buffer is not None else []
+
+    def bucket(self, index: int) -> torch.Tensor:
+        assert self.buffer is not None
+        return self.buffer[self.starts[index]:self.starts[index + 1]]
+
+
+class _Changes:
+    """The delta of the version in staging against the one before it, bucket by bucket (`stage` fills it)."""
+
+    def __init__(self, buckets: int) -> None:
+        self.encodings = [delta.SAME] * buckets
+        self.payloads: list[torch.Tensor | None] = [None] * buckets
+        self.checksums = [0] * buckets
+
+    def add(self, index: int, mask: torch.Tensor, bucket: torch.Tensor) -> None:
+        encoding, payload = delta.encode(mask, delta.words(bucket))
+        self.encodings[index] = encoding
+        self.payloads[index] = payload if payload.numel() else None
+        if encoding != delta.SAME:
+            self.checksums[index] = delta.checksum(bucket)
 
 
 class WeightPublisher:
     """The sending side; lives on the transport's source rank."""
 
     def __init__(self, transport: WeightTransport, bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 group: Callable[[str], str] | None = module_group) -> None:
+                 group: Callable[[str], str] | None = module_group, delta: bool = False) -> None:
         if not transport.is_source:
             raise ValueError("a WeightPublisher lives on the transport's source rank; use WeightReceiver elsewhere")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.group = group
+        self.delta = delta
         self._staging: _Staging | None = None
+        self._receivers_hold_staging = False  # staging holds the last version sent (what a delta is taken against)
+        self._changes: _Changes | None = None  # the delta of the version in staging; None: it goes whole
+        self._payload: torch.Tensor | None = None  # transport memory the encoded buckets are sent from (grows)
         self._announced: int | None = None  # layout hash the receivers hold the manifest of
         self._staged: tuple[int, float] | None = None  # tensors and seconds of the version in staging, unsent
         self._header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
@@ -127,18 +167,50 @@ class WeightPublisher:
             manifest = plan_buckets(items, 0, self.bucket_bytes, dtype=dtype, group=self.group)
             self._staging = None  # let the previous layout's buffer go before allocating the next
             self._staging = _Staging(key, manifest, self.transport)
-        for view, (_, tensor) in zip(self._staging.views, items):
-            if view is not None:
-                view.copy_(tensor)  # cast and copy in one pass
+            self._receivers_hold_staging = False
+        if self.delta and self._receivers_hold_staging:
+            self._changes = self._stage_comparing(items)
+        else:
+            self._changes = None
+            for view, (_, tensor) in zip(self._staging.views, items):
+                if view is not None:
+                    view.copy_(tensor)  # cast and copy in one pass
+        self._receivers_hold_staging = False
         seconds = time.perf_counter() - start
         self._staged = (len(items), seconds)
         return seconds
+
+    def _stage_comparing(self, items: list[tuple[str, torch.Tensor]]) -> _Changes:
+        """Copy `items` into staging, which holds the version the receivers have, and note per 2-byte word what
+        changed, one bucket at a time (a bucket's mask is the only memory this takes beyond a tensor's copy)."""
+        staging = self._staging
+        assert staging is not None
+        manifest = staging.manifest
+        changes = _Changes(manifest.num_buckets)
+        current, mask = -1, torch.zeros(0, dtype=torch.bool)
+        for meta, view, (_, tensor) in zip(manifest.tensors, staging.views, items):
+            if view is None:
+                continue
+            if meta.bucket != current:
+                if current >= 0:
+                    changes.add(current, mask, staging.bucket(current))
+                current = meta.bucket
+                mask = torch.zeros(manifest.bucket_sizes[current] // 2, dtype=torch.bool, device=view.device)
+            words = delta.words(staging.bucket(current))[meta.offset // 2:(meta.offset + meta.nbytes + 1) // 2]
+            before = words.clone()
+            view.copy_(tensor)
+            torch.ne(words, before, out=mask[meta.offset // 2:meta.offset // 2 + words.numel()])
+        if current >= 0:
+            changes.add(current, mask, staging.bucket(current))
+        return changes
 
     def send(self, version: int) -> PublishStats:
         """Broadcast what is staged as `version`; returns when every message has left this rank's memory.
         Staging must not change until then."""
         if self._staging is None or self._staged is None:
             raise WeightStreamError("nothing is staged: call stage() (or publish()) before send()")
+        if self._changes is not None:
+            return self._send_delta(version, self._changes)
         start = time.perf_counter()
         manifest = self._staging.manifest
         new_layout = self._announced != manifest.layout
@@ -153,16 +225,66 @@ class WeightPublisher:
         self.transport.wait_all(transfers)
         tensors, stage_seconds = self._staged
         self._staged = None
+        self._receivers_hold_staging = True
         return PublishStats(version=version, tensors=tensors, bytes=manifest.total_bytes,
                             buckets=manifest.num_buckets, messages=len(manifest.messages),
                             stage_seconds=stage_seconds, send_seconds=time.perf_counter() - start,
                             manifest_sent=new_layout)
+
+    def _send_delta(self, version: int, changes: _Changes) -> PublishStats:
+        """The header, the table of bucket encodings, then each changed bucket: whole from staging, or its
+        encoding from the payload buffer."""
+        staging = self._staging
+        assert staging is not None and self._staged is not None
+        start = time.perf_counter()
+        manifest = staging.manifest
+        starts = _aligned_starts(0 if p is None else p.numel() for p in changes.payloads)
+        if starts[-1] and (self._payload is None or self._payload.numel() < starts[-1]):
+            self._payload = None
+            self._payload = self.transport.allocate(starts[-1] + starts[-1] // 2)  # room to grow without a new one
+        messages: list[object] = []
+        for index, encoding in enumerate(changes.encodings):
+            payload = changes.payloads[index]
+            if encoding == delta.FULL:
+                messages += [staging.wires[k] for k, m in enumerate(manifest.messages) if m.bucket == index]
+            elif payload is not None:
+                assert self._payload is not None
+                end = starts[index] + payload.numel()
+                self._payload[starts[index]:end].copy_(payload)
+                messages += [self.transport.wire(self._payload, at, min(MAX_MESSAGE, end - at))
+                             for at in range(starts[index], end, MAX_MESSAGE)]
+        table = torch.tensor([[e, 0 if p is None else p.numel(), c] for e, p, c in
+                              zip(changes.encodings, changes.payloads, changes.checksums)], dtype=torch.int64)
+        self._header_words[:] = (_DELTA, version, manifest.layout, len(messages))
+        transfers = [self.transport.post_header(self._header), self.transport.post_header(table)]
+        if messages:
+            transfers.append(self.transport.post(messages))
+        self.transport.wait_all(transfers)
+        tensors, stage_seconds = self._staged
+        self._staged, self._changes = None, None
+        self._receivers_hold_staging = True
+        sent = sum(size for e, size in zip(changes.encodings, manifest.bucket_sizes) if e == delta.FULL)
+        sent += sum(p.numel() for p in changes.payloads if p is not None) + table.numel() * 8
+        counts = tuple(changes.encodings.count(e) for e in range(len(delta.ENCODINGS)))
+        return PublishStats(version=version, tensors=tensors, bytes=manifest.total_bytes,
+                            buckets=manifest.num_buckets, messages=len(messages), stage_seconds=stage_seconds,
+                            send_seconds=time.perf_counter() - start, manifest_sent=False, wire_bytes=sent,
+                            encodings=counts)
 
     def finish(self) -> None:
         """Tell every receiver there are no more versions (their `receive` returns None)."""
         self._header_words[:] = (_FINISH, 0, 0, 0)
         self.transport.post_header(self._header).wait()
         self.transport.close()
+
+
+def _aligned_starts(sizes: Iterable[int]) -> list[int]:
+    """Where each bucket's encoding (of `sizes` bytes) starts in a payload buffer (aligned), and the buffer's
+    size last."""
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + (size + delta.ALIGN - 1) // delta.ALIGN * delta.ALIGN)
+    return starts
 
 
 class _ReceiverLayout:
@@ -175,7 +297,15 @@ class _ReceiverLayout:
         self._receiver = receiver
         self._cache: dict[int, tuple[list[object], list[tuple[str, torch.Tensor]]]] = {}
         self._slots: list[torch.Tensor] = []
-        if receiver.reuse_buffers:
+        # With deltas: a copy of every bucket, back to back (what each delta is applied to), and whether it
+        # holds a whole version yet.
+        self.copy: torch.Tensor | None = None
+        self.holds_version = False
+        self._payload: torch.Tensor | None = None
+        if receiver.delta:
+            self.starts = [0, *itertools.accumulate(manifest.bucket_sizes)]
+            self.copy = receiver.transport.allocate(manifest.total_bytes) if manifest.total_bytes else None
+        elif receiver.reuse_buffers:
             largest = max(manifest.bucket_sizes, default=0)
             depth = min(receiver.depth, manifest.num_buckets)
             old = previous._slots if previous is not None else []
@@ -187,6 +317,13 @@ class _ReceiverLayout:
         cached = self._cache.get(index)
         if cached is not None:
             return cached
+        if self._receiver.delta:
+            buffer = self.copy_of(index)
+            wire = self._receiver.transport.wire
+            views = ([wire(buffer, m.offset, m.nbytes) for m in self.manifest.bucket_messages(index)],
+                     unpack(buffer, self.manifest.bucket(index)))
+            self._cache[index] = views
+            return views
         if self._slots:
             buffer = self._slots[index % len(self._slots)]
         else:
@@ -197,6 +334,19 @@ class _ReceiverLayout:
         if self._slots:
             self._cache[index] = views
         return views
+
+
+    def copy_of(self, index: int) -> torch.Tensor:
+        """This receiver's copy of bucket `index` (with deltas)."""
+        assert self.copy is not None
+        return self.copy[self.starts[index]:self.starts[index + 1]]
+
+    def payload(self, nbytes: int) -> torch.Tensor:
+        """Memory to receive a delta's encodings into (grown as needed, kept)."""
+        if self._payload is None or self._payload.numel() < nbytes:
+            self._payload = None
+            self._payload = self._receiver.transport.allocate(nbytes + nbytes // 2)
+        return self._payload
 
 
 class IncomingWeights:
@@ -264,6 +414,62 @@ class IncomingWeights:
             self._posted[index] = (self._receiver.transport.post(messages), views)
             if index == self.num_buckets - 1:
                 self._receiver._post_header()  # the next header may now be matched, in order
+                if self._receiver.delta:
+                    self._layout.holds_version = True  # every bucket of a whole version lands in the copy
+
+
+class IncomingDelta(IncomingWeights):
+    """A delta version on its way in: every message is posted at once (whole buckets into the receiver's copy,
+    encodings into its payload buffer); iterating applies each changed bucket's delta to the copy, checks its
+    checksum and yields it. Only the buckets that changed are yielded (`num_buckets` counts them)."""
+
+    def __init__(self, receiver: WeightReceiver, layout: _ReceiverLayout, version: int, table: torch.Tensor,
+                 messages: int) -> None:
+        super().__init__(receiver, layout, version)
+        rows = [tuple(int(x) for x in row) for row in table.tolist()]
+        self._changed = [(index, encoding, size, checksum) for index, (encoding, size, checksum) in enumerate(rows)
+                         if encoding != delta.SAME]
+        starts = _aligned_starts(0 if e == delta.FULL else n for e, n, _ in rows)
+        payload = layout.payload(starts[-1]) if starts[-1] else None
+        wire = receiver.transport.wire
+        wires: list[object] = []
+        self._encoded: dict[int, torch.Tensor] = {}
+        for index, encoding, size, _ in self._changed:
+            if encoding == delta.FULL:
+                wires += layout.bucket(index)[0]
+            else:
+                assert payload is not None
+                self._encoded[index] = payload[starts[index]:starts[index] + size]
+                wires += [wire(payload, at, min(MAX_MESSAGE, starts[index] + size - at))
+                          for at in range(starts[index], starts[index] + size, MAX_MESSAGE)]
+        if len(wires) != messages:
+            raise WeightStreamError(f"version {version}: the delta's table gives {len(wires)} messages, its header "
+                                    f"{messages}: publisher and receiver disagree")
+        self._transfer = receiver.transport.post(wires) if wires else None
+        receiver._post_header()  # every message of this version is posted: the next header may be matched
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._changed)
+
+    def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        if self._transfer is not None:
+            self._transfer.wait()
+            self._transfer = None
+        layout = self._layout
+        while not self.done:
+            index, encoding, _, expected = self._changed[self._next]
+            bucket = layout.copy_of(index)
+            if encoding != delta.FULL:
+                delta.apply(delta.words(bucket), encoding, self._encoded[index])
+            if delta.checksum(bucket) != expected:
+                raise WeightStreamError(f"version {self.version}: bucket {index} differs from the publisher's after "
+                                        f"its {delta.ENCODINGS[encoding]} update (checksum mismatch)")
+            self._next += 1
+            yield layout.bucket(index)[1]
+
+    def _post(self, index: int) -> None:
+        raise AssertionError("a delta version posts every message when it arrives")
 
 
 class PendingVersion:
@@ -291,14 +497,19 @@ class PendingVersion:
 class WeightReceiver:
     """The receiving side; lives on every other rank of the transport."""
 
-    def __init__(self, transport: WeightTransport, *, reuse_buffers: bool = True, depth: int = 2) -> None:
+    def __init__(self, transport: WeightTransport, *, reuse_buffers: bool = True, depth: int = 2,
+                 delta: bool = False) -> None:
         if transport.is_source:
             raise ValueError("the transport's source rank publishes; use WeightPublisher there")
         if depth < 1:
             raise ValueError(f"depth must be at least 1 bucket buffer, found {depth}")
+        if delta and transport.engine_receives:
+            raise WeightStreamError("delta weight updates are applied by the rank that receives them, and this "
+                                    "rank's engine receives the weights itself")
         self.transport = transport
         self.reuse_buffers = reuse_buffers
         self.depth = depth
+        self.delta = delta  # keep a copy of every bucket and take versions as deltas against it
         self._layout: _ReceiverLayout | None = None
         self._current: IncomingWeights | None = None
         self._pending: PendingVersion | None = None
@@ -338,11 +549,20 @@ class WeightReceiver:
             if manifest is None or manifest.layout != layout:
                 raise WeightStreamError("the manifest that followed a header does not match its layout hash")
             self._layout = _ReceiverLayout(manifest, self, self._layout)
-        elif kind != _SAME_LAYOUT:
+        elif kind not in (_SAME_LAYOUT, _DELTA):
             raise WeightStreamError(f"unknown weight header kind {kind}: publisher and receiver disagree")
         if self._layout is None or self._layout.manifest.layout != layout or \
-                len(self._layout.manifest.messages) != messages:
+                (kind != _DELTA and len(self._layout.manifest.messages) != messages):
             raise WeightStreamError(f"version {version} announces a layout this receiver never got a manifest for")
+        if kind == _DELTA:
+            table = torch.zeros(self._layout.manifest.num_buckets, TABLE_COLUMNS, dtype=torch.int64)
+            self.transport.post_header(table).wait()  # the table follows its header on the same channel
+            if not self.delta or not self._layout.holds_version:
+                raise WeightStreamError(f"version {version} came as a delta, and this receiver "
+                                        + ("keeps no copy to apply it to" if not self.delta else
+                                           "never got the whole version before it"))
+            self._current = IncomingDelta(self, self._layout, version, table, messages)
+            return self._current
         self._current = IncomingWeights(self, self._layout, version)
         if self._current.num_buckets == 0:
             self._post_header()

@@ -165,3 +165,15 @@ def test_distillation_needs_its_teacher_role_and_a_teacher(tmp_path: Path, roles
         load_recipe(path)
     message = str(info.value)
     assert f" {key}: " in message and fragment in message and "\n" not in message, message
+
+
+def test_delta_updates_are_refused_with_lora_in_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "r.yaml"
+    path.write_text(GOOD_RECIPE + "model: {lora: {rank: 8}}\nengine: {weight_delta: true}\n")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert " engine.weight_delta: is refused with model.lora: a LoRA version is the adapter alone" in message
+    assert "\n" not in message
+    path.write_text(GOOD_RECIPE + "engine: {weight_delta: true}\n")
+    assert load_recipe(path).engine.weight_delta

@@ -2,7 +2,9 @@
 
 The suite's learning rise: a seeded ``async`` run whose reward on ``next-letter`` climbs from chance to nearly
 every reply right (measured: 0.07 -> 0.98, first and last 6 of 60 steps), and whose greedy evaluation on
-held-out problems rises with it. Other whole runs check other things:
+held-out problems rises with it. Its weights reach the engine as deltas (``engine.weight_delta``): every
+version after the first is smaller on the wire than the model, and the policy still learns what it learned with
+whole versions. Other whole runs check other things:
 a colocated sync run's records `test_resume_exact.py`, multi-turn agents over HTTP `test_preemption_local.py`,
 a Hugging Face folder `test_rl_hf_models.py`.
 """
@@ -25,6 +27,7 @@ seed: 3
 model: {build: {warm_start_steps: 40}}
 algorithm: {name: grpo, group_size: 8, learning_rate: 5.0e-4}
 pipeline: {mode: async, max_staleness: 1}
+engine: {weight_delta: true}
 budgets: {steps: STEPS, prompts_per_step: 8}
 task: {name: next-letter, options: {letters: "ab"}}
 evaluation: {problems: 16, every: 30}
@@ -48,6 +51,9 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     staleness = [r["max_staleness"] for r in rows]
     assert staleness.count(1) >= len(rows) - 5 and max(staleness) <= 2, staleness
     assert (run_dir / "reward.png").stat().st_size > 1000
+    # The first version went whole (the engine's rank held no copy yet), every later one as a delta: smaller.
+    sizes = [r["update_bytes"] for r in rows]
+    assert sizes[0] > 1e6 and all(0 < size < sizes[0] for size in sizes[1:]), sizes
     # Greedy replies to 16 held-out problems, before training, at step 30 and after the last: the policy's
     # pass@1 rises with the training reward.
     evaluations = {r["step"]: r["eval_pass_at_1"] for r in every_row if "eval_pass_at_1" in r}

@@ -1,6 +1,8 @@
 """Rank program of the engine weight-sync test:
-`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT mpi,torch` (each transport in turn, one engine:
-`mpi`, or `torch`, where vLLM's worker joins a gloo group and receives the buckets itself).
+`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT mpi,torch,mpi-delta` (each stream in turn, one
+engine: `mpi`; `torch`, where vLLM's worker joins a gloo group and receives the buckets itself; `mpi-delta`,
+delta updates over MPI: the perturbation then touches a tenth of the elements, and restoring them is a delta
+of a tenth of the words, which the rank applies to its copy before the engine loads the changed buckets).
 
 Rank 0 is a trainer (`TorchTrainer` on the model folder). Over each transport it perturbs its float32 master
 weights (the same perturbation every time) and publishes them (cast to bf16 on the way, in small buckets),
@@ -50,12 +52,16 @@ def trainer_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> dict[st
     trainer = TorchTrainer(model_dir)
     original = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     record: dict[str, Any] = {}
-    for index, (transport, weights) in enumerate(streams.items()):
-        publisher = WeightPublisher(connect(weights, transport), bucket_bytes=BUCKET_BYTES)
+    for index, (stream, weights) in enumerate(streams.items()):
+        transport, delta = stream.removesuffix("-delta"), stream.endswith("-delta")
+        publisher = WeightPublisher(connect(weights, transport), bucket_bytes=BUCKET_BYTES, delta=delta)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for p in trainer.model.parameters():
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                noise = 0.05 * torch.randn(p.shape, generator=gen)
+                if delta:  # a tenth of the elements, moved further
+                    noise = 4 * noise * (torch.rand(p.shape, generator=gen) < 0.1)
+                p.add_(noise)
         polled_barrier(comm)  # the engine is up (and has its "before" output)
         first = publisher.publish(trainer.named_weights(), version=2 * index + 1, dtype=torch.bfloat16)
         prompt, tokens = polled_recv(comm, source=1)  # a reply the engine sampled with those weights
@@ -67,9 +73,10 @@ def trainer_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> dict[st
         polled_barrier(comm)  # the engine has generated with the perturbed weights
         second = publisher.publish(trainer.named_weights(), version=2 * index + 2, dtype=torch.bfloat16)
         publisher.finish()
-        record[transport] = {"buckets": [first.buckets, second.buckets],
-                             "manifest_sent": [first.manifest_sent, second.manifest_sent],
-                             "transport": type(publisher.transport).__name__, "scored_logprobs": scored}
+        record[stream] = {"buckets": [first.buckets, second.buckets],
+                          "manifest_sent": [first.manifest_sent, second.manifest_sent],
+                          "wire_bytes": [first.wire_bytes, second.wire_bytes], "bytes": [first.bytes, second.bytes],
+                          "transport": type(publisher.transport).__name__, "scored_logprobs": scored}
     return record
 
 
@@ -109,10 +116,12 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
 
     record: dict[str, Any] = {"before": await generate(0.0)}
     try:
-        for transport, weights in streams.items():
-            receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport,
-                                                              engine_members=engine.weight_group_members,
-                                                              join_engine=join_engine))
+        for stream_name, weights in streams.items():
+            transport, delta = stream_name.removesuffix("-delta"), stream_name.endswith("-delta")
+            members = 0 if delta else engine.weight_group_members  # a delta is applied by the rank
+            receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport, engine_members=members,
+                                                              join_engine=join_engine if members else None),
+                                      delta=delta)
             stream: dict[str, Any] = {"loaded": [], "engine_versions": [],
                                       "lands_in_engine": receiver.transport.engine_receives}
             for name in ("perturbed", "restored"):
@@ -128,7 +137,7 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
                     stream["sampled"] = await generate(1.0)
                     await asyncio.to_thread(comm.send, (list(prompt), stream["sampled"]["tokens"]), 0)
             stream["finished"] = await next_version(receiver) is None
-            record[transport] = stream
+            record[stream_name] = stream
     finally:
         engine.shutdown()
     return record
