@@ -97,7 +97,7 @@ def run_source(comm: Any, transport: Any, args: argparse.Namespace) -> list[dict
 def run_receiver(comm: Any, transport: Any) -> None:
     from sfhpc.weights import WeightReceiver
 
-    receiver = WeightReceiver(transport, delta=True)
+    receiver = WeightReceiver(transport, keep_copy=True)
     layout = None
     while (incoming := receiver.receive()) is not None:
         incoming.drain()  # applies each delta and checks each changed bucket's checksum

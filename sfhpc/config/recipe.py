@@ -512,6 +512,10 @@ class EngineSpec:
         "auto", "how new weights reach the engines: mpi (host memory, MPI broadcast), torch (a torch.distributed "
                 "group: NCCL between GPUs, gloo on CPUs; vLLM's workers receive into their own memory), or auto "
                 "(torch where the first trainer has CUDA, else mpi)")
+    max_restarts: int = setting(0, "vLLM: restart an engine whose process died (killed, out of memory, a device "
+                                   "error) inside its rank this many times in a run, with the weights it had (the "
+                                   "rank keeps a copy); its generations continue from their prefix on the new "
+                                   "one. 0: a dead engine ends the run")
     weight_delta: bool = setting(False, "send each weight version as the bf16 elements that changed since the one "
                                         "before (whole where that is smaller, and the first version whole); each "
                                         "rollout rank keeps a copy of the weights to apply it to and receives the "
@@ -527,6 +531,8 @@ class EngineSpec:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise where.child("gpu_memory_utilization").error(
                 f"must be more than 0 and at most 1 (a share of the GPU), found {self.gpu_memory_utilization}")
+        if self.max_restarts < 0:
+            raise where.child("max_restarts").error(f"must be 0 or more, found {self.max_restarts}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise where.child("max_num_seqs").error(f"must be at least 1 (or null), found {self.max_num_seqs}")
         if self.name == "vllm":
@@ -539,7 +545,8 @@ class EngineSpec:
                     raise where.child(key).error("configures vLLM only; leave it out for the 'test' engine")
 
 
-VLLM_KNOBS = {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "max_num_seqs": None, "enforce_eager": True}
+VLLM_KNOBS = {"tensor_parallel_size": 1, "gpu_memory_utilization": 0.9, "max_num_seqs": None, "enforce_eager": True,
+              "max_restarts": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -931,6 +938,10 @@ class Recipe:
                 raise where.child("engine").child("weight_delta").error(
                     "is refused with model.lora: a LoRA version is the adapter alone (already a small part of the "
                     "model), merged whole by each engine; leave weight_delta out")
+            if self.engine.max_restarts:
+                raise where.child("engine").child("max_restarts").error(
+                    "is refused with model.lora: a restarted engine would need the merged weights, which the "
+                    "rank does not keep; leave max_restarts out")
             if self.training.backend == "megatron":
                 raise here.error("is refused with training.backend megatron (megatron-core has no LoRA layers sfhpc "
                                  "could train; use the torch backend, or full fine-tuning with megatron)")

@@ -168,6 +168,11 @@ class AgentEndpoint:
     def engine(self) -> RolloutEngine:
         return self._engine
 
+    @property
+    def generating(self) -> int:
+        """Turns with a generation running on the engine now."""
+        return self._in_engine
+
     def turn(self, request: TurnRequest) -> Turn:
         """``async with endpoint.turn(req) as turn: async for delta in turn.stream(): ...``; then ``turn.result``."""
         return Turn(self, request)

@@ -106,6 +106,7 @@ class RolloutEngine(abc.ABC):
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._sleeping = False
+        self._dead = asyncio.Event()
 
     # -- what a backend implements ---------------------------------------------------------------
     @property
@@ -153,6 +154,14 @@ class RolloutEngine(abc.ABC):
         """Receive every bucket of `manifest` from the joined group and load it (or only receive it)."""
         raise EngineStateError(f"engine '{self.name}' never joined a weight group")
 
+    def shutdown(self) -> None:  # noqa: B027 (a hook engines without processes leave empty)
+        """Stop the engine's own processes, if it has any (call from the engine's event loop)."""
+
+    def kill_processes(self) -> int:
+        """Kill the engine's own processes outright (fault injection's ``engine=kill``); returns how many. An
+        engine without processes of its own has none to kill."""
+        return 0
+
     async def _sleep(self) -> None:  # noqa: B027 (a hook most engines leave empty)
         """Give the engine's device memory back (called paused); engines without such memory do nothing."""
 
@@ -196,6 +205,23 @@ class RolloutEngine(abc.ABC):
 
     async def wait_resumed(self) -> None:
         await self._resumed.wait()
+
+    @property
+    def dead(self) -> bool:
+        """The engine's processes are gone (`died`): it generates no more, and stays paused."""
+        return self._dead.is_set()
+
+    async def wait_dead(self) -> None:
+        await self._dead.wait()
+
+    def died(self) -> None:
+        """A backend found its processes gone. The engine counts as paused from now on, so that the streams it
+        ends with ``abort`` are continued (on an engine that replaces it) rather than taken as cancelled."""
+        if not self._paused:
+            self._paused = True
+            self._pauses += 1
+            self._resumed.clear()
+        self._dead.set()
 
     async def pause(self) -> None:
         """Stop generating: in-flight streams end with ``abort`` holding their partial tokens."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from sfhpc.weights.group import WeightGroup
     from sfhpc.weights.manifest import WeightManifest
 
+log = logging.getLogger("sfhpc")
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 EXECUTOR_PROCESSES = "VLLM_ENABLE_V1_MULTIPROCESSING"
 PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
@@ -204,6 +206,8 @@ class VllmEngine(RolloutEngine):
         params = SamplingParams(max_tokens=request.max_new_tokens, temperature=request.temperature,
                                 top_p=request.top_p, seed=request.seed, logprobs=0, detokenize=False,
                                 stop_token_ids=list(request.stop_token_ids), ignore_eos=True)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         sent = 0
         finish = None
         self._open.add(request.request_id)
@@ -223,6 +227,13 @@ class VllmEngine(RolloutEngine):
                     return
             if finish is None:  # the stream ended without a final output (engine shut down)
                 yield GenerationChunk(request.request_id, (), (), (), "abort")
+        except EngineDeadError:
+            # The engine core died (killed, out of memory, a device error): what was streamed is kept, and the
+            # generation ends as a pause would end it, to be continued on the engine that replaces this one.
+            log.error("engine '%s': its engine core died under request %s (%d tokens streamed)", self.name,
+                      request.request_id, sent)
+            self.died()
+            yield GenerationChunk(request.request_id, (), (), (), "abort")
         finally:
             self._open.discard(request.request_id)
 
@@ -268,6 +279,14 @@ class VllmEngine(RolloutEngine):
         await self._llm.collective_rpc("sfhpc_receive_weights", args=(manifest.to_json(), load))
         if load:
             await self._llm.reset_prefix_cache()
+
+    def kill_processes(self) -> int:
+        """SIGKILL this engine's core (what the kernel's OOM killer would do; fault injection's ``engine=kill``).
+        Returns how many processes were killed."""
+        cores = _engine_cores()
+        for child in cores:
+            child.kill()
+        return len(cores)
 
     def shutdown(self) -> None:
         """Stop the engine's processes. The AsyncLLM object is dropped here, not at interpreter exit: its

@@ -26,6 +26,14 @@ from sfhpc.weights.publisher import IncomingWeights, WeightReceiver
 POLL_SECONDS = 0.005  # header polling: short enough to be prompt, long enough not to spin a core
 
 
+async def header_arrived(receiver: WeightReceiver, poll_seconds: float = POLL_SECONDS) -> None:
+    """Wait, without blocking the event loop, until the next version's header is here (`next_version` then
+    returns at once)."""
+    pending = receiver.start()
+    while not pending.ready():
+        await asyncio.sleep(poll_seconds)
+
+
 async def next_version(receiver: WeightReceiver, poll_seconds: float = POLL_SECONDS) -> IncomingWeights | None:
     """Wait for the next version's header while the event loop keeps serving; None once the publisher
     has finished."""

@@ -134,6 +134,7 @@ class Controller:
         self.started = time.monotonic()
         self.last_reclaim: dict[str, float | int] = {}  # the step's reclaim figures, for its metrics row
         self.update_bytes = 0  # the last weight update's bytes on the wire (the publisher's buckets)
+        self.engine_restarts: dict[int, int] = {}  # rollout rank -> its engine's restarts in this allocation
         self.rebalanced = 0  # episodes moved onto lent ranks that ran dry, this step (for its metrics row)
         self.evaluation = None if recipe.evaluation is None else Evaluation(
             recipe.evaluation, task, source=recipe.source, seed=recipe.seed, last_step=recipe.budgets.steps)
@@ -421,7 +422,17 @@ class Controller:
         self.scheduler.set_state(everyone, RankState.WAITING)
         self.version = version
         self.update_bytes = max(r.bytes for r in replies)
+        self.note_engine_restarts(replies)
         return max(r.seconds for r in replies if r.rank in rollouts)
+
+    def note_engine_restarts(self, replies: list[msg.Synced]) -> None:
+        """An engine that died and was restarted inside its rank (``engine.max_restarts``), in the event log."""
+        for reply in replies:
+            if reply.restarts > self.engine_restarts.get(reply.rank, 0):
+                self.engine_restarts[reply.rank] = reply.restarts
+                self.event("engine-restarted", rank=reply.rank, restarts=reply.restarts, version=reply.version)
+                print(f"rank {reply.rank}: its engine died and was restarted (restart {reply.restarts} of "
+                      f"{self.recipe.engine.max_restarts})", flush=True)
 
     def report(self, step: int, batch: Batch, trained: msg.Trained, sync_s: float, step_s: float) -> None:
         rewards = [t.reward or 0.0 for t in batch.trajectories]
@@ -432,6 +443,7 @@ class Controller:
             "generated_tokens_per_s": batch.num_generated / step_s, "trained_tokens_per_s":
             batch.num_tokens / max(float(metrics.get("seconds", 0.0)), 1e-9),
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s, "update_bytes": self.update_bytes,
+            "engine_restarts": sum(self.engine_restarts.values()),
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
             "loss_tokens": int(metrics.get("tokens", 0)),

@@ -74,6 +74,7 @@ class Synced:
     version: int
     seconds: float
     bytes: int = 0  # the publishing trainer's: the version's bytes on the wire (a delta's, with engine.weight_delta)
+    restarts: int = 0  # a rollout rank's: its engine's restarts so far in this allocation (engine.max_restarts)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,7 +65,7 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
 
         def sync(command: msg.SyncWeights) -> msg.Synced | None:
             seconds = r.sync_weights(command.version)
-            return None if lent else msg.Synced(r.rank, command.version, seconds)
+            return None if lent else msg.Synced(r.rank, command.version, seconds, restarts=r.engine_restarts)
 
         def stop(_command: msg.Stop) -> None:
             r.end_weight_stream()

@@ -89,13 +89,13 @@ class RolloutWorker:
             # With an agents role the programs run on agent hosts, nodes of their own.
             runner=None if recipe.agent_hosts is None or agent_hosts is None else AgentHostsClient(agent_hosts))
 
-        async def start_engine() -> RolloutEngine:
-            with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
-                engine = engine_factory()
-            await self.endpoint.replace_engine(engine)
-            return engine
-
-        self.engine: RolloutEngine = self.server.call(start_engine(), timeout=600)
+        self.engine_factory = engine_factory
+        self.engine_restarts = 0  # engines restarted after their processes died (`engine.max_restarts`)
+        self.fatal: BaseException | None = None  # what ends the run from the endpoint's loop (a dead engine)
+        # One engine change at a time: a restart and a weight update never interleave (the update's buckets land
+        # in the copy a restart loads from).
+        self.engine_lock = asyncio.Lock()
+        self.engine: RolloutEngine = self.server.call(self._start_engine(), timeout=600)
         self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
                                      if task.max_turns > 1
                                      else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
@@ -108,13 +108,15 @@ class RolloutWorker:
             def join_engine(group: WeightGroup, first_member: int) -> None:
                 self.server.call(self.engine.join_weight_group(group, first_member), timeout=group.timeout_s + 60)
 
-            # With delta updates the rank receives each version itself (its copy is what a delta applies to),
-            # so an engine that could join the weight group does not.
-            members = 0 if recipe.engine.weight_delta else self.engine.weight_group_members
+            # With delta updates, or engines that may restart, the rank receives each version itself and keeps a
+            # copy (what a delta applies to, what a restarted engine loads), so an engine that could join the
+            # weight group does not.
+            keep_copy = recipe.engine.weight_delta or recipe.engine.max_restarts > 0
+            members = 0 if keep_copy else self.engine.weight_group_members
             self.receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport,
                                                    engine_members=members,
                                                    join_engine=join_engine if members else None),
-                                           delta=recipe.engine.weight_delta)
+                                           keep_copy=keep_copy)
         self.adapter_merge = None  # LoRA: each version is the adapter alone, merged here into the frozen weights
         if self.receiver is not None and recipe.model.lora is not None and model_dir is not None:
             from sfhpc.weights.adapter import AdapterMerge
@@ -128,6 +130,71 @@ class RolloutWorker:
         self.reclaiming = False
         self.releasing: set[asyncio.Task[Any]] = set()  # episodes being cut to move elsewhere (`release`)
         self.refusing_turns = False
+
+    # -- the engine's life ----------------------------------------------------------------------------
+    async def _start_engine(self) -> RolloutEngine:
+        with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
+            engine = self.engine_factory()
+        await self.endpoint.replace_engine(engine)
+        asyncio.get_running_loop().create_task(self._watch(engine))
+        return engine
+
+    async def _watch(self, engine: RolloutEngine) -> None:
+        """When `engine` dies: restart it (up to ``engine.max_restarts`` in the run), or end the run."""
+        await engine.wait_dead()
+        if self.quiesced or engine is not self.engine:
+            return
+        limit = self.recipe.engine.max_restarts
+        if self.engine_restarts >= limit:
+            self.fatal = RuntimeError(
+                f"rank {self.rank}: engine '{engine.name}' died (its processes are gone)"
+                + (f" after {self.engine_restarts} restarts (engine.max_restarts {limit})" if limit else
+                   "; engine.max_restarts restarts it inside the rank"))
+            return
+        try:
+            await self._restart(engine)
+        except Exception as exc:  # noqa: BLE001 (any failure to restart ends the run, with its reason)
+            self.fatal = RuntimeError(f"rank {self.rank}: engine '{engine.name}' died and did not restart: {exc}")
+
+    async def _restart(self, dead: RolloutEngine) -> None:
+        """A new engine in place of `dead`, holding the weights `dead` had (the version the rank's copy holds, or
+        its own trainer's, or the folder's); the generations `dead` cut continue on it from their prefix."""
+        async with self.engine_lock:
+            start = time.perf_counter()
+            dead.shutdown()
+            version, weights = self._weights_of(dead)
+            with preemption.ignored_in_children():
+                engine = self.engine_factory()
+            await engine.pause()
+            if weights is not None:
+                await engine.load_weights(weights, version=version)
+            await self.endpoint.replace_engine(engine)
+            self.engine = engine
+            self.engine_restarts += 1
+            await engine.resume()
+            asyncio.get_running_loop().create_task(self._watch(engine))
+            log.warning("rank %d: engine '%s' restarted with weights of version %d in %.1f s (restart %d of %d)",
+                        self.rank, engine.name, engine.version, time.perf_counter() - start, self.engine_restarts,
+                        self.recipe.engine.max_restarts)
+
+    def _weights_of(self, dead: RolloutEngine) -> tuple[int, Any]:
+        """The version `dead` held and its weights (None: the folder's, which a new engine starts with)."""
+        if dead.version == 0:
+            return 0, None
+        if self.trainer is not None:  # colocated or lent: the rank's own trainer holds the policy
+            return dead.version, list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
+        held = self.receiver.held_weights() if self.receiver is not None else None
+        if held is None or held[0] != dead.version:
+            raise RuntimeError(f"the rank's copy holds version {None if held is None else held[0]}, the engine "
+                               f"had {dead.version}")
+        return held
+
+    async def _kill_engine_mid_generation(self) -> None:
+        """Fault injection (``engine=kill``): kill the engine's processes 0.2 s into the next generation."""
+        while not self.endpoint.generating:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        self.engine.kill_processes()
 
     # -- commands ----------------------------------------------------------------------------------
     def sleep_engine(self) -> None:
@@ -249,19 +316,24 @@ class RolloutWorker:
         Disaggregated: the weights arrive over the broadcast group; `apply_version` pauses, loads them
         bucket by bucket and resumes. Colocated: this rank's own trainer holds them.
         """
-        from sfhpc.engine.weight_sync import apply_version, next_version
+        from sfhpc.engine.weight_sync import apply_version, header_arrived, next_version
 
         async def from_broadcast() -> float:
             assert self.receiver is not None
-            incoming = await next_version(self.receiver)
-            if hold := fault_injection.hold_seconds("broadcast"):
-                await asyncio.sleep(hold)  # a test stretches the broadcast to signal the job inside it
-            if incoming is None or incoming.version != version:
-                raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
-                                   f"{None if incoming is None else incoming.version}")
-            start = time.perf_counter()
-            await apply_version(self.engine, incoming, self.adapter_merge)
-            return time.perf_counter() - start
+            await header_arrived(self.receiver)
+            async with self.engine_lock:
+                incoming = await next_version(self.receiver)
+                if hold := fault_injection.hold_seconds("broadcast"):
+                    await asyncio.sleep(hold)  # a test stretches the broadcast to signal the job inside it
+                if incoming is None or incoming.version != version:
+                    raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
+                                       f"{None if incoming is None else incoming.version}")
+                start = time.perf_counter()
+                await apply_version(self.engine, incoming, self.adapter_merge)
+                seconds = time.perf_counter() - start
+            if version >= 2 and fault_injection.engine_fault(self.rank):
+                asyncio.get_running_loop().create_task(self._kill_engine_mid_generation())
+            return seconds
 
         async def from_own_trainer() -> float:
             assert self.trainer is not None
@@ -276,10 +348,12 @@ class RolloutWorker:
         return self.server.call(from_own_trainer() if self.trainer is not None else from_broadcast())
 
     def errors(self) -> list[BaseException]:
-        """Exceptions of finished episodes (an agent that crashed must not go unnoticed)."""
+        """Exceptions of finished episodes (an agent that crashed must not go unnoticed), and a dead engine that
+        was not restarted."""
         done = [f for f in self.playing if f.done() and not f.cancelled()]  # cancelled: moved by a reclaim
         self.playing = [f for f in self.playing if not f.done()]
-        return [e for e in (f.exception() for f in done) if e is not None]
+        return ([self.fatal] if self.fatal is not None else []) + [
+            e for e in (f.exception() for f in done) if e is not None]
 
     def end_weight_stream(self) -> None:
         """On Stop the first trainer closes the weight stream: take its last header, so that no broadcast

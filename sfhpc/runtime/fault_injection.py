@@ -10,7 +10,9 @@ step, ``play`` when a rank playing episodes (a rollout rank, a lent trainer) get
 ``crash`` raises a RuntimeError (a fault), ``user-error`` an `SfhpcError` (a user's mistake, exit code
 2), ``freeze`` stops the rank's own process with SIGSTOP (it goes silent: no heartbeat, no answer; its
 launcher ends it), ``kill`` ends it with SIGKILL (as the kernel's OOM killer would: not a word from the
-rank). ``@N`` limits a fault to world rank N: ``play=freeze@2``.
+rank). ``@N`` limits a fault to world rank N: ``play=freeze@2``. ``engine=kill`` kills a rollout rank's engine
+processes with SIGKILL (the rank lives on) once its engine holds weights of version 2 or later, 0.2 s into the
+next generation: mid-reply, with weights a restart must bring back.
 
 Unset, nothing waits and nothing fails. A test harness sets them; recipes cannot."""
 
@@ -26,7 +28,7 @@ from sfhpc.errors import SfhpcError
 ENV = "SFHPC_HOLD_PHASES"
 PHASES = ("train", "broadcast")
 FAULTS_ENV = "SFHPC_INJECT_FAULTS"
-FAULT_PHASES = ("start", "train", "play")
+FAULT_PHASES = ("start", "train", "play", "engine")
 FAULTS = ("crash", "user-error", "freeze", "kill")
 
 
@@ -55,11 +57,23 @@ def _faults() -> dict[str, tuple[str, int | None]]:
         if phase not in FAULT_PHASES or kind not in FAULTS:
             raise ValueError(f"{FAULTS_ENV}: {item!r} is not PHASE=FAULT[@RANK] (phases: {', '.join(FAULT_PHASES)}; "
                              f"faults: {', '.join(FAULTS)})")
+        if phase == "engine" and kind != "kill":
+            raise ValueError(f"{FAULTS_ENV}: {item!r}: the engine's processes can only be killed (engine=kill)")
         faults[phase] = (kind, int(rank) if rank else None)
     return faults
 
 
 _struck: set[str] = set()
+
+
+def engine_fault(rank: int) -> bool:
+    """Whether world rank `rank` kills its engine now (``engine=kill``); True once."""
+    kind, only = _faults().get("engine", (None, None))
+    if kind != "kill" or (only is not None and only != rank) or "engine" in _struck:
+        return False
+    _struck.add("engine")
+    logging.getLogger("sfhpc").warning("rank %d: the engine's processes killed (%s)", rank, FAULTS_ENV)
+    return True
 
 
 def strike(phase: str, rank: int) -> None:

@@ -68,13 +68,23 @@ def vllm_logging_config() -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"console": {"format": "vllm %(levelname)s %(message)s"}},
+        "filters": {"engine_death": {"()": f"{__name__}.EngineDeathReported"}},
         "handlers": {
             "rank_log": {"()": f"{__name__}.rank_log_handler", "level": "INFO"},
             "console": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr", "level": "ERROR",
-                        "formatter": "console"},
+                        "formatter": "console", "filters": ["engine_death"]},
         },
         "loggers": {"vllm": {"handlers": ["rank_log", "console"], "level": "INFO", "propagate": False}},
     }
+
+
+class EngineDeathReported(logging.Filter):
+    """Keeps vLLM's report of its engine core's death (``EngineDeadError``, with its traceback) off the console:
+    sfhpc says it there in its own line (the engine restarted, or the run's fault line); the rank's log keeps it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        kind = record.exc_info[0] if record.exc_info else None
+        return kind is None or kind.__name__ != "EngineDeadError"
 
 
 def rank_log_handler() -> logging.Handler:

@@ -32,12 +32,12 @@ Every bucket must be consumed on every receiver (the broadcasts are collective);
 does so for a receiver that has nothing to load. `WeightReceiver.start` waits for a header without
 blocking (poll `PendingVersion.ready`), for ranks that generate while they wait.
 
-With ``delta=True`` on both sides a version whose layout the receivers hold is sent as what changed
-(`sfhpc.weights.delta`): while staging, each bucket is compared with the version staging held, and the header
-is followed by a table (per bucket: encoding, bytes, checksum, over the header's channel) and only the
-buckets' encodings. Receivers keep a copy of every bucket, apply each delta to it, check the checksum and
-hand only the buckets that changed to their engine. A new layout, and a version staged over one the receivers
-never got, go whole.
+With ``WeightPublisher(delta=True)`` and receivers that keep a copy (``keep_copy=True``), a version whose
+layout they hold is sent as what changed (`sfhpc.weights.delta`): while staging, each bucket is compared with
+the version staging held, and the header is followed by a table (per bucket: encoding, bytes, checksum, over
+the header's channel) and only the buckets' encodings. Receivers apply each delta to their copy, check the
+checksum and hand only the buckets that changed to their engine. A new layout, and a version staged over one
+the receivers never got, go whole.
 """
 
 from __future__ import annotations
@@ -297,12 +297,12 @@ class _ReceiverLayout:
         self._receiver = receiver
         self._cache: dict[int, tuple[list[object], list[tuple[str, torch.Tensor]]]] = {}
         self._slots: list[torch.Tensor] = []
-        # With deltas: a copy of every bucket, back to back (what each delta is applied to), and whether it
-        # holds a whole version yet.
+        # A receiver that keeps a copy: every bucket, back to back (what a delta is applied to, what a restarted
+        # engine loads), and the version it holds (None: no whole version yet).
         self.copy: torch.Tensor | None = None
-        self.holds_version = False
+        self.held_version: int | None = None
         self._payload: torch.Tensor | None = None
-        if receiver.delta:
+        if receiver.keep_copy:
             self.starts = [0, *itertools.accumulate(manifest.bucket_sizes)]
             self.copy = receiver.transport.allocate(manifest.total_bytes) if manifest.total_bytes else None
         elif receiver.reuse_buffers:
@@ -317,7 +317,7 @@ class _ReceiverLayout:
         cached = self._cache.get(index)
         if cached is not None:
             return cached
-        if self._receiver.delta:
+        if self._receiver.keep_copy:
             buffer = self.copy_of(index)
             wire = self._receiver.transport.wire
             views = ([wire(buffer, m.offset, m.nbytes) for m in self.manifest.bucket_messages(index)],
@@ -337,7 +337,7 @@ class _ReceiverLayout:
 
 
     def copy_of(self, index: int) -> torch.Tensor:
-        """This receiver's copy of bucket `index` (with deltas)."""
+        """This receiver's copy of bucket `index`."""
         assert self.copy is not None
         return self.copy[self.starts[index]:self.starts[index + 1]]
 
@@ -383,6 +383,8 @@ class IncomingWeights:
             transfer, views = self._posted.pop(index)
             transfer.wait()
             self._next = index + 1
+            if self.done and self._receiver.keep_copy:
+                self._layout.held_version = self.version  # every bucket of a whole version is in the copy
             yield views
 
     @property
@@ -414,8 +416,6 @@ class IncomingWeights:
             self._posted[index] = (self._receiver.transport.post(messages), views)
             if index == self.num_buckets - 1:
                 self._receiver._post_header()  # the next header may now be matched, in order
-                if self._receiver.delta:
-                    self._layout.holds_version = True  # every bucket of a whole version lands in the copy
 
 
 class IncomingDelta(IncomingWeights):
@@ -466,6 +466,8 @@ class IncomingDelta(IncomingWeights):
                 raise WeightStreamError(f"version {self.version}: bucket {index} differs from the publisher's after "
                                         f"its {delta.ENCODINGS[encoding]} update (checksum mismatch)")
             self._next += 1
+            if self.done:
+                layout.held_version = self.version
             yield layout.bucket(index)[1]
 
     def _post(self, index: int) -> None:
@@ -498,18 +500,20 @@ class WeightReceiver:
     """The receiving side; lives on every other rank of the transport."""
 
     def __init__(self, transport: WeightTransport, *, reuse_buffers: bool = True, depth: int = 2,
-                 delta: bool = False) -> None:
+                 keep_copy: bool = False) -> None:
         if transport.is_source:
             raise ValueError("the transport's source rank publishes; use WeightPublisher there")
         if depth < 1:
             raise ValueError(f"depth must be at least 1 bucket buffer, found {depth}")
-        if delta and transport.engine_receives:
-            raise WeightStreamError("delta weight updates are applied by the rank that receives them, and this "
-                                    "rank's engine receives the weights itself")
+        if keep_copy and transport.engine_receives:
+            raise WeightStreamError("a receiver that keeps a copy of the weights receives them itself, and this "
+                                    "rank's engine receives them in its own processes")
         self.transport = transport
         self.reuse_buffers = reuse_buffers
         self.depth = depth
-        self.delta = delta  # keep a copy of every bucket and take versions as deltas against it
+        # Keep a copy of every bucket: versions may then come as deltas against it (`WeightPublisher(delta=True)`),
+        # and `held_weights` gives the last version whole (a restarted engine's weights).
+        self.keep_copy = keep_copy
         self._layout: _ReceiverLayout | None = None
         self._current: IncomingWeights | None = None
         self._pending: PendingVersion | None = None
@@ -523,6 +527,15 @@ class WeightReceiver:
             self._post_header()
         assert self._pending is not None
         return self._pending
+
+    def held_weights(self) -> tuple[int, list[tuple[str, torch.Tensor]]] | None:
+        """The last version this receiver took whole (a receiver that keeps a copy), as its version and
+        ``(name, tensor)`` views into the copy; None before the first. Not while a version is on its way."""
+        layout = self._layout
+        if layout is None or layout.held_version is None:
+            return None
+        return layout.held_version, [named for index in range(layout.manifest.num_buckets)
+                                     for named in unpack(layout.copy_of(index), layout.manifest.bucket(index))]
 
     def _post_header(self) -> None:
         # Posted as soon as the previous version's last bucket is (collectives match in posting order),
@@ -557,9 +570,9 @@ class WeightReceiver:
         if kind == _DELTA:
             table = torch.zeros(self._layout.manifest.num_buckets, TABLE_COLUMNS, dtype=torch.int64)
             self.transport.post_header(table).wait()  # the table follows its header on the same channel
-            if not self.delta or not self._layout.holds_version:
+            if not self.keep_copy or self._layout.held_version is None:
                 raise WeightStreamError(f"version {version} came as a delta, and this receiver "
-                                        + ("keeps no copy to apply it to" if not self.delta else
+                                        + ("keeps no copy to apply it to" if not self.keep_copy else
                                            "never got the whole version before it"))
             self._current = IncomingDelta(self, self._layout, version, table, messages)
             return self._current

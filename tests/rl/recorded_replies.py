@@ -33,13 +33,15 @@ roles:
 """
 
 
-def run_recording_replies(tmp_path: Path, recipe_text: str) -> tuple[Path, list[str]]:
-    """Run the recipe with `sfhpc run`; returns its run folder and the replies the task judged, in order."""
+def run_recording_replies(tmp_path: Path, recipe_text: str,
+                          env: dict[str, str] | None = None) -> tuple[Path, list[str]]:
+    """Run the recipe with `sfhpc run` (`env` added to its environment); returns its run folder and the replies
+    the task judged, in order."""
     (tmp_path / "recording.py").write_text(RECORDING_REWARD)
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(recipe_text + f"output_dir: {tmp_path / 'runs'}\n")
     replies_file = tmp_path / "replies.jsonl"
-    done = run_sfhpc("run", str(recipe), env={"SFHPC_TEST_REPLIES": str(replies_file)}, timeout=900)
+    done = run_sfhpc("run", str(recipe), env={"SFHPC_TEST_REPLIES": str(replies_file), **(env or {})}, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
     return run_dir, [json.loads(line) for line in replies_file.read_text().splitlines()]

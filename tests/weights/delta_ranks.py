@@ -4,7 +4,8 @@ Rank 0 publishes five versions with ``delta=True`` in small buckets: a first who
 elements of one tensor, a fifth of another's and every element of a third (sparse, bitmap and full buckets, the
 rest the same), one equal to the one before (nothing but the table travels), a new layout (whole again) and a
 delta on it. Ranks 1 and 2 receive with ``delta=True`` and keep, per tensor, a SHA-256 of the bytes their
-engine would hold: only changed buckets are handed over, so what they never got must still be right.
+engine would hold: only changed buckets are handed over, so what they never got must still be right; at the end,
+the copy they keep (`held_weights`, what a restarted engine loads) is the last version whole.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main() -> int:
                            "digests": {n: digest(t.to(torch.bfloat16)) for n, t in weights.items()}})
         publisher.finish()
     else:
-        receiver = WeightReceiver(transport, delta=True)
+        receiver = WeightReceiver(transport, keep_copy=True)
         held: dict[str, str] = {}
         while (incoming := receiver.receive()) is not None:
             handed = 0
@@ -80,6 +81,9 @@ def main() -> int:
                 handed += 1
                 held.update((name, digest(t)) for name, t in bucket)
             record.append({"version": incoming.version, "handed": handed, "digests": dict(held)})
+        kept = receiver.held_weights()  # what a restarted engine would load: the last version, whole
+        assert kept is not None
+        record.append({"version": kept[0], "kept": {name: digest(t) for name, t in kept[1]}})
     (out / f"rank{comm.Get_rank()}.json").write_text(json.dumps(record))
     return 0
 

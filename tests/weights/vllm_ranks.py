@@ -121,7 +121,7 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
             members = 0 if delta else engine.weight_group_members  # a delta is applied by the rank
             receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport, engine_members=members,
                                                               join_engine=join_engine if members else None),
-                                      delta=delta)
+                                      keep_copy=delta)
             stream: dict[str, Any] = {"loaded": [], "engine_versions": [],
                                       "lands_in_engine": receiver.transport.engine_receives}
             for name in ("perturbed", "restored"):
