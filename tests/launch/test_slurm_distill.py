@@ -26,7 +26,7 @@ from tests.rl.distill_models import build_pair
 
 pytestmark = [pytest.mark.slurm, pytest.mark.vllm]
 
-STEPS = 45
+STEPS = 36
 
 
 def recipe(train: Path, student: Path, teacher: Path, out: Path) -> str:

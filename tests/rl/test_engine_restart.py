@@ -25,7 +25,7 @@ from tests.rl.recorded_replies import run_recording_replies, task_and_roles
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
-STEPS = 5
+STEPS = 4
 REPLY_TOKENS = 48
 RECIPE = f"""\
 name: restart
