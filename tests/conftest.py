@@ -91,6 +91,13 @@ def run_sfhpc(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None,
                           text=True, timeout=timeout)
 
 
+def run_under_mpiexec(ranks: int, module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`python -m module args...` as `ranks` ranks of mpiexec on this machine, from the project folder."""
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
+    return subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", str(ranks), sys.executable, "-m",
+                           module, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_recipe(tmp_path: Path, text: str, timeout: float = 900) -> tuple[Path, list[dict[str, Any]]]:
     """`sfhpc run` of a recipe's text (its runs under `tmp_path`), which must succeed; returns the run folder
     and its metrics rows."""

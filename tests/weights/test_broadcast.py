@@ -5,24 +5,18 @@ versions that arrive, a manifest only when the layout changes."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import run_under_mpiexec
 
 pytestmark = pytest.mark.mpi
 
 
 @pytest.mark.parametrize("transport", ["mpi", "torch"])
 def test_three_ranks_receive_bit_identical_versions(tmp_path: Path, transport: str) -> None:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "3", sys.executable, "-m",
-                           "tests.weights.broadcast_ranks", str(tmp_path), transport],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = run_under_mpiexec(3, "tests.weights.broadcast_ranks", str(tmp_path), transport)
     assert done.returncode == 0, done.stdout + done.stderr
     sent = json.loads((tmp_path / "rank0.json").read_text())
     assert [v["version"] for v in sent] == [1, 2, 3]

@@ -5,16 +5,13 @@ publisher's exact bytes although only the buckets that changed were sent and han
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from sfhpc.weights import delta
-from tests.conftest import ROOT
+from tests.conftest import run_under_mpiexec
 
 WORDS = 4096
 
@@ -68,10 +65,7 @@ def test_the_crossovers_are_where_the_sizes_say() -> None:
 @pytest.mark.mpi
 @pytest.mark.parametrize("transport", ["mpi", "torch"])
 def test_receivers_hold_every_version_exactly_from_deltas(tmp_path: Path, transport: str) -> None:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "3", sys.executable, "-m",
-                           "tests.weights.delta_ranks", str(tmp_path), transport],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = run_under_mpiexec(3, "tests.weights.delta_ranks", str(tmp_path), transport)
     assert done.returncode == 0, done.stdout + done.stderr
     sent = json.loads((tmp_path / "rank0.json").read_text())
     encodings = [dict(zip(delta.ENCODINGS, v["encodings"])) for v in sent]
