@@ -25,22 +25,37 @@ def pair(share: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return old, new
 
 
-@pytest.mark.parametrize(("share", "encoding"), [(0.0, "same"), (0.01, "sparse"), (0.2, "bitmap"), (0.99, "full")])
+@pytest.mark.parametrize(("share", "encoding"), [(0.0, "same"), (0.01, "sparse"), (0.1, "sparse"), (0.2, "bitmap"),
+                                                 (0.93, "bitmap"), (0.99, "full")])
 def test_each_encoding_round_trips_and_is_the_smallest(share: float, encoding: str) -> None:
+    # sparse while about one word in eight or fewer changed, bitmap up to about 94%, full beyond
     old, new = pair(share)
     mask = new != old
     code, payload = delta.encode(mask, new)
     assert delta.ENCODINGS[code] == encoding
-    changed = int(mask.sum())
-    sizes = {e: delta.encoded_size(e, changed, WORDS) for e in (delta.FULL, delta.SPARSE, delta.BITMAP)}
-    if changed:
-        assert sizes[code] == min(sizes.values())
+    sizes = delta.sizes(mask)
+    assert sizes[code] == min(sizes.values())
     if code in (delta.SPARSE, delta.BITMAP):
         assert payload.numel() == sizes[code] < 2 * WORDS
     held = old.clone()
     delta.apply(held, code, new.view(torch.uint8) if code == delta.FULL else payload)
     assert torch.equal(held, new)
     assert delta.checksum(held.view(torch.uint8)) == delta.checksum(new.view(torch.uint8))
+
+
+def test_sparse_positions_far_apart_take_several_bytes_each_and_come_back() -> None:
+    words = 1 << 23  # gaps of one to four LEB128 bytes
+    positions = torch.tensor([0, 1, 200, 20_000, 3_000_000, words - 1])
+    old = torch.zeros(words, dtype=torch.int16)
+    new = old.clone()
+    new[positions] = torch.arange(1, 7, dtype=torch.int16)
+    code, payload = delta.encode(new != old, new)
+    assert delta.ENCODINGS[code] == "sparse"
+    # the counts; the gaps (0, 0, 198, 19_799, 2_979_999, 5_388_606) in 1, 1, 2, 3, 4 and 4 bytes and one byte
+    # of padding; the values
+    assert payload.numel() == 8 + (1 + 1 + 2 + 3 + 4 + 4) + 1 + 2 * 6
+    delta.apply(old, code, payload)
+    assert torch.equal(old, new)
 
 
 def test_the_checksum_sees_a_changed_word_and_a_word_in_the_wrong_place() -> None:
@@ -52,14 +67,6 @@ def test_the_checksum_sees_a_changed_word_and_a_word_in_the_wrong_place() -> Non
     swapped[[8, 12]] = swapped[[12, 8]]  # two 8-byte words exchanged: the same sum, another order
     assert delta.checksum(one_bit.view(torch.uint8)) != reference
     assert delta.checksum(swapped.view(torch.uint8)) != reference
-
-
-def test_the_crossovers_are_where_the_sizes_say() -> None:
-    # sparse below about 3% of the words changed, bitmap up to about 94%, full beyond
-    assert delta.choose(int(0.03 * WORDS), WORDS) == delta.SPARSE
-    assert delta.choose(int(0.04 * WORDS), WORDS) == delta.BITMAP
-    assert delta.choose(int(0.93 * WORDS), WORDS) == delta.BITMAP
-    assert delta.choose(int(0.95 * WORDS), WORDS) == delta.FULL
 
 
 @pytest.mark.mpi
