@@ -24,12 +24,6 @@ The weight loader is a Python function, which vLLM ships to its worker only with
 on only while the engine starts: the engine's own processes inherit it then, and this process's vLLM
 settings are frozen with it (vLLM's ``enable_envs_cache``, what its engine processes do themselves). After
 the start the variable is gone from the environment, so nothing else this rank starts inherits it.
-
-On a CPU an engine of one worker runs that worker inside its engine-core process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it starts, which vLLM for CPUs reads as "no executor processes";
-the engine core is still a process of its own, as ``AsyncLLM`` always spawns one). Left alone, vLLM for CPUs
-spawns a worker process beside the core, which imports vLLM once more: an engine start took 16.0 s with it
-and 12.5 s without on a 2-core machine. On GPUs vLLM already runs one worker in its core.
 """
 
 from __future__ import annotations
@@ -56,7 +50,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sfhpc")
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
-EXECUTOR_PROCESSES = "VLLM_ENABLE_V1_MULTIPROCESSING"
 PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
 # The engine's watchdog (see `_watch_engine`): it waits for its pipe to close, and kills the engine's core
 # unless the owner said "done" first (its own shutdown ended the engine, and the pid may be reused).
@@ -72,29 +65,26 @@ if sys.stdin.buffer.read().strip() != b"done":
 
 
 @contextlib.contextmanager
-def settings_while_starting(*, worker_in_core: bool = False) -> Iterator[None]:
-    """``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (and, with `worker_in_core`, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``)
-    inside the block only (an engine start), then as they were.
+def insecure_serialization_while_starting() -> Iterator[None]:
+    """``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` inside the block only (an engine start), then as it was.
 
-    Inside, the engine's processes are spawned (they inherit the settings and keep them); before leaving,
-    this process's vLLM settings are frozen with them, so its side of the engine still ships the weight
-    loader and reads the engine's answers once the variables are gone. A vLLM without settings to freeze
-    keeps the variables set, as before.
+    Inside, the engine's processes are spawned (they inherit the switch and keep it); before leaving,
+    this process's vLLM settings are frozen with it on, so its side of the engine still ships the weight
+    loader and reads the engine's answers once the variable is gone. A vLLM without settings to freeze
+    keeps the variable set, as before.
     """
-    settings = {INSECURE_SERIALIZATION: "1", **({EXECUTOR_PROCESSES: "0"} if worker_in_core else {})}
-    previous = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
+    previous = os.environ.get(INSECURE_SERIALIZATION)
+    os.environ[INSECURE_SERIALIZATION] = "1"
     keep = False
     try:
         yield
         keep = not _freeze_vllm_settings()
     finally:
         if not keep:
-            for name, value in previous.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            if previous is None:
+                os.environ.pop(INSECURE_SERIALIZATION, None)
+            else:
+                os.environ[INSECURE_SERIALIZATION] = previous
 
 
 def _freeze_vllm_settings() -> bool:
@@ -187,7 +177,7 @@ class VllmEngine(RolloutEngine):
                                worker_extension_cls=WORKER_EXTENSION,  # joins the weight group (torch transport)
                                **optional)
         # The weight loader is a function shipped to the worker: vLLM refuses pickled callables unless asked.
-        with settings_while_starting(worker_in_core=on_cpu and knobs.tensor_parallel_size == 1):
+        with insecure_serialization_while_starting():
             llm = AsyncLLM.from_engine_args(args)
         return cls(name, llm, max_model_len, version=version, watchdog=_watch_engine(),
                    workers=knobs.tensor_parallel_size, sleeps=sleeps)

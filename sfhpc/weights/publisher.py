@@ -209,8 +209,10 @@ class WeightPublisher:
         Staging must not change until then."""
         if self._staging is None or self._staged is None:
             raise WeightStreamError("nothing is staged: call stage() (or publish()) before send()")
-        if self._changes is not None:
-            return self._send_delta(version, self._changes)
+        changes = self._changes
+        if changes is not None and any(e != delta.FULL for e in changes.encodings):
+            return self._send_delta(version, changes)
+        # Every bucket changed beyond what an encoding saves: the version goes whole (no table to send).
         start = time.perf_counter()
         manifest = self._staging.manifest
         new_layout = self._announced != manifest.layout
@@ -224,7 +226,7 @@ class WeightPublisher:
         transfers.append(self.transport.post(self._staging.wires))
         self.transport.wait_all(transfers)
         tensors, stage_seconds = self._staged
-        self._staged = None
+        self._staged, self._changes = None, None
         self._receivers_hold_staging = True
         return PublishStats(version=version, tensors=tensors, bytes=manifest.total_bytes,
                             buckets=manifest.num_buckets, messages=len(manifest.messages),

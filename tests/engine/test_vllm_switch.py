@@ -1,5 +1,4 @@
-"""vLLM's insecure-serialization switch (and, on a CPU, the worker-in-core setting) is on only while an engine
-starts, not for the rank's lifetime.
+"""vLLM's insecure-serialization switch is on only while an engine starts, not for the rank's lifetime.
 
 No vLLM is started: stand-ins for the three vLLM modules `VllmEngine.start` uses record what the
 environment held when the engine's processes would have been spawned and when this process's vLLM
@@ -15,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from sfhpc.engine.vllm_engine import EXECUTOR_PROCESSES, INSECURE_SERIALIZATION, VllmEngine, settings_while_starting
+from sfhpc.engine.vllm_engine import INSECURE_SERIALIZATION, VllmEngine, insecure_serialization_while_starting
 
 
 class FakeVllm:
@@ -33,7 +32,6 @@ class FakeVllm:
             @classmethod
             def from_engine_args(cls, args: AsyncEngineArgs) -> AsyncLLM:
                 fake.seen["spawn"] = os.environ.get(INSECURE_SERIALIZATION)  # what the engine processes inherit
-                fake.seen["executor"] = os.environ.get(EXECUTOR_PROCESSES)
                 if fail:
                     raise RuntimeError("engine failed to start")
                 return cls()
@@ -56,12 +54,10 @@ class FakeVllm:
 
 def test_the_switch_is_set_for_the_engine_start_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
-    monkeypatch.delenv(EXECUTOR_PROCESSES, raising=False)
     fake = FakeVllm(monkeypatch)
     engine = VllmEngine.start("vllm-0", "/nowhere", max_model_len=64)
-    # The engine's processes and this one's vLLM have it; on this CPU the one worker runs in the engine core.
-    assert fake.seen == {"spawn": "1", "executor": "0", "frozen": "1"}
-    assert INSECURE_SERIALIZATION not in os.environ and EXECUTOR_PROCESSES not in os.environ  # nothing later inherits
+    assert fake.seen == {"spawn": "1", "frozen": "1"}  # the engine's processes and this one's vLLM have it
+    assert INSECURE_SERIALIZATION not in os.environ  # nothing this rank starts later inherits it
     assert engine.max_model_len == 64
 
 
@@ -75,13 +71,13 @@ def test_a_value_set_by_the_user_comes_back_and_a_failed_start_leaves_nothing(
     fake = FakeVllm(monkeypatch, fail=True)
     with pytest.raises(RuntimeError, match="failed to start"):
         VllmEngine.start("vllm-0", "/nowhere")
-    assert fake.seen == {"spawn": "1", "executor": "0"} and INSECURE_SERIALIZATION not in os.environ
+    assert fake.seen == {"spawn": "1"} and INSECURE_SERIALIZATION not in os.environ
 
 
 def test_a_vllm_that_cannot_freeze_its_settings_keeps_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     # Its own side would otherwise refuse to ship the weight loader later: the old, process-wide behaviour.
     monkeypatch.delenv(INSECURE_SERIALIZATION, raising=False)
     FakeVllm(monkeypatch, can_freeze=False)
-    with settings_while_starting():
+    with insecure_serialization_while_starting():
         pass
     assert os.environ[INSECURE_SERIALIZATION] == "1"

@@ -51,9 +51,11 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     staleness = [r["max_staleness"] for r in rows]
     assert staleness.count(1) >= len(rows) - 5 and max(staleness) <= 2, staleness
     assert (run_dir / "reward.png").stat().st_size > 1000
-    # The first version went whole (the engine's rank held no copy yet), every later one as a delta: smaller.
+    # The first version went whole (the engine's rank held no copy yet), the later ones as deltas (or whole, where
+    # every bucket changed too much for an encoding to save bytes): never larger, and most of them smaller.
     sizes = [r["update_bytes"] for r in rows]
-    assert sizes[0] > 1e6 and all(0 < size < sizes[0] for size in sizes[1:]), sizes
+    assert sizes[0] > 1e6 and all(0 < size <= sizes[0] for size in sizes[1:]), sizes
+    assert sum(size < 0.97 * sizes[0] for size in sizes[1:]) > len(sizes) / 2, sizes
     # Greedy replies to 16 held-out problems, before training, at step 30 and after the last: the policy's
     # pass@1 rises with the training reward.
     evaluations = {r["step"]: r["eval_pass_at_1"] for r in every_row if "eval_pass_at_1" in r}
