@@ -5,8 +5,8 @@ warm-started on arith-word's reply format (right about 1 time in 4), the teacher
 the right solutions (`tests.rl.distill_models`). Over the run the student's reverse KL to the teacher falls and
 its reward rises towards the teacher's, which only the teacher's scores can have taught it (measured here, 36
 steps: KL 0.58 -> 0.35 per token, sampled reward 0.25 -> 0.52 over the first and last 10 steps, greedy pass@1 on
-held-out rows 0.26 -> 0.76, the teacher's 1.00; in 45 steps: 0.57 -> 0.24, 0.25 -> 0.62, 0.26 -> 1.00); the teacher's log-probabilities of every trained trajectory are in the
-store, and they are the teacher's."""
+held-out rows 0.26 -> 0.76, the teacher's 1.00; in 45 steps: 0.57 -> 0.24, 0.25 -> 0.62, 0.26 -> 1.00); the
+teacher's log-probabilities of every trained trajectory are in the store, and they are the teacher's."""
 
 from __future__ import annotations
 
