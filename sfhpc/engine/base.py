@@ -206,12 +206,8 @@ class RolloutEngine(abc.ABC):
     async def wait_resumed(self) -> None:
         await self._resumed.wait()
 
-    @property
-    def dead(self) -> bool:
-        """The engine's processes are gone (`died`): it generates no more, and stays paused."""
-        return self._dead.is_set()
-
     async def wait_dead(self) -> None:
+        """Until the engine's processes are gone (`died`): it generates no more, and stays paused."""
         await self._dead.wait()
 
     def died(self) -> None:

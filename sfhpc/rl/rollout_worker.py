@@ -132,10 +132,15 @@ class RolloutWorker:
         self.refusing_turns = False
 
     # -- the engine's life ----------------------------------------------------------------------------
-    async def _start_engine(self) -> RolloutEngine:
+    async def _start_engine(self, weights: Any = None, version: int = 0) -> RolloutEngine:
+        """A new engine in the endpoint's service, holding `weights` as `version` (None: its folder's), watched."""
         with preemption.ignored_in_children():  # the engine's processes leave stop signals to this one
             engine = self.engine_factory()
+        if weights is not None:
+            await engine.pause()
+            await engine.load_weights(weights, version=version)
         await self.endpoint.replace_engine(engine)
+        await engine.resume()
         asyncio.get_running_loop().create_task(self._watch(engine))
         return engine
 
@@ -163,16 +168,8 @@ class RolloutWorker:
             start = time.perf_counter()
             dead.shutdown()
             version, weights = self._weights_of(dead)
-            with preemption.ignored_in_children():
-                engine = self.engine_factory()
-            await engine.pause()
-            if weights is not None:
-                await engine.load_weights(weights, version=version)
-            await self.endpoint.replace_engine(engine)
-            self.engine = engine
+            engine = self.engine = await self._start_engine(weights, version)
             self.engine_restarts += 1
-            await engine.resume()
-            asyncio.get_running_loop().create_task(self._watch(engine))
             log.warning("rank %d: engine '%s' restarted with weights of version %d in %.1f s (restart %d of %d)",
                         self.rank, engine.name, engine.version, time.perf_counter() - start, self.engine_restarts,
                         self.recipe.engine.max_restarts)

@@ -104,6 +104,9 @@ class _Staging:
         self.starts = starts
         self.wires = [transport.wire(self.buffer, starts[m.bucket] + m.offset, m.nbytes)
                       for m in manifest.messages] if self.buffer is not None else []
+        self.bucket_wires: list[list[object]] = [[] for _ in manifest.bucket_sizes]  # each bucket's messages
+        for message, wire in zip(manifest.messages, self.wires):
+            self.bucket_wires[message.bucket].append(wire)
 
     def bucket(self, index: int) -> torch.Tensor:
         assert self.buffer is not None
@@ -248,7 +251,7 @@ class WeightPublisher:
         for index, encoding in enumerate(changes.encodings):
             payload = changes.payloads[index]
             if encoding == delta.FULL:
-                messages += [staging.wires[k] for k, m in enumerate(manifest.messages) if m.bucket == index]
+                messages += staging.bucket_wires[index]
             elif payload is not None:
                 assert self._payload is not None
                 end = starts[index] + payload.numel()
