@@ -117,6 +117,13 @@ class RunPaths:
         rollout ranks find them (`sfhpc.rollout.agent_host`)."""
         return self.root / "agent-hosts"
 
+    @property
+    def attach(self) -> Path:
+        """Where the run's doors for rollout workers of other jobs are written (`sfhpc attach`): the controller's
+        address and key (``controller.json``), the first trainer's weight server's (``weights.json``), each mode
+        0600 (`write_register`)."""
+        return self.root / "attach"
+
     def agent_host_log(self, name: str) -> Path:
         return self.logs / f"agent-host-{name}.log"
 
@@ -183,6 +190,21 @@ def _protect(path: Path, group: str | None) -> None:
         raise SfhpcError(f"output_group {group!r}: cannot give run folders to that group ({why}); "
                          "set output_group to a group of yours (`id -Gn` lists them), or null") from None
     os.chmod(path, SHARED_MODE)
+
+
+def write_register(folder: Path, name: str, record: dict[str, object]) -> Path:
+    """Write `record` as ``<folder>/<name>.json``, readable by its owner alone (a register holds a token or a
+    key), whole or not at all: readers never see half a record."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    partial = folder / f".{name}.json.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(record, out)
+    os.replace(partial, path)
+    return path
 
 
 def job_run_dir(output_dir: str | Path, recipe_name: str, job_id: str) -> Path:

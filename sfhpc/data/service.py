@@ -28,6 +28,7 @@ CPU engine spawns (see the runtime).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import numbers
@@ -96,6 +97,10 @@ class ManagerServer:
         self.first_one_way_failure: OneWayFailure | None = None
         self.last_seen: dict[int, float] = {}  # client rank -> time.monotonic() of its latest request
         self.episodes_ended: dict[int, int] = {}  # client rank -> episodes it reported as ended (finish, fail)
+        # Per client rank: the trajectories it started (or continued) and has not ended, with their groups, and its
+        # episodes that ended, by group: what a rollout worker that vanished leaves behind (`sfhpc.rl.attached`).
+        self.open_trajectories: dict[int, dict[str, str | None]] = {}
+        self.ended_by_group: dict[int, collections.Counter[str | None]] = {}
         # Called with the client's rank after each episode end is counted (the scheduler's timeline hears of
         # an idle rollout rank at once); it runs on the serving thread.
         self.on_episode_end: Callable[[int], object] | None = None
@@ -121,6 +126,8 @@ class ManagerServer:
             log.exception("trajectory manager failed on %s from rank %d", method, source)
             reply = ("error", "ServiceError", f"{method} failed on the controller: {type(exc).__name__}: {exc}")
         self.served += 1
+        if reply[0] == "ok":
+            self._follow(source, method, args, kwargs, reply[1])
         if method in EPISODE_ENDS:
             self.episodes_ended[source] = self.episodes_ended.get(source, 0) + 1
             if self.on_episode_end is not None:
@@ -135,6 +142,23 @@ class ManagerServer:
             if self.first_one_way_failure is None:
                 self.first_one_way_failure = OneWayFailure(source, method, reply[2])
             log.error("one-way %s from rank %d failed: %s", method, source, reply[2])
+
+    def _follow(self, source: int, method: str, args: Any, kwargs: Any, result: Any) -> None:
+        """Keep `open_trajectories` and `ended_by_group` of `source` after a call that succeeded."""
+        opened = self.open_trajectories.setdefault(source, {})
+        if method == "start":
+            opened[result] = kwargs.get("group")
+        elif method in ("finish", "fail", "abort"):
+            opened.pop(args[0], None)
+        elif method in ("observe", "add_generated", "continuation") and args[0] not in opened:
+            opened[args[0]] = self.manager.trajectory(args[0]).group  # continued here, started elsewhere
+        elif method in EPISODE_ENDS:
+            ids = [args[0], *(other for other, _ in kwargs.get("others") or ())] if method == "finish_episode" \
+                else list(args[0])
+            group = opened.get(ids[0]) if ids else None
+            for tid in ids:
+                opened.pop(tid, None)
+            self.ended_by_group.setdefault(source, collections.Counter())[group] += 1
 
     def serve_pending(self, max_requests: int = 64) -> int:
         """Answer the requests that have already arrived (at most `max_requests`); returns how many.

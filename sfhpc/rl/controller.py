@@ -23,6 +23,7 @@ import random
 import shutil
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ from sfhpc.data.trajectory import Status
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
+from sfhpc.rl.attached import RoutedComm, left_behind, open_attach, replies_from, send_to
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.distillation import Distillation
 from sfhpc.rl.dynamic_sampling import DynamicSampling
@@ -100,8 +102,15 @@ class Controller:
         # algorithm.distill: every batch is scored by the teacher ranks before it trains.
         self.distillation = (Distillation(layout, self.manager, self.stop_requested)
                              if recipe.algorithm.distill is not None else None)
+        # Rollout workers of other jobs (`sfhpc attach`) reach the controller over links of their own, beside
+        # the world: commands and the manager's requests to a rank beyond it go over its link.
+        self.attached = open_attach(recipe, self.scheduler, RunPaths(run_dir).attach, layout.world.Get_size())
+        manager_link = layout.manager_link
+        if self.attached is not None:
+            self.layout = dataclasses.replace(layout, world=RoutedComm(layout.world, self.attached))
+            manager_link = RoutedComm(layout.manager_link, self.attached, drop_to_gone=True)
         # Lendable trainer ranks play episodes too: their agents call the manager like a rollout rank's.
-        self.server = ManagerServer(self.manager, layout.manager_link,
+        self.server = ManagerServer(self.manager, manager_link,
                                     clients=self.scheduler.rollout_ranks + self.scheduler.lendable_ranks)
         self._stop_serving = threading.Event()
         # The timeline: into the store with every flush; an episode's end may make its rank idle at once.
@@ -239,11 +248,8 @@ class Controller:
 
     def cancel_groups(self, groups: Sequence[str]) -> None:
         """The episodes of `groups` stop wherever they play (and leave their ranks' counts)."""
-        ranks = self.scheduler.assignable_ranks
-        for rank in ranks:
-            msg.send(self.layout.world, msg.Cancel(tuple(groups)), rank)
-        for rank in ranks:
-            reply = msg.receive_reply(self.layout.world, rank, msg.Cancelled, idle=self.stop_requested)
+        ranks = [r for r in self.scheduler.assignable_ranks if send_to(self.layout.world, r, msg.Cancel(tuple(groups)))]
+        for reply in replies_from(self.layout.world, ranks, msg.Cancelled, idle=self.stop_requested):
             self.scheduler.withdraw(reply.rank, reply.episodes)
 
     def lend_idle_trainers(self, step: int) -> None:
@@ -297,12 +303,11 @@ class Controller:
     def _move_episodes(self, commands: dict[int, object], reply_type: type[Moved]) -> list[Moved]:
         """Send each rank its command (Reclaim, Release); the episodes their replies give up leave those ranks'
         counts and go to other ranks by load, to continue from their prefix. Returns the replies."""
-        for rank, command in commands.items():
-            msg.send(self.layout.world, command, rank)
-        replies = [msg.receive_reply(self.layout.world, rank, reply_type, idle=self.stop_requested)
-                   for rank in commands]
+        ranks = [rank for rank, command in commands.items() if send_to(self.layout.world, rank, command)]
+        replies = replies_from(self.layout.world, ranks, reply_type, idle=self.stop_requested)
         for reply in replies:
             self.scheduler.withdraw(reply.rank, len(reply.episodes))
+            self.moved_from(reply.rank, reply.episodes)
         self.hand_out([episode for reply in replies for episode in reply.episodes])
         return replies
 
@@ -326,7 +331,9 @@ class Controller:
         """Episodes to ranks by load; `new` ones (just admitted) to lent ranks only as the policy says."""
         to_lent = not new or self.policy.new_episodes_to_lent
         for rank, share in self.scheduler.assign(episodes, ended=self.server.episodes_ended, to_lent=to_lent).items():
-            msg.send(self.layout.world, msg.Play(tuple(share)), rank)
+            if self.attached is not None:
+                self.attached.note_handed(rank, tuple(share))  # (a worker that left meanwhile plays them again)
+            send_to(self.layout.world, rank, msg.Play(tuple(share)))
 
     def wait_for_batch(self, step: int) -> Batch | None:
         """Whole, fresh groups for one step (polls the manager; stale groups, and groups a failed member
@@ -354,6 +361,7 @@ class Controller:
             if self.policy.rebalances and time.monotonic() >= next_rebalance:
                 self.rebalance_lent(step)
                 next_rebalance = time.monotonic() + REBALANCE_EVERY_S
+            self.follow_attached(step)
             time.sleep(0.005)
 
     def check_health(self, waiting_since: float) -> bool:
@@ -379,8 +387,7 @@ class Controller:
         """Every other rank is told to stop and the store is flushed before the fault ends the run (the fault
         path, `sfhpc.runtime.fault`, then ends every rank still there): the failed episodes stay readable."""
         self.event("fault", message=str(fault), step=self.step_done)
-        for rank in range(1, self.layout.world.Get_size()):
-            msg.send(self.layout.world, msg.Stop(), rank)
+        self.stop_everyone()
         # Episodes in flight still make calls: keep answering them, for a while only (a hung rank never ends).
         self._serving.join(timeout=FAULT_STOP_GRACE_S)
         self._stop_serving.set()
@@ -413,17 +420,81 @@ class Controller:
         everyone = sorted(set(rollouts) | set(trainers))
         self.live.enter("broadcast", self.live.step)
         self.scheduler.set_state(everyone, RankState.SYNCING)
-        for rank in everyone:
-            msg.send(self.layout.world, msg.SyncWeights(version), rank)
-        answering = list(rollouts) + ([trainers[0]] if trainers[0] not in rollouts else [])
+        told = [rank for rank in everyone if send_to(self.layout.world, rank, msg.SyncWeights(version))]
+        answering = [r for r in rollouts if r in told] + ([trainers[0]] if trainers[0] not in rollouts else [])
         # A stop request is noted meanwhile (and acted on once every engine holds the new weights).
-        replies = [msg.receive_reply(self.layout.world, rank, msg.Synced, idle=self.stop_requested)
-                   for rank in answering]
+        replies = replies_from(self.layout.world, answering, msg.Synced, idle=self.stop_requested)
         self.scheduler.set_state(everyone, RankState.WAITING)
         self.version = version
         self.update_bytes = max(r.bytes for r in replies)
         self.note_engine_restarts(replies)
         return max(r.seconds for r in replies if r.rank in rollouts)
+
+    def stop_everyone(self) -> None:
+        """Stop to every other rank of the world, and to every attached worker still there."""
+        for rank in range(1, self.layout.world.Get_size()):
+            msg.send(self.layout.world, msg.Stop(), rank)
+        for rank in () if self.attached is None else list(self.attached.links):
+            send_to(self.layout.world, rank, msg.Stop())
+
+    # -- rollout workers of other jobs (sfhpc attach) -------------------------------------------------
+    def follow_attached(self, step: int) -> None:
+        """Workers of other jobs whose engines are up join the scheduler (at the run's weights); those that left
+        give their episodes back, to continue elsewhere (`sfhpc.rl.attached`)."""
+        if self.attached is None:
+            return
+        for arrival in self.attached.arrivals():
+            rank = arrival.rank
+            # A version published while its engine started reaches it first (gone already: its departure is next).
+            if arrival.version != self.version and not self._synced_alone(rank):
+                continue
+            self.scheduler.add_rank(rank, arrival.join.tags)
+            self.server.open_clients.add(rank)  # it says goodbye at the end like a rollout rank
+            self.event("worker-attached", rank=rank, node=arrival.join.node, job=arrival.join.job_id, step=step,
+                       version=self.version)
+            print(f"rank {rank}: a rollout worker of job {arrival.join.job_id} on {arrival.join.node} joined the "
+                  "run", flush=True)
+        for gone in self.attached.departures():
+            self.scheduler.remove_rank(gone.rank)
+            self.server.open_clients.discard(gone.rank)
+            handed = self.attached.forget(gone.rank)
+            given_back = () if gone.leaving is None else gone.leaving.episodes
+            self.moved_from(gone.rank, given_back)
+            # Whatever it still had open is given up (kept in the store as aborted, never trained on).
+            opened = self.server.open_trajectories.pop(gone.rank, {})
+            lost = sum(self._abort_counting(tid) for tid in opened)
+            episodes = left_behind(handed, given_back, self.server.ended_by_group.pop(gone.rank, Counter()),
+                                   self.manager.in_flight)
+            self.hand_out(episodes)
+            continued = sum(e.resume_id is not None for e in episodes)
+            self.event("worker-left", rank=gone.rank, step=step, reason=gone.reason, said=gone.leaving is not None,
+                       interrupted=0 if gone.leaving is None else gone.leaving.interrupted, continued=continued,
+                       replayed=len(episodes) - continued, lost_tokens=lost)
+            print(f"rank {gone.rank}: the rollout worker left ({gone.reason}): {continued} episode(s) continue "
+                  f"elsewhere from their prefix, {len(episodes) - continued} are played again"
+                  + (f", {lost} generated token(s) lost" if lost else ""), flush=True)
+
+    def _synced_alone(self, rank: int) -> bool:
+        """`rank` to the run's weights, alone; False if it left meanwhile."""
+        return send_to(self.layout.world, rank, msg.SyncWeights(self.version)) and bool(
+            replies_from(self.layout.world, [rank], msg.Synced, idle=self.stop_requested))
+
+    def moved_from(self, rank: int, episodes: tuple[msg.EpisodeTicket, ...]) -> None:
+        """`episodes` left `rank` to continue elsewhere: their trajectories are no longer its own."""
+        opened = self.server.open_trajectories.get(rank, {})
+        for episode in episodes:
+            if episode.resume_id is not None:
+                opened.pop(episode.resume_id, None)
+        if self.attached is not None:
+            self.attached.note_moved(rank, episodes)
+
+    def _abort_counting(self, trajectory_id: str) -> int:
+        """Give up a trajectory a departed worker left open; returns the tokens it had generated for it."""
+        if not Status(self.manager.status(trajectory_id)).is_open:
+            return 0
+        generated = int(sum(self.manager.trajectory(trajectory_id).generated_mask()))
+        self.manager.abort(trajectory_id)
+        return generated
 
     def note_engine_restarts(self, replies: list[msg.Synced]) -> None:
         """An engine that died and was restarted inside its rank (``engine.max_restarts``), in the event log."""
@@ -560,12 +631,10 @@ class Controller:
     def quiesce_rollouts(self) -> None:
         """Every generation in flight ends and is recorded as a partial rollout (engines stay paused), on the
         rollout ranks and on trainer ranks lent to rollout."""
-        rollouts = self.scheduler.rollout_ranks + self.scheduler.lent_ranks
-        for rank in rollouts:
-            msg.send(self.layout.world, msg.Quiesce(), rank)
+        rollouts = [r for r in self.scheduler.rollout_ranks + self.scheduler.lent_ranks
+                    if send_to(self.layout.world, r, msg.Quiesce())]
         try:
-            replies = [msg.receive_reply(self.layout.world, rank, msg.Quiesced, timeout=QUIESCE_TIMEOUT_S)
-                       for rank in rollouts]
+            replies = replies_from(self.layout.world, rollouts, msg.Quiesced, timeout=QUIESCE_TIMEOUT_S)
         except TimeoutError:
             log.warning("a rollout rank did not answer the quiesce within %.0f s", QUIESCE_TIMEOUT_S)
             self.event("quiesced", interrupted=None)
@@ -666,13 +735,14 @@ class Controller:
         if (self.stopping is None and self.recipe.training.export_every and self.step_done > 0
                 and not RunPaths(self.run_dir).export(self.step_done).exists()):
             self.export(self.step_done)  # the final policy too
-        for rank in range(1, self.layout.world.Get_size()):
-            msg.send(self.layout.world, msg.Stop(), rank)
+        self.stop_everyone()
         # Keep serving the trajectory manager until every rollout rank has said goodbye: episodes still in
         # flight when Stop arrives make calls that must be answered, or those ranks could never shut down.
         self._serving.join(timeout=STOP_GRACE_S)
         self._stop_serving.set()
         self._serving.join()
+        if self.attached is not None:
+            self.attached.close()
         self.scheduler.timeline.close()  # the timeline's last intervals go with the store's close
         self.manager.close()
         if preempted:

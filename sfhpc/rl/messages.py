@@ -162,6 +162,47 @@ class Scored:
 
 
 @dataclasses.dataclass(frozen=True)
+class Join:
+    """A rollout worker of another job -> the controller, first over its link (`sfhpc.rl.attached`): who it is."""
+
+    job_id: str | None
+    node: str
+    tags: tuple[str, ...]  # its node's capability tags (the worker's partition's, by the cluster map)
+
+
+@dataclasses.dataclass(frozen=True)
+class Welcome:
+    """Controller -> a joining worker: the rank it has in this run (beyond the MPI world's)."""
+
+    rank: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Ready:
+    """A joined worker -> the controller (tag `JOIN_TAG`): its engine is up and holds weights `version`; from now
+    on it takes episodes and every command a rollout rank takes."""
+
+    rank: int
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaving:
+    """A joined worker -> the controller (tag `LEAVE_TAG`), unasked, when its job is ending (preemption, time
+    limit, scancel): its generations were cut at a token boundary and recorded; its unfinished episodes, each
+    naming its trajectory (``resume_id``) where one started, continue elsewhere. The worker is gone after it."""
+
+    rank: int
+    signal: str
+    interrupted: int
+    episodes: tuple[EpisodeTicket, ...]
+
+
+JOIN_TAG = 0x5F24
+LEAVE_TAG = 0x5F25
+
+
+@dataclasses.dataclass(frozen=True)
 class Stop:
     """Controller -> everyone: the run is over; close down (rollout ranks abandon unplayed episodes)."""
 

@@ -83,12 +83,13 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
 
 
 def serve(layout: CommLayout, trainer: TrainerWorker | None = None, rollout: RolloutWorker | None = None,
-          lent: bool = False, teacher: TeacherWorker | None = None) -> None:
+          lent: bool = False, teacher: TeacherWorker | None = None, notice: Any | None = None) -> None:
     """The rank's command loop (its main thread), until the controller says Stop. While it waits, a stop
-    signal is passed on to the controller, and an episode that crashed on this rank's engine ends the run."""
+    signal is passed on to the controller (`notice`: what a signal does instead, a worker of another job's
+    leaving), and an episode that crashed on this rank's engine ends the run."""
     world, controller = layout.world, layout.controller_rank
     table = command_table(trainer, rollout, lent, teacher)
-    notice = preemption.StopNotice(world, controller)
+    notice = notice or preemption.StopNotice(world, controller)
 
     def idle() -> None:
         notice.check()

@@ -55,10 +55,12 @@ log = logging.getLogger("sfhpc")
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
                  trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False,
-                 agent_hosts: Path | None = None, model_dir: Path | None = None) -> None:
-        """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back;
-        `agent_hosts`: the run folder's register of agent hosts, where a recipe with an agents role finds them;
-        `model_dir`: the folder the engine started from, into which a LoRA run's adapter versions are merged."""
+                 agent_hosts: Path | None = None, model_dir: Path | None = None, puller: Any | None = None) -> None:
+        """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back, or a
+        worker of another job (`sfhpc.rl.attached`), which leaves the same way; `agent_hosts`: the run folder's
+        register of agent hosts, where a recipe with an agents role finds them; `model_dir`: the folder the engine
+        started from, into which a LoRA run's adapter versions are merged; `puller`: a worker of another job pulls
+        each version from the first trainer's weight server (`sfhpc.weights.version_server.VersionPuller`)."""
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
@@ -101,6 +103,7 @@ class RolloutWorker:
                                      else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
         self.trainer = trainer  # colocated: this rank also trains, and loads its own weights
         self.receiver = None
+        self.puller = puller
         if trainer is None and layout.weight_broadcast is not None:
             from sfhpc.weights.publisher import WeightReceiver
             from sfhpc.weights.transport import connect
@@ -180,7 +183,8 @@ class RolloutWorker:
             return 0, None
         if self.trainer is not None:  # colocated or lent: the rank's own trainer holds the policy
             return dead.version, list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
-        held = self.receiver.held_weights() if self.receiver is not None else None
+        copy = self.receiver if self.receiver is not None else self.puller
+        held = copy.held_weights() if copy is not None else None
         if held is None or held[0] != dead.version:
             raise RuntimeError(f"the rank's copy holds version {None if held is None else held[0]}, the engine "
                                f"had {dead.version}")
@@ -332,6 +336,17 @@ class RolloutWorker:
                 asyncio.get_running_loop().create_task(self._kill_engine_mid_generation())
             return seconds
 
+        async def from_server() -> float:
+            assert self.puller is not None
+            async with self.engine_lock:
+                incoming = await asyncio.to_thread(self.puller.pull, version)  # the engine generates meanwhile
+                if incoming is None or incoming.version != version:
+                    raise RuntimeError(f"rank {self.rank}: expected weights version {version} from the weight "
+                                       f"server, got {None if incoming is None else incoming.version}")
+                start = time.perf_counter()
+                await apply_version(self.engine, incoming)
+                return time.perf_counter() - start
+
         async def from_own_trainer() -> float:
             assert self.trainer is not None
             start = time.perf_counter()
@@ -342,7 +357,24 @@ class RolloutWorker:
             await self.engine.resume()
             return time.perf_counter() - start
 
-        return self.server.call(from_own_trainer() if self.trainer is not None else from_broadcast())
+        if self.trainer is not None:
+            return self.server.call(from_own_trainer())
+        return self.server.call(from_server() if self.puller is not None else from_broadcast())
+
+    def catch_up(self) -> int:
+        """A worker of another job, just started: its engine to the latest version the trainer published (the
+        folder's weights when none was); returns the version it holds."""
+        from sfhpc.engine.weight_sync import apply_version
+
+        async def latest() -> int:
+            assert self.puller is not None
+            async with self.engine_lock:
+                incoming = await asyncio.to_thread(self.puller.pull)
+                if incoming is not None:
+                    await apply_version(self.engine, incoming)
+                return self.engine.version
+
+        return self.server.call(latest())
 
     def errors(self) -> list[BaseException]:
         """Exceptions of finished episodes (an agent that crashed must not go unnoticed), and a dead engine that

@@ -69,6 +69,23 @@ class Scheduler:
         self.lends = 0  # times a rank was lent (one per rank per lending), for the run's figures
         self.reclaims = 0  # times a lent rank was taken back
 
+    def add_rank(self, rank: int, tags: Iterable[str]) -> None:
+        """A rollout worker of another job joins (`sfhpc.rl.attached`): from now on it takes episodes like any
+        rollout rank."""
+        with self._lock:
+            if rank in self.entries:
+                raise ValueError(f"rank {rank} is in the run already")
+            self.entries[rank] = RankEntry(rank, ("rollout",), tuple(tags))
+            self._handed[rank] = 0
+        self.timeline.begin(rank, "rollout", RankState.WAITING)
+
+    def remove_rank(self, rank: int) -> None:
+        """A worker of another job left: it takes nothing more (whatever it held was moved or played again)."""
+        with self._lock:
+            self.entries.pop(rank, None)
+            self._handed.pop(rank, None)
+        self.timeline.end(rank)
+
     def ranks_with(self, role: str) -> tuple[int, ...]:
         return tuple(r for r, e in self.entries.items() if role in e.roles)
 
@@ -121,12 +138,13 @@ class Scheduler:
         """`episodes` handed to `rank` will not end there (moved elsewhere at a reclaim): they leave its
         count of episodes in flight."""
         with self._lock:
-            self._handed[rank] -= episodes
+            if rank in self._handed:  # (not for a worker of another job that left)
+                self._handed[rank] -= episodes
 
     def in_flight(self, rank: int, ended: Mapping[int, int]) -> int:
         """Episodes handed to `rank` by this process that have not ended (`ended`: rank -> episodes that
         reported their end, finished or failed, as the trajectory manager's server counts them)."""
-        return self._handed[rank] - ended.get(rank, 0)
+        return self._handed.get(rank, 0) - ended.get(rank, 0)
 
     def assign(self, episodes: Iterable[EpisodeTicket], ended: Mapping[int, int] | None = None, *,
                to_lent: bool = True) -> dict[int, list[EpisodeTicket]]:
@@ -158,7 +176,9 @@ class Scheduler:
         """Put `ranks` in `state` (WAITING and GENERATING: whichever the rank's episodes in flight make true)."""
         with self._lock:
             for rank in ranks:
-                entry = self.entries[rank]
+                entry = self.entries.get(rank)
+                if entry is None:  # a worker of another job that left
+                    continue
                 entry.state = self._at_rest(entry) if state in (RankState.WAITING, RankState.GENERATING) else state
                 self._record(entry)
 
@@ -167,8 +187,10 @@ class Scheduler:
         whose last episode ended are waiting from now on. `ranks`: only these (default: every rank)."""
         with self._lock:
             self._ended = ended
-            for rank in self.entries if ranks is None else ranks:
-                entry = self.entries[rank]
+            for rank in list(self.entries) if ranks is None else ranks:
+                entry = self.entries.get(rank)
+                if entry is None:  # a worker of another job that left
+                    continue
                 if entry.state in (RankState.WAITING, RankState.GENERATING):
                     entry.state = self._at_rest(entry)
                     self._record(entry)

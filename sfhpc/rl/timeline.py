@@ -59,6 +59,13 @@ class Timeline:
             self._close(rank, current, now)
             self._open[rank] = _Open(current.role, state, now, self.step)
 
+    def end(self, rank: int) -> None:
+        """`rank` leaves the run now (a worker of another job): its open interval ends, later changes are ignored."""
+        with self._lock:
+            current = self._open.pop(rank, None)
+            if current is not None:
+                self._close(rank, current, self.clock())
+
     def state(self, rank: int) -> str:
         with self._lock:
             return self._open[rank].state

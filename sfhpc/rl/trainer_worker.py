@@ -53,8 +53,10 @@ def build_trainer(recipe: Recipe, layout: CommLayout, model_dir: Path, resume_fr
 
 
 class TrainerWorker:
-    def __init__(self, recipe: Recipe, layout: CommLayout, trainer: Any) -> None:
-        self.recipe, self.layout, self.trainer = recipe, layout, trainer
+    def __init__(self, recipe: Recipe, layout: CommLayout, trainer: Any, *, attach: Path | None = None) -> None:
+        """`attach`: the run folder's register where the first trainer's weight server is written, for rollout
+        workers of other jobs (`sfhpc.weights.version_server`); None where the run takes none."""
+        self.recipe, self.layout, self.trainer, self.attach = recipe, layout, trainer, attach
         self.rank = layout.world.Get_rank()
         assert layout.trainers is not None  # a trainer rank is in the trainers' communicator
         self.trainers = layout.trainers
@@ -70,6 +72,10 @@ class TrainerWorker:
 
             self.publisher = WeightPublisher(connect(layout.weight_broadcast, self.recipe.engine.weight_transport),
                                              delta=self.recipe.engine.weight_delta)
+            if self.attach is not None:
+                from sfhpc.weights.version_server import VersionServer
+
+                self.publisher.late = VersionServer(self.attach)
 
     def train(self, command: msg.Train) -> msg.Trained | None:
         if hold := fault_injection.hold_seconds("train"):

@@ -45,6 +45,7 @@ from sfhpc.endpoint.auth import authorized, new_run_token
 from sfhpc.endpoint.server import serve_app
 from sfhpc.rollout.agent_process import AgentProgramFailed, EpisodeTimedOut, LocalPrograms
 from sfhpc.rollout.supervise import describe_failure
+from sfhpc.rundir import write_register
 
 log = logging.getLogger("sfhpc")
 
@@ -129,18 +130,6 @@ async def _say(response: web.StreamResponse, line: dict[str, Any]) -> None:
     await response.write(json.dumps(line, default=str).encode() + b"\n")
 
 
-def publish(folder: Path, name: str, record: dict[str, Any]) -> Path:
-    """Write the host's record into the register, readable by its owner alone (it holds the token)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
-    partial = folder / f".{name}.json.partial"
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(record, out)
-    os.replace(partial, path)  # readers never see half a record
-    return path
-
-
 async def serve_host(spec: AgentSpec, recipe_source: str, register: Path, name: str, *, bind: str,
                      timeout_s: float, stop: asyncio.Event) -> None:
     """Serve episodes until `stop` is set; the record in `register` says where."""
@@ -149,7 +138,7 @@ async def serve_host(spec: AgentSpec, recipe_source: str, register: Path, name: 
     runner, port = await serve_app(host.app(), host=bind, shutdown_timeout=2.0)  # with the endpoint's connection limits
     advertised = socket.gethostname() if bind == "0.0.0.0" else bind
     url = f"http://{advertised}:{port}"
-    record = publish(register, name, {"name": name, "url": url, "token": token, "workers": spec.workers,
+    record = write_register(register, name, {"name": name, "url": url, "token": token, "workers": spec.workers,
                                       "node": socket.gethostname(), "pid": os.getpid()})
     print(f"sfhpc agent host {name}: {spec.workers} worker(s) at {url} (registered in {record})", flush=True)
     try:

@@ -46,6 +46,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -53,6 +54,9 @@ from sfhpc.weights import delta
 from sfhpc.weights.errors import WeightStreamError
 from sfhpc.weights.manifest import MAX_MESSAGE, WeightManifest, module_group, plan_buckets, typed_view, unpack
 from sfhpc.weights.transport import Transfer, WeightTransport
+
+if TYPE_CHECKING:
+    from sfhpc.weights.version_server import VersionServer
 
 DEFAULT_BUCKET_BYTES = 32 << 20
 
@@ -148,6 +152,9 @@ class WeightPublisher:
         self._staged: tuple[int, float] | None = None  # tensors and seconds of the version in staging, unsent
         self._header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
         self._header_words = self._header.numpy()  # written in place: no tensor built per version
+        # Receivers outside the group (rollout workers of other jobs) pull each version from staging after it was
+        # sent (`sfhpc.weights.version_server`); staging a version waits for their pulls of the one before.
+        self.late: VersionServer | None = None
 
     def publish(self, named: Iterable[tuple[str, torch.Tensor]], version: int, *,
                 dtype: torch.dtype | None = None) -> PublishStats:
@@ -164,6 +171,8 @@ class WeightPublisher:
         next `send`.
         """
         start = time.perf_counter()
+        if self.late is not None:
+            self.late.hold()
         items = [(name, tensor.detach()) for name, tensor in named]
         key = (dtype, tuple((n, tuple(t.shape), t.dtype) for n, t in items))
         if self._staging is None or self._staging.key != key:
@@ -229,8 +238,7 @@ class WeightPublisher:
         transfers.append(self.transport.post(self._staging.wires))
         self.transport.wait_all(transfers)
         tensors, stage_seconds = self._staged
-        self._staged, self._changes = None, None
-        self._receivers_hold_staging = True
+        self._sent(version, changes)
         return PublishStats(version=version, tensors=tensors, bytes=manifest.total_bytes,
                             buckets=manifest.num_buckets, messages=len(manifest.messages),
                             stage_seconds=stage_seconds, send_seconds=time.perf_counter() - start,
@@ -266,8 +274,7 @@ class WeightPublisher:
             transfers.append(self.transport.post(messages))
         self.transport.wait_all(transfers)
         tensors, stage_seconds = self._staged
-        self._staged, self._changes = None, None
-        self._receivers_hold_staging = True
+        self._sent(version, changes)
         sent = sum(size for e, size in zip(changes.encodings, manifest.bucket_sizes) if e == delta.FULL)
         sent += sum(p.numel() for p in changes.payloads if p is not None) + table.numel() * 8
         counts = tuple(changes.encodings.count(e) for e in range(len(delta.ENCODINGS)))
@@ -276,8 +283,18 @@ class WeightPublisher:
                             send_seconds=time.perf_counter() - start, manifest_sent=False, wire_bytes=sent,
                             encodings=counts)
 
+    def _sent(self, version: int, changes: _Changes | None) -> None:
+        """Staging now holds what every receiver holds, `version`: the next delta is taken against it."""
+        assert self._staging is not None
+        self._staged, self._changes = None, None
+        self._receivers_hold_staging = True
+        if self.late is not None:
+            self.late.sent(version, self._staging, changes)
+
     def finish(self) -> None:
         """Tell every receiver there are no more versions (their `receive` returns None)."""
+        if self.late is not None:
+            self.late.close()
         self._header_words[:] = (_FINISH, 0, 0, 0)
         self.transport.post_header(self._header).wait()
         self.transport.close()
