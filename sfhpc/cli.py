@@ -13,6 +13,8 @@
     sfhpc probe RECIPE [--cluster MAP|--local] [--wait]  start the ranks and prove where they run (the
                                                    launch report over MPI), no RL and no task needed
     sfhpc status|logs|cancel JOB                   watch and control a submitted job
+    sfhpc attach RUN --rollout N [--partition P] [--qos Q] [--time MIN] [--dry-run]
+                                                   a job of rollout workers that join a running run
     sfhpc tags show|check MAP [--recipe R]         the admin's tag map, and its check against Slurm
     sfhpc export RUN --out DIR [--step N] [--adapter]  the trained policy as a Hugging Face folder
     sfhpc bench NAME|all [OPTIONS]                 benchmarks (figures of merit)
@@ -271,6 +273,40 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_attach(args: argparse.Namespace) -> int:
+    """A Slurm job of rollout workers that join a running run (`sfhpc.launch.attach`)."""
+    import shlex
+
+    from sfhpc.launch.attach import AttachRequest, attach_spec, pool_for, submit_script
+    from sfhpc.launch.sbatch import render_sbatch
+    from sfhpc.rundir import find_run_dir, record_job, recorded_recipe
+
+    run_dir = Path(args.run).absolute() if Path(args.run).is_dir() else find_run_dir(args.output_dir, args.run)
+    recorded = recorded_recipe(run_dir) if run_dir is not None else None
+    if run_dir is None or recorded is None:
+        raise SfhpcError(f"{args.run} is neither an RL run's folder nor a job of one in {args.output_dir}/jobs.tsv")
+    recipe = load_recipe(recorded[0], recorded[1])
+    if args.cluster == DEFAULT_CLUSTER_MAP and not Path(args.cluster).exists():
+        raise SfhpcError(f"no cluster map given and {DEFAULT_CLUSTER_MAP} is not in this folder: "
+                         "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
+    pool = pool_for(recipe, load_cluster_map(args.cluster), args.partition)
+    request = AttachRequest(args.rollout, args.partition, args.qos, args.time)
+    paths = RunPaths(run_dir)
+    script = render_sbatch(attach_spec(recipe, pool, request, str(run_dir), python=shlex.quote(sys.executable),
+                                       output=str(paths.logs / "attach-%j.out")))
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    door = paths.attach / "controller.json"
+    if door.is_file() and "refused" in (record := json.loads(door.read_text())):
+        raise SfhpcError(f"the run in {run_dir} takes no rollout workers of other jobs: {record['refused']}")
+    job = submit_script(script)
+    record_job(recipe.output_dir, job, run_dir, recipe.source)
+    print(f"submitted attach job {job}: {args.rollout} rollout worker(s) on pool '{pool.name}' (partition "
+          f"{pool.partition}) join the run in {run_dir} as they start; sfhpc cancel {job} takes them back")
+    return 0
+
+
 def cmd_traj_summary(args: argparse.Namespace) -> int:
     from sfhpc.analysis import open_run
     from sfhpc.analysis.summary import run_finished, summarize, update_line
@@ -526,6 +562,23 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "logs":
             p.add_argument("--rank", type=int, help="show this rank's own log file")
         p.set_defaults(func=func)
+
+    p = sub.add_parser("attach", help="submit a job of rollout workers that join a running run (backfill, a "
+                                      "preemptible QOS) and leave it when their job ends",
+                       description="submit a job of rollout workers that join a running run and leave it when their "
+                                   "job ends (preemption, time limit, scancel): their episodes continue elsewhere")
+    p.add_argument("run", help="the run's folder, or the Slurm job id of its run")
+    p.add_argument("--rollout", type=int, required=True, metavar="N", help="rollout workers (one task each)")
+    p.add_argument("--partition", help="the partition to run them on (default: the first pool of the map that "
+                                       "offers the recipe's rollout tags)")
+    p.add_argument("--qos", help="the job's QOS (a preemptible one, for capacity the run may lose)")
+    p.add_argument("--time", type=int, metavar="MIN", help="the job's time limit (default: the recipe's "
+                                                            "launch.time_minutes)")
+    p.add_argument("--cluster", default=_default_map(), metavar="MAP",
+                   help=f"cluster tag map (default: $SFHPC_CLUSTER_MAP or {DEFAULT_CLUSTER_MAP})")
+    p.add_argument("--output-dir", default="runs", help="where a job id is looked up (default: runs)")
+    p.add_argument("--dry-run", action="store_true", help="print the batch script instead of submitting it")
+    p.set_defaults(func=cmd_attach)
 
     p = sub.add_parser("export", help="a run's trained policy as a Hugging Face folder",
                        description="Write the policy of a run's newest checkpoint (or of --step) as a Hugging Face "

@@ -50,6 +50,7 @@ class SbatchSpec:
     guard: str | None = None                  # shell words srun runs under (sfhpc.launch.step_guard)
     exec_step: bool = False                   # the step replaces the shell: it gets the shell's signals
     agent_hosts: str | None = None            # shell text the last component runs, outside the MPI world
+    step_note: str = "one step spans every component: one MPI world"  # the comment above the step
 
 
 def flag(key: str, value: FlagValue) -> str | None:
@@ -113,7 +114,7 @@ def render_sbatch(spec: SbatchSpec) -> str:
         srun.append("--het-group=" + ",".join(str(i) for i in range(world)))
     srun += _flags(spec.srun_flags)
     step = " ".join(srun) + " " + spec.command
-    lines += ["", "# one step spans every component: one MPI world"]
+    lines += ["", f"# {comment_text(spec.step_note)}"]
     if spec.guard:
         lines.append("# (the guard ends srun if it outlives every rank: a Slurm 22.05 mpi/pmix hang)")
         step = f"{spec.guard} {step}"

@@ -22,7 +22,7 @@ from sfhpc.launch.sbatch import SbatchSpec, double_quoted, render_sbatch, spec_f
 from sfhpc.launch.submitit_het import HetSlurmExecutor, HetSlurmJob
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rank.program import RankProgram
-from sfhpc.rundir import RunPaths, record_job
+from sfhpc.rundir import RunPaths, record_job, record_recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +72,8 @@ def submit(recipe: Recipe, cluster: ClusterMap, plan: LaunchPlan, run_dir: Path,
     executor = executor_for(recipe, cluster, plan, run_dir)
     job = executor.submit_program(RankProgram(recipe, plan, run_dir, probe=probe))
     record_job(recipe.output_dir, str(job.job_id), run_dir, recipe.source)
+    if not probe:  # what `sfhpc attach` and `sfhpc eval` read the run's recipe from
+        record_recipe(run_dir, recipe.source, {})
     return Submission(job, run_dir)
 
 

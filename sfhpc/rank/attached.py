@@ -50,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tags", default="rollout",
                         help="the capability tags of this worker's nodes, comma-separated (default: rollout)")
     args = parser.parse_args(argv)
+    # Outside any MPI world (srun --mpi=none): the modules this worker shares with the ranks use mpi4py's
+    # constants only, and MPI must not start (under srun without PMI it would abort the process).
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False
     preemption.install()  # from the first moment: a signal during start-up makes the worker leave
     try:
         return run_worker(args.run_dir.absolute(), tuple(t for t in args.tags.split(",") if t))
@@ -74,10 +79,8 @@ def run_worker(run_dir: Path, tags: tuple[str, ...]) -> int:
     if recorded is None:
         raise SfhpcError(f"{run_dir} is not an RL run's folder (no recipe.json)")
     recipe = load_recipe(str(recorded[0]), recorded[1])
-    if not paths.model.is_dir():
-        raise SfhpcError(f"{paths.model} does not exist: the run has not prepared its model yet")
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    link = join_run(paths.attach, msg.Join(current_job_id(), node, tags))
+    link = join_run(paths.attach, msg.Join(current_job_id(), node, tags))  # (waits for the run's controller)
     rank = link.rank
     rank_log.set_up(paths.rank_log(rank), rank)
     print(f"sfhpc attached worker: rank {rank} of the run in {run_dir} (node {node})", flush=True)

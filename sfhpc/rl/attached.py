@@ -260,7 +260,7 @@ class RoutedComm:
 
 # -- the worker's side ------------------------------------------------------------------------------------------
 
-def join_run(register: Path, join: msg.Join, *, timeout_s: float = 60.0) -> SocketLink:
+def join_run(register: Path, join: msg.Join, *, timeout_s: float = 600.0) -> SocketLink:
     """Connect to the run whose controller registered in `register`; returns the link, whose `rank` is this
     worker's rank in the run."""
     import json

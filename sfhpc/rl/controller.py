@@ -39,7 +39,7 @@ from sfhpc.data.trajectory import Status
 from sfhpc.plan.launch_plan import LaunchPlan
 from sfhpc.rl import health
 from sfhpc.rl import messages as msg
-from sfhpc.rl.attached import RoutedComm, left_behind, open_attach, replies_from, send_to
+from sfhpc.rl.attached import Departure, RoutedComm, left_behind, open_attach, replies_from, send_to
 from sfhpc.rl.checkpoints import CONTROLLER_FILE, TRAINER_FILE, CheckpointInfo, RunCheckpoints, run_identity
 from sfhpc.rl.distillation import Distillation
 from sfhpc.rl.dynamic_sampling import DynamicSampling
@@ -450,29 +450,36 @@ class Controller:
                 continue
             self.scheduler.add_rank(rank, arrival.join.tags)
             self.server.open_clients.add(rank)  # it says goodbye at the end like a rollout rank
-            self.event("worker-attached", rank=rank, node=arrival.join.node, job=arrival.join.job_id, step=step,
+            self.event("worker-attached", rank=rank, node=arrival.join.node, worker_job=arrival.join.job_id, step=step,
                        version=self.version)
             print(f"rank {rank}: a rollout worker of job {arrival.join.job_id} on {arrival.join.node} joined the "
                   "run", flush=True)
         for gone in self.attached.departures():
-            self.scheduler.remove_rank(gone.rank)
-            self.server.open_clients.discard(gone.rank)
-            handed = self.attached.forget(gone.rank)
-            given_back = () if gone.leaving is None else gone.leaving.episodes
-            self.moved_from(gone.rank, given_back)
-            # Whatever it still had open is given up (kept in the store as aborted, never trained on).
-            opened = self.server.open_trajectories.pop(gone.rank, {})
-            lost = sum(self._abort_counting(tid) for tid in opened)
-            episodes = left_behind(handed, given_back, self.server.ended_by_group.pop(gone.rank, Counter()),
-                                   self.manager.in_flight)
-            self.hand_out(episodes)
-            continued = sum(e.resume_id is not None for e in episodes)
-            self.event("worker-left", rank=gone.rank, step=step, reason=gone.reason, said=gone.leaving is not None,
-                       interrupted=0 if gone.leaving is None else gone.leaving.interrupted, continued=continued,
-                       replayed=len(episodes) - continued, lost_tokens=lost)
-            print(f"rank {gone.rank}: the rollout worker left ({gone.reason}): {continued} episode(s) continue "
-                  f"elsewhere from their prefix, {len(episodes) - continued} are played again"
-                  + (f", {lost} generated token(s) lost" if lost else ""), flush=True)
+            self._let_go(gone, step)
+
+    def _let_go(self, gone: Departure, step: int) -> None:
+        """A worker of another job left: out of the scheduler, and the episodes it held go on elsewhere (those it
+        gave back from their prefix, the rest from the start)."""
+        assert self.attached is not None
+        self.scheduler.remove_rank(gone.rank)
+        self.server.open_clients.discard(gone.rank)
+        handed = self.attached.forget(gone.rank)
+        given_back = () if gone.leaving is None else gone.leaving.episodes
+        self.moved_from(gone.rank, given_back)
+        # Whatever it still had open is given up (kept in the store as aborted, never trained on).
+        opened = self.server.open_trajectories.pop(gone.rank, {})
+        aborted = [tokens for tokens in map(self._abort_counting, opened) if tokens is not None]
+        episodes = left_behind(handed, given_back, self.server.ended_by_group.pop(gone.rank, Counter()),
+                               self.manager.in_flight)
+        self.hand_out(episodes)
+        continued = sum(e.resume_id is not None for e in episodes)
+        self.event("worker-left", rank=gone.rank, step=step, reason=gone.reason, said=gone.leaving is not None,
+                   interrupted=0 if gone.leaving is None else gone.leaving.interrupted, continued=continued,
+                   started_again=len(episodes) - continued, aborted=len(aborted), lost_tokens=sum(aborted))
+        print(f"rank {gone.rank}: the rollout worker left ({gone.reason}): {continued} episode(s) continue "
+              f"elsewhere from their prefix, {len(episodes) - continued} start elsewhere"
+              + (f" ({len(aborted)} trajectories it had open aborted, {sum(aborted)} generated tokens lost)"
+                 if aborted else ""), flush=True)
 
     def _synced_alone(self, rank: int) -> bool:
         """`rank` to the run's weights, alone; False if it left meanwhile."""
@@ -488,10 +495,11 @@ class Controller:
         if self.attached is not None:
             self.attached.note_moved(rank, episodes)
 
-    def _abort_counting(self, trajectory_id: str) -> int:
-        """Give up a trajectory a departed worker left open; returns the tokens it had generated for it."""
+    def _abort_counting(self, trajectory_id: str) -> int | None:
+        """Give up a trajectory a departed worker left open; returns the tokens it had generated for it (None: it
+        had ended meanwhile, nothing is given up)."""
         if not Status(self.manager.status(trajectory_id)).is_open:
-            return 0
+            return None
         generated = int(sum(self.manager.trajectory(trajectory_id).generated_mask()))
         self.manager.abort(trajectory_id)
         return generated
@@ -515,6 +523,7 @@ class Controller:
             batch.num_tokens / max(float(metrics.get("seconds", 0.0)), 1e-9),
             "train_s": float(metrics.get("seconds", 0.0)), "sync_s": sync_s, "update_bytes": self.update_bytes,
             "engine_restarts": sum(self.engine_restarts.values()),
+            "attached_workers": 0 if self.attached is None else len(self.attached.ready),
             "step_s": step_s, **{k: metrics[k] for k in ("loss", "mean_ratio", "clip_fraction", "mean_staleness",
                                                           "max_staleness") if k in metrics},
             "loss_tokens": int(metrics.get("tokens", 0)),

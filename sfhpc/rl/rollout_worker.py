@@ -93,6 +93,7 @@ class RolloutWorker:
 
         self.engine_factory = engine_factory
         self.engine_restarts = 0  # engines restarted after their processes died (`engine.max_restarts`)
+        self.watching: asyncio.Task[None]  # the current engine's watch (`_watch`)
         self.fatal: BaseException | None = None  # what ends the run from the endpoint's loop (a dead engine)
         # One engine change at a time: a restart and a weight update never interleave (the update's buckets land
         # in the copy a restart loads from).
@@ -144,7 +145,7 @@ class RolloutWorker:
             await engine.load_weights(weights, version=version)
         await self.endpoint.replace_engine(engine)
         await engine.resume()
-        asyncio.get_running_loop().create_task(self._watch(engine))
+        self.watching = asyncio.get_running_loop().create_task(self._watch(engine))
         return engine
 
     async def _watch(self, engine: RolloutEngine) -> None:
@@ -531,6 +532,11 @@ class RolloutWorker:
                 shutdown()  # on the engine's own loop: vLLM cancels its output task there
 
             self.server.call(stop_engine(), timeout=120)
+
+        async def stop_watching() -> None:
+            self.watching.cancel()  # (the engine is gone on purpose)
+
+        self.server.call(stop_watching(), timeout=10)
         self.server.stop()
         self.manager.close()
 

@@ -87,6 +87,7 @@ def test_workers_join_a_running_run_and_leave_with_or_without_a_word(tmp_path: P
     wait_for(lambda: joined(1), "first worker", run)
     at = steps_done(run_dir)
     wait_for(lambda: steps_done(run_dir) >= at + 4, "four steps with the first worker", run)
+    time.sleep(0.6)  # half a reply at the engine's pace: the episodes handed out as the step ended are mid-reply
     first.send_signal(signal.SIGTERM)
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-3000:]
@@ -96,6 +97,7 @@ def test_workers_join_a_running_run_and_leave_with_or_without_a_word(tmp_path: P
     wait_for(lambda: joined(2), "second worker", run)
     at = steps_done(run_dir)
     wait_for(lambda: steps_done(run_dir) >= at + 4, "four steps with the second worker", run)
+    time.sleep(0.6)
     second.kill()
     second.communicate(timeout=60)
 
@@ -122,9 +124,10 @@ def test_workers_join_a_running_run_and_leave_with_or_without_a_word(tmp_path: P
     assert by_engine.get("test-r3") and by_engine.get("test-r4"), sorted(by_engine)  # both workers generated
     # Cut on the first worker, continued on the run's rollout rank: one reply, two engines, one trajectory.
     moved = [t for t in trajectories if t.id in by_engine["test-r3"] and t.id in by_engine["test-r2"]]
-    assert len(moved) == left[0]["continued"]
+    assert 1 <= len(moved) <= left[0]["continued"]  # (one cut before its first token has no token of the worker's)
     assert left[0]["interrupted"] >= left[0]["continued"]
     # What the killed worker had open was given up (aborted, never trained) and played again elsewhere.
-    lost = [t for t in trajectories if t.id in by_engine["test-r4"] and t.status == "aborted"]
-    assert left[1]["replayed"] >= len(lost) >= 1
+    lost = [t for t in trajectories if t.status == "aborted"]  # (nothing else in this run aborts a trajectory)
+    assert left[1]["aborted"] == len(lost) >= 1 and left[1]["started_again"] >= len(lost)
     assert left[1]["lost_tokens"] == sum(len(s.tokens) for t in lost for s in t.segments if s.generated)
+    assert left[0]["aborted"] == left[0]["lost_tokens"] == 0  # told to go: nothing it generated is lost
