@@ -114,6 +114,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
     submission = submit(recipe, cluster, plan, run_dir)
     print(plan.describe())
     print(f"submitted job {submission.job_id}; run folder {run_dir}")
+    if recipe.attach is not None:
+        from sfhpc.launch.attach import AttachRequest, submit_attach
+
+        job, pool = submit_attach(recipe, cluster, AttachRequest.of(recipe, str(submission.job_id)), run_dir)
+        print(f"submitted attach job {job}: {recipe.attach.rollout} rollout worker(s) on pool '{pool.name}', "
+              f"starting once job {submission.job_id} has")
     if not args.wait:
         print(f"follow it with: sfhpc status {submission.job_id} / sfhpc logs {submission.job_id}")
         return 0
@@ -275,33 +281,24 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def cmd_attach(args: argparse.Namespace) -> int:
     """A Slurm job of rollout workers that join a running run (`sfhpc.launch.attach`)."""
-    import shlex
-
-    from sfhpc.launch.attach import AttachRequest, attach_spec, pool_for, submit_script
-    from sfhpc.launch.sbatch import render_sbatch
-    from sfhpc.rundir import find_run_dir, record_job, recorded_recipe
+    from sfhpc.launch.attach import AttachRequest, submit_attach
+    from sfhpc.rundir import find_run_dir, recorded_recipe
 
     run_dir = Path(args.run).absolute() if Path(args.run).is_dir() else find_run_dir(args.output_dir, args.run)
     recorded = recorded_recipe(run_dir) if run_dir is not None else None
     if run_dir is None or recorded is None:
         raise SfhpcError(f"{args.run} is neither an RL run's folder nor a job of one in {args.output_dir}/jobs.tsv")
     recipe = load_recipe(recorded[0], recorded[1])
+    if recipe.attach_refusal is not None:
+        raise SfhpcError(f"the run in {run_dir} takes no rollout workers of other jobs: {recipe.attach_refusal}")
     if args.cluster == DEFAULT_CLUSTER_MAP and not Path(args.cluster).exists():
         raise SfhpcError(f"no cluster map given and {DEFAULT_CLUSTER_MAP} is not in this folder: "
                          "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
-    pool = pool_for(recipe, load_cluster_map(args.cluster), args.partition)
     request = AttachRequest(args.rollout, args.partition, args.qos, args.time)
-    paths = RunPaths(run_dir)
-    script = render_sbatch(attach_spec(recipe, pool, request, str(run_dir), python=shlex.quote(sys.executable),
-                                       output=str(paths.logs / "attach-%j.out")))
+    job, pool = submit_attach(recipe, load_cluster_map(args.cluster), request, run_dir, dry_run=args.dry_run)
     if args.dry_run:
-        print(script, end="")
+        print(job, end="")
         return 0
-    door = paths.attach / "controller.json"
-    if door.is_file() and "refused" in (record := json.loads(door.read_text())):
-        raise SfhpcError(f"the run in {run_dir} takes no rollout workers of other jobs: {record['refused']}")
-    job = submit_script(script)
-    record_job(recipe.output_dir, job, run_dir, recipe.source)
     print(f"submitted attach job {job}: {args.rollout} rollout worker(s) on pool '{pool.name}' (partition "
           f"{pool.partition}) join the run in {run_dir} as they start; sfhpc cancel {job} takes them back")
     return 0

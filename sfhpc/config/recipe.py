@@ -883,6 +883,25 @@ class LaunchSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class AttachSpec:
+    """Rollout workers in a Slurm job of their own, outside the run's MPI world, that join the running run and
+    leave it when their job ends (`sfhpc attach`, docs/elastic-rollout.md): ``sfhpc launch`` submits their job
+    right after the run's, to start once the run's has (``--dependency=after``)."""
+
+    rollout: int = setting(1, "rollout workers (one task each; one GPU each where the pool has GPUs)")
+    partition: str | None = setting(None, "their partition (null: the first pool of the cluster map that offers the "
+                                          "rollout role's tags)")
+    qos: str | None = setting(None, "their job's QOS, e.g. a preemptible one (null: launch.qos)")
+    time_minutes: int | None = setting(None, "their job's time limit (null: launch.time_minutes)")
+
+    def validate(self, where: Where) -> None:
+        if self.rollout < 1:
+            raise where.child("rollout").error(f"must be at least 1 worker, found {self.rollout}")
+        if self.time_minutes is not None and self.time_minutes < 1:
+            raise where.child("time_minutes").error(f"must be at least 1, found {self.time_minutes}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Recipe:
     name: str = dataclasses.field(metadata=doc("the run's name: run folders are <output_dir>/<name>-<time> (letters, "
                                                "digits, '-' and '_')"))
@@ -904,6 +923,9 @@ class Recipe:
     evaluation: EvaluationSpec | None = setting(None, "held-out problems played every N steps and never trained on: "
                                                       "pass@1, mean@k, pass@k in metrics.jsonl (absent: none)")
     launch: LaunchSpec = setting(LaunchSpec(), "Slurm job settings that are not placement")
+    attach: AttachSpec | None = setting(None, "rollout workers in a job of their own that sfhpc launch submits beside "
+                                              "the run's, joining and leaving the running run (absent: none; sfhpc "
+                                              "attach adds some later)")
     logging: LoggingSpec = setting(LoggingSpec(), "experiment trackers (wandb, MLflow) beside metrics.jsonl and "
                                                   "TensorBoard")
     seed: int = setting(0, "seeds the controller's draws of problems, the engines' sampling and the built model")
@@ -921,8 +943,20 @@ class Recipe:
         rollout = self.role("rollout")
         return rollout is not None and rollout.colocate_with == "trainer"
 
+    @property
+    def attach_refusal(self) -> str | None:
+        """Why rollout workers of other jobs cannot join a run of this recipe (None: they can)."""
+        if self.colocated:
+            return ("its trainer ranks roll out themselves (colocated), so no rank publishes weights for a worker of "
+                    "another job to pull")
+        if self.model.lora is not None:
+            return "a LoRA run's versions are adapters, which a worker of another job does not merge yet"
+        return None
+
     def validate(self, where: Where) -> None:
         check_name(self.name, where.child("name"), "recipe name")
+        if self.attach is not None and self.attach_refusal is not None:
+            raise where.child("attach").error(f"is refused: {self.attach_refusal}")
         if self.budgets.steps == 0 and (self.evaluation is None or not self.evaluation.before_training):
             raise where.child("budgets").child("steps").error(
                 "0 trains nothing and evaluates only: add an evaluation section (with before_training: true) to "

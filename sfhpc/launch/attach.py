@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import subprocess
+import sys
+from pathlib import Path
 
 from sfhpc.config.cluster import ClusterMap, Pool
 from sfhpc.config.recipe import Recipe
@@ -34,11 +36,25 @@ class AttachRequest:
     partition: str | None = None
     qos: str | None = None
     time_minutes: int | None = None  # None: the recipe's launch.time_minutes
+    after: str | None = None  # a job id: start once that job has started (the run's own, from sfhpc launch)
+
+    @classmethod
+    def of(cls, recipe: Recipe, after: str) -> AttachRequest:
+        """A recipe's ``attach`` section, submitted with the run's job `after`."""
+        spec = recipe.attach
+        assert spec is not None
+        return cls(spec.rollout, spec.partition, spec.qos, spec.time_minutes, after)
 
 
 def pool_for(recipe: Recipe, cluster: ClusterMap, partition: str | None) -> Pool:
-    """The pool the workers run on: the first (in the map's order) whose tags include every tag the recipe's
-    rollout role asks for, on `partition` where given."""
+    """The pool the workers run on: the run's rollout ranks' (as the map places the recipe), or, on `partition`,
+    the first pool there (in the map's order) whose tags include every tag the recipe's rollout role asks for."""
+    if partition is None:
+        from sfhpc.plan.resolve import resolve
+
+        placed = [c.pool for c in resolve(recipe, cluster).components if "rollout" in c.roles]
+        if placed:
+            return placed[-1]  # (the last: a seamless run's trainer component may also hold rollout ranks)
     role = recipe.role("rollout")
     wanted = set(role.tags) if role is not None else {"rollout"}
     for pool in cluster.pools:
@@ -70,6 +86,7 @@ def attach_spec(recipe: Recipe, pool: Pool, request: AttachRequest, run_dir: str
         "open_mode": "append",
         "requeue": True,  # preempted or requeued: its next start joins the run again
         "signal": f"USR1@{launch.signal_grace_s}",  # every task, ahead of the time limit: the workers leave
+        "dependency": None if request.after is None else f"after:{request.after}",
     }
     tags = ",".join(pool.tags)
     command = " ".join((python, "-u", "-m", WORKER_MODULE, shlex.quote(run_dir), "--tags", shlex.quote(tags)))
@@ -84,6 +101,23 @@ def attach_spec(recipe: Recipe, pool: Pool, request: AttachRequest, run_dir: str
                 f"{run_dir}",),
         step_note="one step, outside the run's MPI world: each worker joins the run and leaves it on its own",
     )
+
+
+def submit_attach(recipe: Recipe, cluster: ClusterMap, request: AttachRequest, run_dir: Path, *,
+                  dry_run: bool = False) -> tuple[str, Pool]:
+    """Submit the attach job of `request` for the run in `run_dir` (recorded in the job index); returns its id
+    (with `dry_run`: the batch script instead, unsubmitted) and the pool it runs on."""
+    from sfhpc.launch.sbatch import render_sbatch
+    from sfhpc.rundir import RunPaths, record_job
+
+    pool = pool_for(recipe, cluster, request.partition)
+    script = render_sbatch(attach_spec(recipe, pool, request, str(run_dir), python=shlex.quote(sys.executable),
+                                       output=str(RunPaths(run_dir).logs / "attach-%j.out")))
+    if dry_run:
+        return script, pool
+    job = submit_script(script)
+    record_job(recipe.output_dir, job, run_dir, recipe.source)
+    return job, pool
 
 
 def submit_script(script: str) -> str:

@@ -63,20 +63,10 @@ class Departure:
     reason: str
 
 
-def attach_refusal(recipe: Any, trainer_ranks: Any, rollout_ranks: Any) -> str | None:
-    """Why rollout workers of other jobs cannot join this run (None: they can)."""
-    if set(trainer_ranks) <= set(rollout_ranks):
-        return ("its trainer ranks roll out themselves (colocated), so no rank publishes weights for a worker "
-                "of another job to pull")
-    if recipe.model.lora is not None:
-        return "a LoRA run's versions are adapters, which a worker of another job does not merge yet"
-    return None
-
-
-def open_attach(recipe: Any, scheduler: Any, register: Path, first_rank: int) -> AttachedWorkers | None:
+def open_attach(recipe: Any, register: Path, first_rank: int) -> AttachedWorkers | None:
     """The controller's door for workers of other jobs, or None where the run cannot take them (said in the
     register, where `sfhpc attach` reads it)."""
-    refusal = attach_refusal(recipe, scheduler.trainer_ranks, scheduler.rollout_ranks)
+    refusal = recipe.attach_refusal
     if refusal is not None:
         write_register(register, REGISTER_NAME, {"refused": refusal})
         return None
@@ -260,7 +250,7 @@ class RoutedComm:
 
 # -- the worker's side ------------------------------------------------------------------------------------------
 
-def join_run(register: Path, join: msg.Join, *, timeout_s: float = 600.0) -> SocketLink:
+def join_run(register: Path, join: msg.Join, *, timeout_s: float = 1800.0) -> SocketLink:
     """Connect to the run whose controller registered in `register`; returns the link, whose `rank` is this
     worker's rank in the run."""
     import json

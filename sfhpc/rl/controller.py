@@ -104,7 +104,7 @@ class Controller:
                              if recipe.algorithm.distill is not None else None)
         # Rollout workers of other jobs (`sfhpc attach`) reach the controller over links of their own, beside
         # the world: commands and the manager's requests to a rank beyond it go over its link.
-        self.attached = open_attach(recipe, self.scheduler, RunPaths(run_dir).attach, layout.world.Get_size())
+        self.attached = open_attach(recipe, RunPaths(run_dir).attach, layout.world.Get_size())
         manager_link = layout.manager_link
         if self.attached is not None:
             self.layout = dataclasses.replace(layout, world=RoutedComm(layout.world, self.attached))

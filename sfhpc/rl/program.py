@@ -253,9 +253,7 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
     trainer_worker = None
     if identity.has_role("trainer"):
         trainer_state = resume_from.trainer_file if resume_from is not None else None
-        from sfhpc.rl.attached import attach_refusal
-
-        takes_workers = attach_refusal(recipe, layout.trainer_ranks, layout.rollout_ranks) is None
+        takes_workers = recipe.attach_refusal is None
         trainer_worker = TrainerWorker(recipe, layout, build_trainer(recipe, layout, model_dir, trainer_state),
                                        attach=RunPaths(run_dir).attach if takes_workers else None)
     # seamless: a trainer rank whose node carries the rollout tag also holds an engine, lent to rollout

@@ -238,3 +238,21 @@ def test_cli_render_of_a_recipe_with_a_newline_is_one_line_and_prints_nothing(tm
     assert done.returncode == 2 and done.stdout == ""
     done = run_sfhpc("render", str(path), "--cluster", str(RECIPES / "cluster-dev.yaml"), "--template")
     assert_one_line_error(done, "launch.account") and done.stdout == ""
+
+
+def test_an_attach_section_loads_and_is_refused_where_no_worker_could_join(tmp_path: Path) -> None:
+    recipe = load_recipe(write(tmp_path, GOOD_RECIPE + "attach: {rollout: 4, qos: preempt}\n"))
+    assert recipe.attach is not None and (recipe.attach.rollout, recipe.attach.qos) == (4, "preempt")
+    assert recipe.attach_refusal is None
+    colocated = """\
+    name: t
+    roles:
+      controller: {place_with: trainer}
+      trainer: {tags: [train], nodes: 1}
+      rollout: {colocate_with: trainer}
+    attach: {rollout: 1}
+    """
+    with pytest.raises(ConfigError, match=r"attach: is refused: its trainer ranks roll out themselves \(colocated\)"):
+        load_recipe(write(tmp_path, colocated))
+    with pytest.raises(ConfigError, match="attach.rollout: must be at least 1 worker, found 0"):
+        load_recipe(write(tmp_path, GOOD_RECIPE + "attach: {rollout: 0}\n"))

@@ -66,3 +66,15 @@ def test_render_is_sorted_quoted_and_deterministic() -> None:
     assert "export A='x y'" in lines and lines.index("export A='x y'") < lines.index("export Z=1")
     assert lines[-1] == "srun --het-group=0,1 --mpi=pmix run"
     assert flag("cpus_per_task", 3) == "--cpus-per-task=3" and flag("qos", None) is None
+
+
+def test_attach_script_matches_golden(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sfhpc attach` on the H100/L40S map: requeueable, USR1 to every task ahead of the limit, a GPU per worker,
+    after the run's job (a recipe's attach section), outside MPI."""
+    from sfhpc.launch.attach import AttachRequest, attach_spec, pool_for
+
+    recipe, cluster, _ = _load("h100-l40s", monkeypatch)
+    request = AttachRequest(4, partition=None, qos="preempt", time_minutes=60, after="1234")
+    spec = attach_spec(recipe, pool_for(recipe, cluster, None), request, "/runs/example", python="/usr/bin/python3",
+                       output="/runs/example/logs/attach-%j.out")
+    _check(GOLDEN / "h100-l40s.attach.sbatch", render_sbatch(spec))

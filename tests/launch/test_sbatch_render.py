@@ -66,7 +66,7 @@ def test_requeue_off_says_no_requeue_and_asks_for_no_signal(tmp_path: Path) -> N
 
 def test_shipped_scripts_pass_bash_n(tmp_path: Path) -> None:
     shipped = [*(ROOT / "slurm_templates").glob("*.sbatch"), *(ROOT / "tests/launch/golden").glob("*.sbatch")]
-    assert len(shipped) == 8
+    assert len(shipped) == 9
     for path in shipped:
         bash_n(path.read_text(), tmp_path)
 
