@@ -17,7 +17,7 @@ A worker leaves in one of two ways. Told by its job (preemption, time limit, ``s
 generations at a token boundary, records them, and hands its unfinished episodes back (`Leaving`); they continue
 elsewhere from their prefix, as a reclaimed rank's do. Without a word (its node died, SIGKILL): its link closes;
 its trajectories still open are aborted (kept in the store, never trained) and the episodes it held are played
-again elsewhere, so it costs the tokens it generated for them, counted (`Departure.lost_tokens`).
+again elsewhere, so it costs the tokens it generated for them, counted (the `worker-left` event).
 This module keeps, per attached rank, the episodes handed to it (`handed`), which is what makes the second way
 exact: the trajectory manager's server says which of them ended (`ManagerServer.ended_by_group`).
 """
@@ -27,17 +27,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import os
-import secrets
-import socket
 import threading
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from sfhpc.door import Door, knock, refuse
 from sfhpc.errors import SfhpcError
 from sfhpc.rl import messages as msg
-from sfhpc.rundir import write_register
 from sfhpc.runtime.socket_link import ANY, LinkClosed, SocketLink
 
 log = logging.getLogger("sfhpc")
@@ -66,9 +63,8 @@ class Departure:
 def open_attach(recipe: Any, register: Path, first_rank: int) -> AttachedWorkers | None:
     """The controller's door for workers of other jobs, or None where the run cannot take them (said in the
     register, where `sfhpc attach` reads it)."""
-    refusal = recipe.attach_refusal
-    if refusal is not None:
-        write_register(register, REGISTER_NAME, {"refused": refusal})
+    if recipe.attach_refusal is not None:
+        refuse(register, REGISTER_NAME, recipe.attach_refusal)
         return None
     return AttachedWorkers(register, first_rank)
 
@@ -77,35 +73,13 @@ class AttachedWorkers:
     """The controller's door for rollout workers of other jobs (see the module); ranks from `first_rank` on."""
 
     def __init__(self, register: Path, first_rank: int, *, bind: str = "0.0.0.0") -> None:
-        self.key = secrets.token_bytes(32)
-        self._listener = Listener((bind, 0), authkey=self.key)
-        host = socket.gethostname() if bind in ("0.0.0.0", "") else bind
-        self.register = write_register(register, REGISTER_NAME, {
-            "address": [host, self._listener.address[1]], "key": self.key.hex(), "node": socket.gethostname(),
-            "pid": os.getpid()})
         self._lock = threading.Lock()
         self._next_rank = first_rank
         self.links: dict[int, SocketLink] = {}  # every attached worker's link, joined or ready
         self.joins: dict[int, msg.Join] = {}
         self.ready: set[int] = set()  # ranks that said Ready (the scheduler's)
         self.handed: dict[int, list[msg.EpisodeTicket]] = {}  # per ready rank: episodes handed and not moved
-        self._closed = False
-        threading.Thread(target=self._accept, name="sfhpc-attach", daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                connection = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as exc:  # noqa: BLE001 (a peer without the key: refused, the door stays open)
-                log.warning("attach: a connection was refused (%s: %s)", type(exc).__name__, exc)
-                continue
-            try:
-                self._welcome(connection)
-            except Exception as exc:  # noqa: BLE001 (a worker that fails its hello is dropped, visibly)
-                log.warning("attach: a worker's hello failed (%s: %s)", type(exc).__name__, exc)
-                connection.close()
+        self.door = Door(register, REGISTER_NAME, self._welcome, bind=bind)
 
     def _welcome(self, connection: Connection) -> None:
         if not connection.poll(HELLO_TIMEOUT_S):
@@ -185,8 +159,7 @@ class AttachedWorkers:
         return self.handed.pop(rank, [])
 
     def close(self) -> None:
-        self._closed = True
-        self._listener.close()
+        self.door.close()
         for rank in list(self.links):
             self._forget(rank)
 
@@ -251,29 +224,12 @@ class RoutedComm:
 # -- the worker's side ------------------------------------------------------------------------------------------
 
 def join_run(register: Path, join: msg.Join, *, timeout_s: float = 1800.0) -> SocketLink:
-    """Connect to the run whose controller registered in `register`; returns the link, whose `rank` is this
-    worker's rank in the run."""
-    import json
-    import time
-
-    path = register / f"{REGISTER_NAME}.json"
-    deadline = time.monotonic() + timeout_s
-    while not path.is_file():
-        if time.monotonic() > deadline:
-            raise SfhpcError(f"no controller is registered in {register}: is the run running? (sfhpc status)")
-        time.sleep(0.5)
-    record = json.loads(path.read_text())
-    if "refused" in record:
-        raise SfhpcError(f"this run takes no rollout workers of other jobs: {record['refused']}")
-    host, port = record["address"]
-    try:
-        connection = Client((host, port), authkey=bytes.fromhex(record["key"]))
-    except OSError as exc:
-        raise SfhpcError(f"the run's controller at {host}:{port} cannot be reached ({exc}): has the run ended, or "
-                         "does a firewall stand between the nodes? (docs/cluster-admins.md)") from exc
+    """Connect to the run whose controller registered in `register` (waiting up to `timeout_s` for it: the worker's
+    job may start first); returns the link, whose `rank` is this worker's rank in the run."""
+    connection = knock(register, REGISTER_NAME, timeout_s=timeout_s, what="run's controller")
     connection.send(join)
-    if not connection.poll(timeout_s):
-        raise SfhpcError(f"the run's controller at {host}:{port} did not answer within {timeout_s:g} s")
+    if not connection.poll(HELLO_TIMEOUT_S):
+        raise SfhpcError(f"the run's controller did not answer within {HELLO_TIMEOUT_S:g} s")
     welcome = connection.recv()
     return SocketLink(connection, rank=welcome.rank, peer=0, name="link to the controller")
 

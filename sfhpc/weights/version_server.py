@@ -22,19 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import secrets
-import socket
 import threading
-import time
 from collections.abc import Iterator
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from sfhpc.rundir import write_register
+from sfhpc.door import Door, knock
 from sfhpc.weights import delta
 from sfhpc.weights.errors import WeightStreamError
 from sfhpc.weights.manifest import WeightManifest, unpack
@@ -47,20 +43,10 @@ REGISTER_NAME = "weights"
 PULL_TIMEOUT_S = 1800.0  # how long a pull waits for the version it wants to be published
 
 
-def advertised_host(bind: str) -> str:
-    """The name other nodes reach a server bound to `bind` by."""
-    return socket.gethostname() if bind in ("0.0.0.0", "") else bind
-
-
 class VersionServer:
     """On the publisher's rank: serves each version the publisher sent to workers that pull it (see the module)."""
 
     def __init__(self, register: Path, *, bind: str = "0.0.0.0") -> None:
-        self.key = secrets.token_bytes(32)
-        self._listener = Listener((bind, 0), authkey=self.key)
-        host, port = advertised_host(bind), self._listener.address[1]
-        self.register = write_register(register, REGISTER_NAME, {"address": [host, port], "key": self.key.hex(),
-                                                                 "node": socket.gethostname(), "pid": os.getpid()})
         self._state = threading.Condition()
         self._version = 0
         self._staging: _Staging | None = None
@@ -70,7 +56,8 @@ class VersionServer:
         self._closed = False
         self.pulls = 0  # pulls served, for the run's figures
         self.bytes_sent = 0
-        threading.Thread(target=self._accept, name="sfhpc-weight-server", daemon=True).start()
+        self.door = Door(register, REGISTER_NAME, lambda connection: threading.Thread(
+            target=self._serve, args=(connection,), name="sfhpc-weight-pull", daemon=True).start(), bind=bind)
 
     # -- the publisher's side ----------------------------------------------------------------------------
     def hold(self) -> None:
@@ -90,20 +77,9 @@ class VersionServer:
         with self._state:
             self._closed = True
             self._state.notify_all()
-        self._listener.close()
+        self.door.close()
 
     # -- the workers' side -------------------------------------------------------------------------------
-    def _accept(self) -> None:
-        while not self._closed:
-            try:
-                connection = self._listener.accept()
-            except OSError:
-                return  # closed
-            except Exception as exc:  # noqa: BLE001 (a peer without the key: refused, the server goes on)
-                log.warning("weight server: a connection was refused (%s: %s)", type(exc).__name__, exc)
-                continue
-            threading.Thread(target=self._serve, args=(connection,), name="sfhpc-weight-pull", daemon=True).start()
-
     def _serve(self, connection: Connection) -> None:
         with contextlib.closing(connection):
             try:
@@ -194,18 +170,9 @@ class VersionPuller:
     """A worker's side of `VersionServer`: pulls versions into a copy of its own (see the module)."""
 
     def __init__(self, register: Path, *, timeout_s: float = 120.0) -> None:
-        import json
-
-        path = register / f"{REGISTER_NAME}.json"
-        deadline = time.monotonic() + timeout_s
-        while not path.is_file():  # the trainer writes it when its weight stream opens
-            if time.monotonic() > deadline:
-                raise WeightStreamError(f"no weight server is registered in {register} after {timeout_s:g} s: is "
-                                        "the run's trainer up?")
-            time.sleep(0.5)
-        record = json.loads(path.read_text())
-        self.address = tuple(record["address"])
-        self._connection = Client(self.address, authkey=bytes.fromhex(record["key"]))
+        # (the trainer registers it when its weight stream opens)
+        self._connection = knock(register, REGISTER_NAME, timeout_s=timeout_s, what="weight server")
+        self.address = str(register / f"{REGISTER_NAME}.json")  # (its register, for messages)
         self.manifest: WeightManifest | None = None
         self._copy: torch.Tensor | None = None
         self._starts: list[int] = []
@@ -220,8 +187,8 @@ class VersionPuller:
         if reply[0] == "none":
             return None
         if reply[0] != "version":
-            raise WeightStreamError(f"the weight server at {self.address[0]}:{self.address[1]} refused the pull of "
-                                    f"version {want}: {reply[1]}")
+            raise WeightStreamError(f"the weight server ({self.address}) refused the pull of version {want}: "
+                                    f"{reply[1]}")
         _, version, manifest, rows = reply
         if manifest is not None:
             self._new_layout(manifest)

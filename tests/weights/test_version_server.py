@@ -70,7 +70,7 @@ def test_a_late_worker_gets_the_latest_whole_then_deltas_then_whole_when_far_beh
                                                                                      use_delta: bool) -> None:
     publisher = WeightPublisher(NoMembers(), bucket_bytes=32 << 10, delta=use_delta)
     server = publisher.late = VersionServer(tmp_path / "attach", bind="127.0.0.1")
-    assert stat.S_IMODE(os.stat(server.register).st_mode) == 0o600  # it holds the key
+    assert stat.S_IMODE(os.stat(server.door.register).st_mode) == 0o600  # it holds the key
     puller = VersionPuller(tmp_path / "attach")
     assert puller.pull() is None  # nothing published: the folder's weights are current
     total = sum(t.numel() * 2 for _, t in weights(0))
@@ -107,7 +107,7 @@ def test_a_peer_without_the_key_is_refused(tmp_path: Path) -> None:
     from multiprocessing.connection import Client
 
     server = VersionServer(tmp_path / "attach", bind="127.0.0.1")
-    address = ("127.0.0.1", server._listener.address[1])
+    address = ("127.0.0.1", server.door.port)
     with pytest.raises(Exception, match="digest|authentication|AuthenticationError"):
         Client(address, authkey=b"not the key")
     server.close()
