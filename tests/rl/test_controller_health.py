@@ -69,7 +69,7 @@ def _controller(tmp_path: Path, wall_minutes: float = 60.0, max_token_lag: int |
         "stop_watch": _Attributes(stop_requested=lambda: None),
         "_serving": served, "_stop_serving": threading.Event(), "stopping": None, "step_done": 0,
         "hopeless_checked": 0, "hopeless_groups": 0, "open_groups": {}, "restart": 0, "job_id": None, "_overdue": 0,
-        "_overdue_at": (-1, -1, -1), "sampling": None,
+        "_overdue_at": (-1, -1, -1), "sampling": None, "attached": None,
         "started": time.monotonic(),
         "live": LiveStatus(tmp_path, restart=0, job_id=None),
     }

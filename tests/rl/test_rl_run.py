@@ -1,10 +1,10 @@
 """A whole RL run on one machine learns: real vLLM engines, real torch training, real MPI, a real HDF5 store.
 
-The suite's learning rise: a seeded ``async`` run whose reward on ``next-letter`` climbs from chance to nearly
-every reply right (measured: 0.07 -> 0.98, first and last 6 of 60 steps), and whose greedy evaluation on
-held-out problems rises with it. Its weights reach the engine as deltas (``engine.weight_delta``): every
-version after the first is smaller on the wire than the model, and the policy still learns what it learned with
-whole versions. Other whole runs check other things:
+The suite's learning rise: a seeded ``async`` run whose reward on ``next-letter`` climbs from chance to most
+replies right (measured: 0.07 -> 0.84, first and last 6 of 40 steps; 0.98 after 60), and whose greedy evaluation
+on held-out problems rises with it (pass@1 0.00, 0.44 at step 20, 1.00 at step 40). Its weights reach the engine
+as deltas (``engine.weight_delta``): every version after the first is smaller on the wire than the model, and the
+policy still learns what it learned with whole versions. Other whole runs check other things:
 a colocated sync run's records `test_resume_exact.py`, multi-turn agents over HTTP `test_preemption_local.py`,
 a Hugging Face folder `test_rl_hf_models.py`.
 """
@@ -21,6 +21,8 @@ from tests.conftest import run_recipe
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mpi]
 
+STEPS = 40
+
 LEARN = """\
 name: learn
 seed: 3
@@ -30,7 +32,7 @@ pipeline: {mode: async, max_staleness: 1}
 engine: {weight_delta: true}
 budgets: {steps: STEPS, prompts_per_step: 8}
 task: {name: next-letter, options: {letters: "ab"}}
-evaluation: {problems: 16, every: 30}
+evaluation: {problems: 16, every: 20}
 roles:
   controller: {place_with: trainer}
   trainer:    {tags: [train], nodes: 1}
@@ -39,13 +41,13 @@ roles:
 
 
 def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
-    run_dir, every_row = run_recipe(tmp_path, LEARN.replace("STEPS", "60"))
+    run_dir, every_row = run_recipe(tmp_path, LEARN.replace("STEPS", str(STEPS)))
     rows = [r for r in every_row if "reward_mean" in r]  # the row of step 0 holds the evaluation before training
     rewards = [r["reward_mean"] for r in rows]
-    assert len(rewards) == 60
+    assert len(rewards) == STEPS
     first, last = np.mean(rewards[:10]), np.mean(rewards[-10:])
     assert last > first + 0.3 and last > 0.4, rewards
-    assert [r["version"] for r in rows] == list(range(1, 61))
+    assert [r["version"] for r in rows] == list(range(1, STEPS + 1))
     # Async: rollout ran ahead of training, so the trained tokens came from the previous version, step after
     # step. (`max_staleness` bounds admission: a group whose reply crossed an update may train one version later.)
     staleness = [r["max_staleness"] for r in rows]
@@ -56,11 +58,11 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
     sizes = [r["update_bytes"] for r in rows]
     assert sizes[0] > 1e6 and all(0 < size <= sizes[0] for size in sizes[1:]), sizes
     assert sum(size < 0.97 * sizes[0] for size in sizes[1:]) > len(sizes) / 2, sizes
-    # Greedy replies to 16 held-out problems, before training, at step 30 and after the last: the policy's
+    # Greedy replies to 16 held-out problems, before training, half-way and after the last step: the policy's
     # pass@1 rises with the training reward.
     evaluations = {r["step"]: r["eval_pass_at_1"] for r in every_row if "eval_pass_at_1" in r}
-    assert sorted(evaluations) == [0, 30, 60]
-    assert evaluations[60] > evaluations[0] + 0.3, evaluations
+    assert sorted(evaluations) == [0, STEPS // 2, STEPS]
+    assert evaluations[STEPS] > evaluations[0] + 0.3, evaluations
 
     # A run that starts from this one's trained policy (model.init_from) evaluates, before its first step,
     # what this run evaluated after its last: the same greedy replies to the same problems.
@@ -68,8 +70,8 @@ def test_reward_improves_on_a_seeded_run(tmp_path: Path) -> None:
                                                    f"model: {{init_from: {run_dir}}}")  # evaluates, trains nothing
     (tmp_path / "next").mkdir()
     next_dir, next_rows = run_recipe(tmp_path / "next", from_run)
-    assert len(next_rows) == 1 and next_rows[0]["eval_pass_at_1"] == evaluations[60], next_rows
-    assert greedy_replies(next_dir, step=0) == greedy_replies(run_dir, step=60)
+    assert len(next_rows) == 1 and next_rows[0]["eval_pass_at_1"] == evaluations[STEPS], next_rows
+    assert greedy_replies(next_dir, step=0) == greedy_replies(run_dir, step=STEPS)
 
 
 def greedy_replies(run_dir: Path, *, step: int) -> dict[int, list[int]]:
