@@ -61,13 +61,11 @@ cluster-down:
 cluster-status:
 	$(DEVCLUSTER) status
 
-# Every tier, the 15 slowest tests listed (tests/conftest.py says how they are grouped). Three workers on a
-# two-core machine: the Slurm tests and the runs wait on processes and schedulers much of their time, which a
-# third worker fills (measured on 2 cores: the CPU 96% busy instead of idle between waits, the suite 12% shorter).
+# Every tier on two workers (tests/conftest.py says how they are grouped); the 15 slowest tests are listed.
 test: setup test-system-packages cluster-up
-	$(VENV)/bin/pytest -q -ra -n 3 --dist loadgroup --durations=15
+	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup --durations=15
 
-# The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most; CPU-bound, so two workers).
+# The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
 	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15
 
