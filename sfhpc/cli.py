@@ -50,12 +50,17 @@ def _default_map() -> str:
     return os.environ.get("SFHPC_CLUSTER_MAP", DEFAULT_CLUSTER_MAP)
 
 
-def _load(args: argparse.Namespace) -> tuple[Recipe, ClusterMap, LaunchPlan]:
-    recipe = load_recipe(args.recipe)
-    if args.cluster == DEFAULT_CLUSTER_MAP and not Path(args.cluster).exists():
+def _cluster_map(path: str) -> ClusterMap:
+    """The cluster map `--cluster` names (the default one only where it exists)."""
+    if path == DEFAULT_CLUSTER_MAP and not Path(path).exists():
         raise SfhpcError(f"no cluster map given and {DEFAULT_CLUSTER_MAP} is not in this folder: "
                          "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
-    cluster = load_cluster_map(args.cluster)
+    return load_cluster_map(path)
+
+
+def _load(args: argparse.Namespace) -> tuple[Recipe, ClusterMap, LaunchPlan]:
+    recipe = load_recipe(args.recipe)
+    cluster = _cluster_map(args.cluster)
     return recipe, cluster, resolve(recipe, cluster)
 
 
@@ -291,11 +296,8 @@ def cmd_attach(args: argparse.Namespace) -> int:
     recipe = load_recipe(recorded[0], recorded[1])
     if recipe.attach_refusal is not None:
         raise SfhpcError(f"the run in {run_dir} takes no rollout workers of other jobs: {recipe.attach_refusal}")
-    if args.cluster == DEFAULT_CLUSTER_MAP and not Path(args.cluster).exists():
-        raise SfhpcError(f"no cluster map given and {DEFAULT_CLUSTER_MAP} is not in this folder: "
-                         "pass --cluster MAP or set SFHPC_CLUSTER_MAP")
     request = AttachRequest(args.rollout, args.partition, args.qos, args.time)
-    job, pool = submit_attach(recipe, load_cluster_map(args.cluster), request, run_dir, dry_run=args.dry_run)
+    job, pool = submit_attach(recipe, _cluster_map(args.cluster), request, run_dir, dry_run=args.dry_run)
     if args.dry_run:
         print(job, end="")
         return 0

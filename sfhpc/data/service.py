@@ -97,8 +97,10 @@ class ManagerServer:
         self.first_one_way_failure: OneWayFailure | None = None
         self.last_seen: dict[int, float] = {}  # client rank -> time.monotonic() of its latest request
         self.episodes_ended: dict[int, int] = {}  # client rank -> episodes it reported as ended (finish, fail)
-        # Per client rank: the trajectories it started (or continued) and has not ended, with their groups, and its
-        # episodes that ended, by group: what a rollout worker that vanished leaves behind (`sfhpc.rl.attached`).
+        # Per client rank in `followed` (those that may vanish: rollout workers of other jobs, `sfhpc.rl.attached`):
+        # the trajectories it started (or continued) and has not ended, with their groups, and its episodes that
+        # ended, by group: what such a worker leaves behind.
+        self.followed: set[int] = set()
         self.open_trajectories: dict[int, dict[str, str | None]] = {}
         self.ended_by_group: dict[int, collections.Counter[str | None]] = {}
         # Called with the client's rank after each episode end is counted (the scheduler's timeline hears of
@@ -126,7 +128,7 @@ class ManagerServer:
             log.exception("trajectory manager failed on %s from rank %d", method, source)
             reply = ("error", "ServiceError", f"{method} failed on the controller: {type(exc).__name__}: {exc}")
         self.served += 1
-        if reply[0] == "ok":
+        if reply[0] == "ok" and source in self.followed:
             self._follow(source, method, args, kwargs, reply[1])
         if method in EPISODE_ENDS:
             self.episodes_ended[source] = self.episodes_ended.get(source, 0) + 1

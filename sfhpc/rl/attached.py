@@ -111,7 +111,7 @@ class AttachedWorkers:
                     self.handed[rank] = []
                     found.append(Arrival(rank, self.joins[rank], ready.version))
             except LinkClosed:
-                self._forget(rank)  # gone before it was ready: it held nothing
+                self.forget(rank)  # gone before it was ready: it held nothing
         return found
 
     def departures(self) -> list[Departure]:
@@ -147,9 +147,6 @@ class AttachedWorkers:
 
     def forget(self, rank: int) -> list[msg.EpisodeTicket]:
         """`rank` is gone: close its link; returns the episodes handed to it and not moved."""
-        return self._forget(rank)
-
-    def _forget(self, rank: int) -> list[msg.EpisodeTicket]:
         with self._lock:
             link = self.links.pop(rank, None)
             self.joins.pop(rank, None)
@@ -161,7 +158,7 @@ class AttachedWorkers:
     def close(self) -> None:
         self.door.close()
         for rank in list(self.links):
-            self._forget(rank)
+            self.forget(rank)
 
 
 class RoutedComm:

@@ -450,6 +450,7 @@ class Controller:
                 continue
             self.scheduler.add_rank(rank, arrival.join.tags)
             self.server.open_clients.add(rank)  # it says goodbye at the end like a rollout rank
+            self.server.followed.add(rank)  # what it leaves open, should it vanish
             self.event("worker-attached", rank=rank, node=arrival.join.node, worker_job=arrival.join.job_id, step=step,
                        version=self.version)
             print(f"rank {rank}: a rollout worker of job {arrival.join.job_id} on {arrival.join.node} joined the "
@@ -463,6 +464,7 @@ class Controller:
         assert self.attached is not None
         self.scheduler.remove_rank(gone.rank)
         self.server.open_clients.discard(gone.rank)
+        self.server.followed.discard(gone.rank)
         handed = self.attached.forget(gone.rank)
         given_back = () if gone.leaving is None else gone.leaving.episodes
         self.moved_from(gone.rank, given_back)

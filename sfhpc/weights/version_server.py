@@ -172,7 +172,7 @@ class VersionPuller:
     def __init__(self, register: Path, *, timeout_s: float = 120.0) -> None:
         # (the trainer registers it when its weight stream opens)
         self._connection = knock(register, REGISTER_NAME, timeout_s=timeout_s, what="weight server")
-        self.address = str(register / f"{REGISTER_NAME}.json")  # (its register, for messages)
+        self.register_file = register / f"{REGISTER_NAME}.json"  # (named in its errors)
         self.manifest: WeightManifest | None = None
         self._copy: torch.Tensor | None = None
         self._starts: list[int] = []
@@ -187,7 +187,7 @@ class VersionPuller:
         if reply[0] == "none":
             return None
         if reply[0] != "version":
-            raise WeightStreamError(f"the weight server ({self.address}) refused the pull of version {want}: "
+            raise WeightStreamError(f"the weight server ({self.register_file}) refused the pull of version {want}: "
                                     f"{reply[1]}")
         _, version, manifest, rows = reply
         if manifest is not None:
