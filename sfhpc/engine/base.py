@@ -38,6 +38,11 @@ class EngineStateError(SfhpcError):
     """An engine call made in a state that does not allow it (e.g. loading weights while generating)."""
 
 
+class EngineDied(EngineStateError):
+    """The engine's processes are gone (killed, out of memory, a device error): the call could not reach them.
+    The engine has been marked dead (`RolloutEngine.died`), which is what its rank's restart waits for."""
+
+
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
     """One generation: a prompt of token ids and how to sample its continuation.

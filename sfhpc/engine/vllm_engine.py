@@ -36,12 +36,12 @@ import multiprocessing
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from sfhpc.config.recipe import EngineSpec
-from sfhpc.engine.base import FinishReason, GenerationChunk, GenerationRequest, RolloutEngine
+from sfhpc.engine.base import EngineDied, FinishReason, GenerationChunk, GenerationRequest, RolloutEngine
 from sfhpc.engine.vllm_worker import EXTENSION as WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sfhpc")
 INSECURE_SERIALIZATION = "VLLM_ALLOW_INSECURE_SERIALIZATION"
 PAUSE_DRAIN_S = 5.0  # how long a pause goes on ending streams that vLLM held instead of aborting
+CORE_WATCH_S = 0.1  # how often a call into the engine core looks whether the core is still there
 # The engine's watchdog (see `_watch_engine`): it waits for its pipe to close, and kills the engine's core
 # unless the owner said "done" first (its own shutdown ended the engine, and the pid may be reused).
 _WATCHDOG = """
@@ -227,48 +228,79 @@ class VllmEngine(RolloutEngine):
         finally:
             self._open.discard(request.request_id)
 
+    async def _on_core(self, what: str, call: Awaitable[Any]) -> Any:
+        """Await `call`, a call into the engine core outside a generation. Where the core is gone the engine is
+        marked dead (`died`: its rank restarts it) and the call fails with `EngineDied`. vLLM raises its
+        ``EngineDeadError`` only for calls sent after it noticed the death: a call already sent when the core
+        died waits for a reply that never comes, so the engine's state is watched meanwhile."""
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        task = asyncio.ensure_future(call)
+        try:
+            while not (await asyncio.wait({task}, timeout=CORE_WATCH_S))[0]:
+                if self._llm.errored:
+                    task.cancel()
+                    raise EngineDeadError()
+            return task.result()
+        except EngineDeadError as exc:
+            log.error("engine '%s': its engine core died (found by %s)", self.name, what)
+            self.died()
+            raise EngineDied(f"engine '{self.name}': its engine core is gone ({what})") from exc
+
     async def abort(self, request_id: str) -> None:
-        await self._llm.abort(request_id)
+        with contextlib.suppress(EngineDied):  # a dead core ends every stream itself
+            await self._on_core("abort", self._llm.abort(request_id))
 
     async def _pause_generation(self) -> None:
-        await self._llm.pause_generation(mode="abort", clear_cache=True)
-        # A request that reached vLLM just as it paused is held, unscheduled, until a resume instead of
-        # aborted (its stream would wait that long: a reclaim once waited 10 s for two). End those too, as
-        # a pause promises every stream in flight, until none is left open.
-        deadline = asyncio.get_running_loop().time() + PAUSE_DRAIN_S
-        while self._open and asyncio.get_running_loop().time() < deadline:
-            await self._llm.abort(list(self._open))
-            await asyncio.sleep(0.005)  # the streams' readers take their last output and close them
+        async def pause() -> None:
+            await self._llm.pause_generation(mode="abort", clear_cache=True)
+            # A request that reached vLLM just as it paused is held, unscheduled, until a resume instead of
+            # aborted (its stream would wait that long: a reclaim once waited 10 s for two). End those too, as
+            # a pause promises every stream in flight, until none is left open.
+            deadline = asyncio.get_running_loop().time() + PAUSE_DRAIN_S
+            while self._open and asyncio.get_running_loop().time() < deadline:
+                await self._llm.abort(list(self._open))
+                await asyncio.sleep(0.005)  # the streams' readers take their last output and close them
+
+        await self._on_core("pause", pause())
 
     async def _resume_generation(self) -> None:
-        await self._llm.resume_generation()
+        await self._on_core("resume", self._llm.resume_generation())
 
     async def _load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         table, blob = pack_weights(weights)
         if not table:
             return  # a version's last call may only move the version (its weights came in earlier loads)
-        await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
-        await self._llm.reset_prefix_cache()
+
+        async def reload() -> None:
+            await self._llm.collective_rpc(_reload_in_worker, args=(table, blob))
+            await self._llm.reset_prefix_cache()
+
+        await self._on_core("a weight load", reload())
 
     async def _sleep(self) -> None:
-        if self._sleeps:
-            await self._llm.sleep(level=1)  # weights to host memory, the KV cache dropped
+        if self._sleeps:  # weights to host memory, the KV cache dropped
+            await self._on_core("sleep", self._llm.sleep(level=1))
 
     async def _wake_up(self) -> None:
         if self._sleeps:
-            await self._llm.wake_up()
+            await self._on_core("wake-up", self._llm.wake_up())
 
     @property
     def weight_group_members(self) -> int:
         return self._workers  # every tensor-parallel worker receives the version and loads its shard
 
     async def join_weight_group(self, group: WeightGroup, first_member: int) -> None:
-        await self._llm.collective_rpc("sfhpc_join_weight_group", args=(group.to_json(), first_member))
+        await self._on_core("joining the weight group",
+                            self._llm.collective_rpc("sfhpc_join_weight_group", args=(group.to_json(), first_member)))
 
     async def _receive_weights(self, manifest: WeightManifest, *, load: bool) -> None:
-        await self._llm.collective_rpc("sfhpc_receive_weights", args=(manifest.to_json(), load))
-        if load:
-            await self._llm.reset_prefix_cache()
+        async def receive() -> None:
+            await self._llm.collective_rpc("sfhpc_receive_weights", args=(manifest.to_json(), load))
+            if load:
+                await self._llm.reset_prefix_cache()
+
+        await self._on_core("receiving weights", receive())
 
     def kill_processes(self) -> int:
         """SIGKILL this engine's core (what the kernel's OOM killer would do; fault injection's ``engine=kill``).

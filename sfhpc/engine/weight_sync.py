@@ -60,8 +60,8 @@ async def apply_version(engine: RolloutEngine, incoming: IncomingWeights,
         raise EngineStateError(f"engine '{engine.name}' holds version {engine.version}; the broadcast brought "
                                f"version {incoming.version}, which is not newer")
     was_paused = engine.paused
-    await engine.pause()
     try:
+        await engine.pause()
         if incoming.lands_in_engine:  # the engine's own processes receive the buckets and load them
             await engine.receive_weights(incoming.manifest, version=incoming.version)
             incoming.landed()

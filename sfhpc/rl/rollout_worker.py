@@ -26,7 +26,7 @@ from sfhpc.data.service import ManagerClient
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_token
 from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.endpoint.service import SamplingRule
-from sfhpc.engine.base import RolloutEngine
+from sfhpc.engine.base import EngineDied, RolloutEngine
 from sfhpc.engine.tokenizer import ChatTokenizer
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rollout.agent import (
@@ -98,6 +98,7 @@ class RolloutWorker:
         # One engine change at a time: a restart and a weight update never interleave (the update's buckets land
         # in the copy a restart loads from).
         self.engine_lock = asyncio.Lock()
+        self.synced_to = 0  # the version this rank was last told to hold (what a restart's engine must hold)
         self.engine: RolloutEngine = self.server.call(self._start_engine(), timeout=600)
         self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
                                      if task.max_turns > 1
@@ -179,23 +180,39 @@ class RolloutWorker:
                         self.recipe.engine.max_restarts)
 
     def _weights_of(self, dead: RolloutEngine) -> tuple[int, Any]:
-        """The version `dead` held and its weights (None: the folder's, which a new engine starts with)."""
-        if dead.version == 0:
+        """The version the new engine must hold and its weights (None: the folder's, which a new engine starts
+        with): the version `dead` held, or the one a weight update brought while `dead` died under it."""
+        version = max(dead.version, self.synced_to)
+        if version == 0:
             return 0, None
         if self.trainer is not None:  # colocated or lent: the rank's own trainer holds the policy
-            return dead.version, list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
+            return version, list(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)))
         copy = self.receiver if self.receiver is not None else self.puller
         held = copy.held_weights() if copy is not None else None
-        if held is None or held[0] != dead.version:
+        if held is None or held[0] != version:
             raise RuntimeError(f"the rank's copy holds version {None if held is None else held[0]}, the engine "
-                               f"had {dead.version}")
+                               f"must hold {version}")
         return held
 
+    async def _into_engine(self, load: Any) -> None:
+        """Await `load` (a weight update into the engine). An engine that dies under it is left to its watch
+        (`_watch`): the version is in the rank's copy by then (`apply_version` drains what it did not load),
+        and the engine that replaces it starts from there."""
+        try:
+            await load
+        except EngineDied as exc:
+            log.warning("rank %d: %s; its weights come from the rank's copy when it restarts", self.rank, exc)
+
     async def _kill_engine_mid_generation(self) -> None:
-        """Fault injection (``engine=kill``): kill the engine's processes 0.2 s into the next generation."""
-        while not self.endpoint.generating:
+        """Fault injection (``engine=kill``): kill the engine's processes 0.1 s into the next generation that lasts
+        that long (a step's replies take about 0.2 s in the tests): mid-reply, not after the replies ended."""
+        generating_since = None
+        while generating_since is None or time.monotonic() - generating_since < 0.1:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.2)
+            if not self.endpoint.generating:
+                generating_since = None
+            elif generating_since is None:
+                generating_since = time.monotonic()
         self.engine.kill_processes()
 
     # -- commands ----------------------------------------------------------------------------------
@@ -331,7 +348,8 @@ class RolloutWorker:
                     raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
                                        f"{None if incoming is None else incoming.version}")
                 start = time.perf_counter()
-                await apply_version(self.engine, incoming, self.adapter_merge)
+                self.synced_to = version
+                await self._into_engine(apply_version(self.engine, incoming, self.adapter_merge))
                 seconds = time.perf_counter() - start
             if version >= 2 and fault_injection.engine_fault(self.rank):
                 asyncio.get_running_loop().create_task(self._kill_engine_mid_generation())
@@ -345,22 +363,27 @@ class RolloutWorker:
                     raise RuntimeError(f"rank {self.rank}: expected weights version {version} from the weight "
                                        f"server, got {None if incoming is None else incoming.version}")
                 start = time.perf_counter()
-                await apply_version(self.engine, incoming)
+                self.synced_to = version
+                await self._into_engine(apply_version(self.engine, incoming))
                 return time.perf_counter() - start
 
         async def from_own_trainer() -> float:
             assert self.trainer is not None
             start = time.perf_counter()
-            await self.engine.pause()
-            await self.engine.wake_up()  # asleep while the trainer trained: the memory back first
-            await self.engine.load_weights(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)),
-                                           version=version)
-            await self.engine.resume()
+            self.synced_to = version
+            await self._into_engine(self._own_trainers_weights(version))
             return time.perf_counter() - start
 
         if self.trainer is not None:
             return self.server.call(from_own_trainer())
         return self.server.call(from_server() if self.puller is not None else from_broadcast())
+
+    async def _own_trainers_weights(self, version: int) -> None:
+        assert self.trainer is not None
+        await self.engine.pause()
+        await self.engine.wake_up()  # asleep while the trainer trained: the memory back first
+        await self.engine.load_weights(self.trainer.named_weights(dtype=_engine_dtype(self.recipe)), version=version)
+        await self.engine.resume()
 
     def catch_up(self) -> int:
         """A worker of another job, just started: its engine to the latest version the trainer published (the
@@ -372,8 +395,9 @@ class RolloutWorker:
             async with self.engine_lock:
                 incoming = await asyncio.to_thread(self.puller.pull)
                 if incoming is not None:
-                    await apply_version(self.engine, incoming)
-                return self.engine.version
+                    self.synced_to = incoming.version
+                    await self._into_engine(apply_version(self.engine, incoming))
+                return max(self.synced_to, self.engine.version)
 
         return self.server.call(latest())
 

@@ -11,8 +11,8 @@ step, ``play`` when a rank playing episodes (a rollout rank, a lent trainer) get
 2), ``freeze`` stops the rank's own process with SIGSTOP (it goes silent: no heartbeat, no answer; its
 launcher ends it), ``kill`` ends it with SIGKILL (as the kernel's OOM killer would: not a word from the
 rank). ``@N`` limits a fault to world rank N: ``play=freeze@2``. ``engine=kill`` kills a rollout rank's engine
-processes with SIGKILL (the rank lives on) once its engine holds weights of version 2 or later, 0.2 s into the
-next generation: mid-reply, with weights a restart must bring back.
+processes with SIGKILL (the rank lives on) once its engine holds weights of version 2 or later, 0.1 s into the
+next generation that lasts that long: mid-reply, with weights a restart must bring back.
 
 Unset, nothing waits and nothing fails. A test harness sets them; recipes cannot."""
 

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 
 from sfhpc.config.recipe import EngineSpec, ModelSpec
 from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
-from sfhpc.engine.base import GenerationRequest
+from sfhpc.engine.base import EngineDied, GenerationRequest
 from sfhpc.engine.scripted import ScriptedEngine
 from sfhpc.engine.tokenizer import ChatTokenizer, load_tokenizer
 from sfhpc.engine.vllm_engine import VllmEngine
@@ -195,3 +196,26 @@ def test_openai_client_against_vllm_endpoint(served, tokenizer) -> None:  # type
     assert {int(v) for s in generated for v in s.versions} == {engine.version}
     assert manager.context(tid)[: len(tokenizer.apply_chat_template([{"role": "user", "content": "2+2="}]))] == \
         tokenizer.apply_chat_template([{"role": "user", "content": "2+2="}])
+
+
+def test_an_engine_that_dies_between_generations_is_marked_dead(served) -> None:  # type: ignore[no-untyped-def]
+    # Last in the module: it kills the module's engine. The core dies while no reply streams (as under a weight
+    # update): the next call into it fails with EngineDied, and the engine is marked dead, which is what the
+    # rank's restart waits for; the reply that came in before the death is untouched.
+    server, engine, _ = served
+    before = server.call(collect(engine, GenerationRequest("d0", prompt(3), 4, temperature=0.0)))
+    assert len(before[0]) == 4
+    assert engine.kill_processes() >= 1
+
+    async def update() -> tuple[bool, bool, str]:
+        try:
+            await engine.pause()
+            await engine.load_weights([("model.norm.weight", torch.ones(256))], version=engine.version + 1)
+        except EngineDied as exc:
+            dead = asyncio.ensure_future(engine.wait_dead())
+            await asyncio.wait_for(dead, timeout=5)
+            return engine.paused, dead.done(), str(exc)
+        return engine.paused, False, "no error"
+
+    paused, dead, said = server.call(update(), timeout=60)
+    assert paused and dead and "its engine core is gone (pause)" in said

@@ -39,7 +39,7 @@ training: {{checkpoint_every: 1}}
 
 
 def test_a_killed_engine_restarts_with_its_weights_and_the_run_finishes(tmp_path: Path) -> None:
-    # Rank 2 is the rollout rank: its engine dies once it holds version 2, 0.2 s into the next generation.
+    # Rank 2 is the rollout rank: its engine dies once it holds version 2, 0.1 s into the next generation.
     run_dir, judged = run_recording_replies(tmp_path, RECIPE, env={"SFHPC_INJECT_FAULTS": "engine=kill@2"})
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
