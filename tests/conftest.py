@@ -40,7 +40,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         slurm = item.get_closest_marker("slurm") is not None
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: file order otherwise
+    # The Slurm tests first (one worker plays them in turn), then the files of whole runs (vLLM engines, MPI
+    # worlds: a minute or more each), then the rest: xdist hands out the groups in this order, so the last
+    # minutes hold many short files that fill both workers, not one long run with the other worker idle.
+    items.sort(key=lambda item: (item.get_closest_marker("slurm") is None, not _whole_run(item)))  # stable
+
+
+def _whole_run(item: pytest.Item) -> bool:
+    return any(item.get_closest_marker(name) is not None for name in ("vllm", "mpi"))
 
 
 @pytest.fixture(scope="session", autouse=True)
