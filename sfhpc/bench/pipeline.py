@@ -1,7 +1,7 @@
 """Benchmark: the same long-tailed workload under ``sync``, ``async`` and ``seamless`` on the same ranks.
 
     sfhpc bench pipeline [--scales small,timing] [--modes sync,async,seamless] [--ranks 16] [--steps 8]
-                         [--timing-speedup 3]
+                         [--timing-speedup 3] [--against-simulator]
 
 One invocation runs every mode at each scale, one after the other on this machine (``mpiexec``, as
 ``sfhpc run`` does), and reports per mode: trained tokens/s (the tokens of the training batches over the
@@ -28,6 +28,9 @@ rollout; ``sync`` is generate-then-train on the same ranks and roles (one step's
 trainer waits for the whole batch, rollout waits while it trains), or with ``--sync-layout colocated``
 every one of those ranks both trains and generates. A mode this version cannot run is reported as not
 available.
+
+``--against-simulator`` simulates each timing-scale mode on the same configuration and prints the controller's
+figures beside the simulator's (`sfhpc.bench.crosscheck`).
 
 Results: ``runs/bench/pipeline.json``, the table on stdout, one timeline chart per scale and mode
 (``pipeline-SCALE-MODE.png``: every rank's states over time) with its Chrome trace
@@ -87,6 +90,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="an async run's folder to calibrate the timing scale on (default: published GPU figures)")
     p.add_argument("--sync-layout", choices=("disaggregated", "colocated"), default="disaggregated",
                    help="sync on the async run's roles, or every rank training and generating")
+    p.add_argument("--against-simulator", action="store_true",
+                   help="also simulate each timing-scale mode on the same configuration (sfhpc.sim) and print the "
+                        "controller's figures beside the simulator's (sfhpc.bench.crosscheck)")
     p.add_argument("--out", type=Path, default=Path("runs/bench/pipeline.json"), help="JSON result file")
     args = p.parse_args(argv)
     args.modes = _choices(args.modes, MODES, "--modes")
@@ -100,6 +106,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if not args.timing_speedup > 0:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
+    if args.against_simulator and "timing" not in args.scales:
+        raise SfhpcError("--against-simulator compares the timing scale with the simulator: add timing to --scales")
     if args.ranks < MIN_TIMING_RANKS:
         raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
                          f"rollout ranks), found {args.ranks}")
@@ -476,6 +484,25 @@ def weight_bytes(model_dir: Path) -> float:
     return float(sum(p.stat().st_size for p in model_dir.glob("*.safetensors"))) or 1.0
 
 
+def against_simulator(timing: list[dict[str, Any]], base: dict[str, Any], costs: Any,
+                      args: argparse.Namespace) -> dict[str, Any]:
+    """The timing scale's modes simulated on the same configuration, beside the controller's figures."""
+    from sfhpc.bench import crosscheck
+
+    modes = [m for m in args.modes if m != "sync" or args.sync_layout == "colocated"]
+    left_out = "" if modes == list(args.modes) else ("sync is not compared: the simulator's sync is colocated "
+                                                     "(run with --sync-layout colocated)")
+    measured = next((r for r in timing if r.get("available", True)), None)
+    if measured is None:
+        return {"rows": [], "text": "no timing-scale run to compare"}
+    prompt = crosscheck.prompt_tokens_of(read_log(RunPaths(Path(measured["run_dir"])).metrics))
+    simulated = crosscheck.simulate_modes(base, costs, args.timing_speedup, modes, args.timing_steps or args.steps,
+                                          prompt)
+    rows = crosscheck.compare(timing, simulated)
+    return {"rows": [r.as_json() for r in rows], "same_order": crosscheck.same_order(rows), "prompt_tokens": prompt,
+            "text": crosscheck.format_comparison(rows, left_out)}
+
+
 # -- the benchmark -----------------------------------------------------------------------------------------
 def run_scale(scale: str, base: dict[str, Any], modes: Sequence[str], steps: int, bench_dir: Path,
               modelled: str, sync_layout: str = "disaggregated") -> list[dict[str, Any]]:
@@ -505,6 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     notes: dict[str, str] = {}
     calibration = None
+    crosschecked: dict[str, Any] | None = None
     model_path: str | None = None
     if "small" in args.scales:
         base = read_recipe_mapping(args.recipe)
@@ -528,14 +556,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"test engine and 'timing' trainer backend; {costs.source}{pace}); real: the scheduler, "
                            "trajectory manager, store, agents, endpoint, weight broadcast and MPI")
         print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
-        results += run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
-                             modelled=notes["timing"], sync_layout=args.sync_layout)
+        timing = run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
+                           modelled=notes["timing"], sync_layout=args.sync_layout)
+        results += timing
+        if args.against_simulator:
+            crosschecked = against_simulator(timing, base, costs, args)
     elapsed = time.monotonic() - started
     print(f"pipeline benchmark, {args.steps} steps per run (the first left out), long-tailed workload "
           f"(repeat-letter), sync {args.sync_layout}, {elapsed:.0f} s in all")
     print(table(results))
     for scale, note in notes.items():
         print(f"{scale}: {note}")
+    if crosschecked is not None:
+        print(f"timing scale against the simulator, the same configuration:\n{crosschecked['text']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     charts = []
     for r in results:
@@ -555,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
                                     "sync_layout": args.sync_layout, "timing_speedup": args.timing_speedup,
                                     "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
-                                    "results": results}, indent=2) + "\n")
+                                    "results": results, "against_simulator": crosschecked}, indent=2) + "\n")
     print(f"wrote {args.out}")
     if charts:
         print("charts: " + ", ".join(charts))

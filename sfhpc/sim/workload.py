@@ -29,14 +29,30 @@ class Workload:
     turns_alpha: float = 1.2
     observation_tokens: int = 0    # what the environment adds to the context after each turn but the last
     env_s: float = 0.0             # seconds the environment takes to answer a turn
+    # A reply of a task that asks for a length (``repeat-letter``): the drawn length plus `reply_slack`, at most
+    # `reply_cap` (0: no cap), and with `group_lengths` one length for a whole group (its samples share the
+    # problem, and the test engine writes every reply to its budget).
+    reply_slack: int = 0
+    reply_cap: int = 0
+    group_lengths: bool = False
 
     def replies(self, rng: np.random.Generator, samples: int) -> list[tuple[int, ...]]:
-        """Reply lengths per turn of `samples` samples."""
+        """Reply lengths per turn of `samples` samples (whole groups, in order)."""
+        if self.group_lengths:
+            per_group = self._single_turn(rng, -(-samples // self.group_size))
+            return [per_group[i // self.group_size] for i in range(samples)]
         if self.turns_max <= 1:
-            return [(n,) for n in _long_tail(rng, samples, self.reply_min, self.reply_max, self.reply_alpha)]
+            return self._single_turn(rng, samples)
         turns = _long_tail(rng, samples, self.turns_min, self.turns_max, self.turns_alpha)
         lengths = iter(_long_tail(rng, sum(turns), self.reply_min, self.reply_max, self.reply_alpha))
         return [tuple(next(lengths) for _ in range(t)) for t in turns]
+
+    def _single_turn(self, rng: np.random.Generator, samples: int) -> list[tuple[int, ...]]:
+        lengths = _long_tail(rng, samples, self.reply_min, self.reply_max, self.reply_alpha)
+        if self.reply_slack or self.reply_cap:
+            cap = self.reply_cap or self.reply_max + self.reply_slack
+            lengths = [min(cap, n + self.reply_slack) for n in lengths]
+        return [(n,) for n in lengths]
 
     def describe(self) -> str:
         text = (f"{self.name}: groups of {self.group_size}, prompt {self.prompt_tokens} tokens, replies "

@@ -140,7 +140,7 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     # The fewest ranks the timing scale takes (a controller, a trainer, two rollout ranks) and two steps measured
     # after the first: each mode's run is mostly its ranks' start-up, and the modelled long tail shows at once.
     done = run_sfhpc("bench", "pipeline", "--scales", "timing", "--ranks", "4", "--steps", "3", "--out", str(out),
-                     timeout=900)
+                     "--against-simulator", timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     results = {r["mode"]: r for r in report["results"]}
@@ -166,3 +166,13 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     table = done.stdout[done.stdout.index("pipeline benchmark"):].splitlines()
     for mode in ("sync", "async", "seamless"):
         assert any(line.split()[:2] == ["timing", mode] for line in table if line.strip()), mode
+    # The same configuration simulated: each mode's figures beside the controller's (sync is disaggregated here,
+    # and the simulator's sync is colocated: left out, and said).
+    compared = {r["mode"]: r for r in report["against_simulator"]["rows"]}
+    assert set(compared) == {"async"} | ({"seamless"} if seamless["available"] else set())
+    for mode, row in compared.items():
+        assert row["timing_tokens_per_s"] == pytest.approx(results[mode]["trained_tokens_per_s"])
+        assert row["sim_tokens_per_s"] > 0 and row["ratio"] == pytest.approx(row["timing_tokens_per_s"]
+                                                                             / row["sim_tokens_per_s"])
+    assert report["against_simulator"]["prompt_tokens"] > 5
+    assert "controller tok/s" in done.stdout and "sync is not compared" in done.stdout

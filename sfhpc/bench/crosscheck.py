@@ -1,0 +1,172 @@
+"""The timing scale and the simulator on one configuration: is the simulator's claim the controller's?
+
+    sfhpc bench pipeline --scales timing --against-simulator [--ranks 16] [--timing-speedup 3]
+
+The timing scale runs the real controller, scheduler, trajectory manager, store, endpoint and MPI with
+compute modelled (`sfhpc.bench.pipeline`); the simulator (`sfhpc.sim`) runs the same `Scheduler` and
+`PipelinePolicy` on a discrete-event clock with the same compute model. Both are given one configuration
+here: the timing recipe's ranks (its trainer ranks as trainer GPUs, its rollout ranks as rollout GPUs; the
+controller holds none), its costs divided by the same speedup, its workload (``repeat-letter``'s long tail of
+reply lengths, one length per group as the test engine writes each reply to its budget, the prompts' length
+as the runs measured it), its batch, staleness bound and rebalancing, and the same steps with the first left
+out. The lending costs are the timing scale's: none (its trainer ranks' engines are up from the start and
+its trainer keeps its state in place), so the simulator charges none either.
+
+Per mode: trained tokens/s, bubble and the share of rollout time spent in weight updates (the engine's
+pause), side by side, with the ratio of the controller's throughput to the simulator's. Where the ratio
+leaves ``[1 - TOLERANCE, 1 + TOLERANCE]`` or the modes rank differently, the simulator models something the
+code does not do (or the reverse), and the table says which mode.
+
+``sync`` is compared only with ``--sync-layout colocated`` (the simulator's sync generates and trains on
+every GPU); with the disaggregated layout it is left out and the table says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from sfhpc.config.cluster import Pool
+from sfhpc.sim.cluster import SimCluster
+from sfhpc.sim.cost_model import CostModel
+from sfhpc.sim.pipeline import SimConfig, SimResult, simulate
+from sfhpc.sim.workload import Workload
+from sfhpc.table import format_table
+
+TOLERANCE = 0.15  # the simulator within 15% of the controller's trained tokens/s, per mode
+GPU = "gpu"  # the timing scale's one GPU type (engines and trainer alike)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """One mode measured on the timing scale and simulated on the same configuration."""
+
+    mode: str
+    timing_tokens_per_s: float
+    sim_tokens_per_s: float
+    timing_bubble: float | None
+    sim_bubble: float | None
+    timing_pause_share: float | None  # rollout rank-seconds in weight updates / all rollout rank-seconds
+    sim_pause_share: float | None
+
+    @property
+    def ratio(self) -> float:
+        """The controller's trained tokens/s over the simulator's."""
+        return self.timing_tokens_per_s / self.sim_tokens_per_s if self.sim_tokens_per_s else float("inf")
+
+    @property
+    def within(self) -> bool:
+        return abs(self.ratio - 1.0) <= TOLERANCE
+
+    def as_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "ratio": self.ratio, "within": self.within}
+
+
+def timing_workload(recipe: Mapping[str, Any], prompt_tokens: int) -> Workload:
+    """The timing recipe's ``repeat-letter`` task as the simulator's workload: a reply is the asked count
+    plus the task's slack (the test engine writes each to its budget), the same for a whole group."""
+    options = recipe["task"].get("options", {})
+    budget = int(recipe["budgets"]["max_new_tokens"])
+    return Workload("timing-scale", group_size=int(recipe["algorithm"]["group_size"]), prompt_tokens=prompt_tokens,
+                    reply_min=int(options.get("min_count", 1)), reply_max=int(options.get("max_count", 200)),
+                    reply_alpha=float(options.get("alpha", 1.0)), reply_slack=int(options.get("slack", 2)),
+                    reply_cap=budget, group_lengths=True)
+
+
+def timing_cluster(recipe: Mapping[str, Any]) -> SimCluster:
+    """The timing recipe's trainer and rollout ranks as one GPU each; the trainer's pool tagged rollout, so
+    that the simulator lends it in ``seamless`` (the timing scale's seamless recipe tags it so)."""
+    from sfhpc.bench.pipeline import role_ranks
+
+    trainers, rollouts = role_ranks(recipe["roles"]["trainer"]), role_ranks(recipe["roles"]["rollout"])
+
+    def pool(name: str, tags: tuple[str, ...], gpus: int) -> Pool:
+        return Pool(name=name, partition=name, nodes=1, tags=tags, cpus_per_node=gpus, memory_mb=gpus * 1024,
+                    gpus_per_node=gpus, gpu_type=GPU)
+
+    return SimCluster("timing-scale", pool("trainer", ("train", "rollout"), trainers),
+                      pool("rollout", ("rollout",), rollouts))
+
+
+def timing_cost_model(costs: CostModel, speedup: float) -> CostModel:
+    """`costs` at the timing scale's pace (every duration divided by `speedup`), without lending costs."""
+    device = costs.device(GPU)
+    fast = dataclasses.replace(device, decode_base_s=device.decode_base_s / speedup,
+                               decode_per_sequence_s=device.decode_per_sequence_s / speedup,
+                               prefill_per_token_s=device.prefill_per_token_s / speedup,
+                               train_per_token_s=device.train_per_token_s / speedup)
+    fast = dataclasses.replace(fast, host_gb_s=float("inf"))  # an engine's wake-up: free at the timing scale
+    return dataclasses.replace(costs, devices={GPU: fast}, sync_gb_s=costs.sync_gb_s * speedup, engine_fixed_s=0.0,
+                               trainer_state_bytes=0.0)
+
+
+def prompt_tokens_of(rows: Sequence[Mapping[str, Any]]) -> int:
+    """The mean prompt length of a run's trained trajectories (its metrics rows after the first)."""
+    steady = list(rows[1:]) or list(rows)
+    trajectories = sum(int(r["trajectories"]) for r in steady)
+    prompts = sum(int(r["trained_tokens"]) - int(r["generated_tokens"]) for r in steady)
+    return max(1, round(prompts / max(trajectories, 1)))
+
+
+def simulate_modes(recipe: Mapping[str, Any], costs: CostModel, speedup: float, modes: Sequence[str], steps: int,
+                   prompt_tokens: int) -> dict[str, SimResult]:
+    """Each of `modes` simulated on the timing recipe's configuration."""
+    cluster, cost, workload = timing_cluster(recipe), timing_cost_model(costs, speedup), \
+        timing_workload(recipe, prompt_tokens)
+    pipeline = recipe.get("pipeline", {})
+    return {mode: simulate(cluster, cost, SimConfig(mode=mode, workload=workload,
+                                                    prompts_per_step=int(recipe["budgets"]["prompts_per_step"]),
+                                                    steps=steps, warmup_steps=1,
+                                                    max_staleness=int(pipeline.get("max_staleness", 1)),
+                                                    max_token_lag=pipeline.get("max_token_lag"),
+                                                    seed=int(recipe.get("seed", 0)),
+                                                    rebalance=bool(pipeline.get("rebalance", True))))
+            for mode in modes}
+
+
+def pause_share(timeline: Sequence[Mapping[str, Any]]) -> float | None:
+    """Rollout rank-seconds in weight updates over all rollout rank-seconds, from a run's timeline rows."""
+    rollout = [r for r in timeline if r["role"] == "rollout"]
+    total = sum(r["t_end"] - r["t_start"] for r in rollout)
+    syncing = sum(r["t_end"] - r["t_start"] for r in rollout if r["state"] == "syncing")
+    return syncing / total if total > 0 else None
+
+
+def compare(timing: Sequence[Mapping[str, Any]], simulated: Mapping[str, SimResult]) -> list[Comparison]:
+    """The timing scale's results (one per mode, as `sfhpc.bench.pipeline.run_mode` returns them) beside the
+    simulator's."""
+    rows = []
+    for result in timing:
+        sim = simulated.get(result["mode"])
+        if sim is None or not result.get("available", True):
+            continue
+        bubble = (result.get("bubble") or {}).get("overall")
+        rows.append(Comparison(result["mode"], float(result["trained_tokens_per_s"]), sim.trained_tokens_per_s,
+                               bubble, sim.bubble.get("all"), pause_share(result.get("timeline") or []),
+                               sim.shares.get("rollout", {}).get("syncing")))
+    return rows
+
+
+def same_order(rows: Sequence[Comparison]) -> bool:
+    """Whether the controller and the simulator rank the modes alike by trained tokens/s."""
+    by_timing = [r.mode for r in sorted(rows, key=lambda r: r.timing_tokens_per_s)]
+    by_sim = [r.mode for r in sorted(rows, key=lambda r: r.sim_tokens_per_s)]
+    return by_timing == by_sim
+
+
+def format_comparison(rows: Sequence[Comparison], left_out: str = "") -> str:
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{100 * value:.1f}%"
+
+    table = format_table(["mode", "controller tok/s", "simulator tok/s", "ratio", "bubble (ctl/sim)",
+                          "engine pause (ctl/sim)", f"within {TOLERANCE:.0%}"],
+                         [[r.mode, f"{r.timing_tokens_per_s:,.0f}", f"{r.sim_tokens_per_s:,.0f}", f"{r.ratio:.2f}",
+                           f"{pct(r.timing_bubble)} / {pct(r.sim_bubble)}",
+                           f"{pct(r.timing_pause_share)} / {pct(r.sim_pause_share)}", "yes" if r.within else "NO"]
+                          for r in rows])
+    order = "the same order of modes" if same_order(rows) else "a DIFFERENT order of modes"
+    lines = [table, f"controller and simulator give {order}"]
+    if left_out:
+        lines.append(left_out)
+    return "\n".join(lines)

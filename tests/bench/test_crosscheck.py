@@ -1,0 +1,66 @@
+"""The timing scale's configuration as the simulator's (`sfhpc.bench.crosscheck`): the same ranks, costs and
+workload, and the comparison's arithmetic. The invocation that runs both is in `test_pipeline_bench.py`."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import numpy as np
+import pytest
+
+from sfhpc.bench import crosscheck
+from sfhpc.bench.pipeline import timing_costs, timing_recipe
+from sfhpc.sim.pipeline import SimResult
+from sfhpc.tasks.long_tail import RepeatLetterTask
+
+
+def test_the_simulated_workload_is_the_timing_tasks() -> None:
+    recipe = timing_recipe(16, timing_costs(None), model_path=None)
+    workload = crosscheck.timing_workload(recipe, prompt_tokens=17)
+    assert (workload.group_size, workload.prompt_tokens) == (4, 17)
+    lengths = workload.replies(np.random.default_rng(0), 4 * 5000)
+    # One length per group (the test engine writes each reply of a problem to the same budget) ...
+    assert all(len({lengths[g * 4 + k] for k in range(4)}) == 1 for g in range(5000))
+    # ... drawn as repeat-letter draws its counts, plus the task's slack, within the reply budget.
+    task = RepeatLetterTask(**recipe["task"]["options"])
+    rng = random.Random(0)
+    asked = [task.episode(task.sample(rng)).reply_tokens() for _ in range(5000)]
+    drawn = [n for (n,) in lengths[::4]]
+    assert min(drawn) == min(asked) == 4 and max(drawn) == max(asked) == recipe["budgets"]["max_new_tokens"]
+    assert statistics.mean(drawn) == pytest.approx(statistics.mean(asked), rel=0.08)
+    assert statistics.median(drawn) == pytest.approx(statistics.median(asked), abs=1)
+
+
+def test_the_simulated_cluster_and_costs_are_the_timing_scales() -> None:
+    costs = timing_costs(None)
+    recipe = timing_recipe(16, costs, model_path=None, speedup=3.0)
+    cluster = crosscheck.timing_cluster(recipe)
+    assert (cluster.trainer_gpus, cluster.rollout_gpus) == (3, 12)  # the controller's rank holds no GPU
+    assert cluster.lending_allowed
+    fast = crosscheck.timing_cost_model(costs, 3.0)
+    gpu = fast.device("gpu")
+    assert gpu.decode_step_s(8) == pytest.approx(recipe["engine"]["token_delay_s"]
+                                                 + 8 * recipe["timing_model"]["per_sequence_s"], rel=1e-3)
+    assert gpu.train_per_token_s == pytest.approx(recipe["timing_model"]["train_per_token_s"], rel=1e-3)
+    assert fast.weight_sync_s(12) == pytest.approx(recipe["timing_model"]["weight_load_s"], rel=1e-2)
+    assert fast.lend_s("gpu", 3) == 0 and fast.reclaim_s("gpu", 3) == 0  # the timing scale lends for free
+
+
+def test_the_comparison_is_the_controllers_throughput_over_the_simulators() -> None:
+    costs = timing_costs(None)
+    recipe = timing_recipe(8, costs, model_path=None, speedup=3.0)
+    simulated = crosscheck.simulate_modes(recipe, costs, 3.0, ["async", "seamless"], steps=4, prompt_tokens=17)
+    assert all(isinstance(r, SimResult) and r.trained_tokens_per_s > 0 for r in simulated.values())
+    timeline = [{"role": "rollout", "state": "syncing", "t_start": 0.0, "t_end": 1.0},
+                {"role": "rollout", "state": "generating", "t_start": 1.0, "t_end": 4.0},
+                {"role": "trainer", "state": "syncing", "t_start": 0.0, "t_end": 4.0}]
+    timing = [{"mode": mode, "available": True, "bubble": {"overall": 0.1}, "timeline": timeline,
+               "trained_tokens_per_s": simulated[mode].trained_tokens_per_s * factor}
+              for mode, factor in (("async", 0.9), ("seamless", 0.5))]
+    rows = {r.mode: r for r in crosscheck.compare(timing, simulated)}
+    assert rows["async"].ratio == pytest.approx(0.9) and rows["async"].within
+    assert rows["seamless"].ratio == pytest.approx(0.5) and not rows["seamless"].within
+    assert rows["async"].timing_pause_share == pytest.approx(0.25)  # rollout ranks' syncing seconds only
+    text = crosscheck.format_comparison(list(rows.values()))
+    assert "NO" in text and "0.50" in text
