@@ -6,7 +6,8 @@
 One invocation runs every mode at each scale, one after the other on this machine (``mpiexec``, as
 ``sfhpc run`` does), and reports per mode: trained tokens/s (the tokens of the training batches over the
 summed step times, the first step left out), the bubble fraction per role (waiting rank-seconds over all
-rank-seconds, from the run's timeline), tokens discarded (policy-generated tokens never trained on and
+rank-seconds, from the run's timeline), how long a weight update paused each engine (the median of the
+rollout ranks' ``syncing`` intervals), tokens discarded (policy-generated tokens never trained on and
 off every trajectory's branch: stale, aborted or failed trajectories, and cut generations that were not
 continued), mean and max staleness of the trained tokens, how many times trainer ranks were lent to
 rollout and reclaimed, and the reclaim latency (the batch ready -> training started).
@@ -323,7 +324,15 @@ def store_figures(run_dir: Path) -> dict[str, Any]:
     else:
         figures["bubble"] = None
         figures["bubble_text"] = "not recorded"
+    figures["engine_pause_s"] = engine_pause_s(figures["timeline"])
     return figures
+
+
+def engine_pause_s(timeline: Sequence[Mapping[str, Any]]) -> float | None:
+    """How long a weight update paused a rollout rank's engine: the median of the rollout ranks' ``syncing``
+    intervals (one per rank and update; None without a timeline)."""
+    pauses = [r["t_end"] - r["t_start"] for r in timeline if r["role"] == "rollout" and r["state"] == "syncing"]
+    return statistics.median(pauses) if pauses else None
 
 
 def after_first_step(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -370,7 +379,7 @@ def table(results: list[dict[str, Any]]) -> str:
     rows = []
     for r in results:
         if not r.get("available", True):
-            rows.append([r["scale"], r["mode"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
+            rows.append([r["scale"], r["mode"], "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-",
                          "not available"])
             continue
         sync = next((s for s in results if s["scale"] == r["scale"] and s["mode"] == "sync" and s.get("available")),
@@ -381,11 +390,12 @@ def table(results: list[dict[str, Any]]) -> str:
         rows.append([r["scale"], r["mode"] + ran_as,
                      str(r["ranks"]), str(r["steps"]), f"{r['trained_tokens_per_s']:,.0f}", ratio,
                      _pct(bubble.get("overall")), _by_role(bubble.get("by_role") or {}),
+                     _secs(r.get("engine_pause_s")),
                      f"{r['tokens_discarded']:,}", f"{r['mean_staleness']:.2f}/{r['max_staleness']}",
                      f"{r['lends']}/{r['reclaims']}",
                      f"{_secs(r['reclaim_latency_mean_s'])}/{_secs(r['reclaim_latency_max_s'])}", f"{r['wall_s']:.0f}"])
     return format_table(["scale", "mode", "ranks", "steps", "trained tok/s", "vs sync", "bubble", "bubble by role",
-                         "discarded tok", "staleness mean/max", "lends/reclaims",
+                         "pause/update s", "discarded tok", "staleness mean/max", "lends/reclaims",
                          "reclaim s mean/max", "wall s"], rows)
 
 
@@ -533,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes: dict[str, str] = {}
     calibration = None
     crosschecked: dict[str, Any] | None = None
+    transfer_s = 0.0  # the timing scale's modelled transfer of a version (its engines' weight load)
     model_path: str | None = None
     if "small" in args.scales:
         base = read_recipe_mapping(args.recipe)
@@ -551,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "timing" in args.scales:
         costs = timing_costs(calibration)
         base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup)
+        transfer_s = float(base["timing_model"]["weight_load_s"])
         pace = "" if args.timing_speedup == 1 else f", every duration divided by {args.timing_speedup:g}"
         notes["timing"] = ("modelled: engine decode/prefill/weight-load times and trainer step times (timing-model "
                            f"test engine and 'timing' trainer backend; {costs.source}{pace}); real: the scheduler, "
@@ -567,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(table(results))
     for scale, note in notes.items():
         print(f"{scale}: {note}")
+    if transfer_s:
+        for r in results:
+            if r["scale"] == "timing" and r.get("engine_pause_s") is not None:
+                print(f"timing {r['mode']}: a weight update paused each engine {r['engine_pause_s']:.3f} s (median), "
+                      f"{r['engine_pause_s'] / transfer_s:.0%} of the modelled transfer ({transfer_s:.3f} s)")
     if crosschecked is not None:
         print(f"timing scale against the simulator, the same configuration:\n{crosschecked['text']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from sfhpc.bench.pipeline import (
+    DEFAULT_SPEEDUP,
     after_first_step,
     discarded_tokens,
     recipe_for_mode,
@@ -176,3 +177,10 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
                                                                              / row["sim_tokens_per_s"])
     assert report["against_simulator"]["prompt_tokens"] > 5
     assert "controller tok/s" in done.stdout and "sync is not compared" in done.stdout
+    # The engines' pause per update, measured on the rollout ranks' timeline: at least the modelled load, which
+    # the test engine sleeps while paused.
+    transfer = timing_recipe(4, timing_costs(None), model_path=None,
+                             speedup=DEFAULT_SPEEDUP)["timing_model"]["weight_load_s"]
+    for mode in ("sync", "async"):
+        assert results[mode]["engine_pause_s"] >= 0.9 * transfer, (results[mode]["engine_pause_s"], transfer)
+        assert f"timing {mode}: a weight update paused each engine" in done.stdout
