@@ -133,6 +133,8 @@ def test_bad_options_get_one_line() -> None:
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--calibrate-from", "/nonexistent"), "--calibrate-from")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "timing", "--calibrate"), "--calibrate", "small")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--recipe", "nope.yaml"), "nope.yaml")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--against-simulator"),
+                          "--against-simulator", "timing")
 
 
 @pytest.mark.mpi
