@@ -16,7 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -194,7 +194,7 @@ class RolloutWorker:
                                f"must hold {version}")
         return held
 
-    async def _into_engine(self, load: Any) -> None:
+    async def _into_engine(self, load: Awaitable[object]) -> None:
         """Await `load` (a weight update into the engine). An engine that dies under it is left to its watch
         (`_watch`): the version is in the rank's copy by then (`apply_version` drains what it did not load),
         and the engine that replaces it starts from there."""
@@ -379,6 +379,7 @@ class RolloutWorker:
         return self.server.call(from_server() if self.puller is not None else from_broadcast())
 
     async def _own_trainers_weights(self, version: int) -> None:
+        """The engine to `version` from this rank's own trainer (colocated or lent)."""
         assert self.trainer is not None
         await self.engine.pause()
         await self.engine.wake_up()  # asleep while the trainer trained: the memory back first
