@@ -66,12 +66,12 @@ class Comparison:
 def timing_workload(recipe: Mapping[str, Any], prompt_tokens: int) -> Workload:
     """The timing recipe's ``repeat-letter`` task as the simulator's workload: a reply is the asked count
     plus the task's slack (the test engine writes each to its budget), the same for a whole group."""
-    options = recipe["task"].get("options", {})
-    budget = int(recipe["budgets"]["max_new_tokens"])
+    from sfhpc.tasks.long_tail import RepeatLetterTask
+
+    task = RepeatLetterTask(**recipe["task"].get("options", {}))  # the task's own defaults where the recipe has none
     return Workload("timing-scale", group_size=int(recipe["algorithm"]["group_size"]), prompt_tokens=prompt_tokens,
-                    reply_min=int(options.get("min_count", 1)), reply_max=int(options.get("max_count", 200)),
-                    reply_alpha=float(options.get("alpha", 1.0)), reply_slack=int(options.get("slack", 2)),
-                    reply_cap=budget, group_lengths=True)
+                    reply_min=task.min_count, reply_max=task.max_count, reply_alpha=task.alpha,
+                    reply_slack=task.slack, reply_cap=int(recipe["budgets"]["max_new_tokens"]), group_lengths=True)
 
 
 def timing_cluster(recipe: Mapping[str, Any]) -> SimCluster:

@@ -48,11 +48,9 @@ class Workload:
         return [tuple(next(lengths) for _ in range(t)) for t in turns]
 
     def _single_turn(self, rng: np.random.Generator, samples: int) -> list[tuple[int, ...]]:
-        lengths = _long_tail(rng, samples, self.reply_min, self.reply_max, self.reply_alpha)
-        if self.reply_slack or self.reply_cap:
-            cap = self.reply_cap or self.reply_max + self.reply_slack
-            lengths = [min(cap, n + self.reply_slack) for n in lengths]
-        return [(n,) for n in lengths]
+        lengths = [n + self.reply_slack for n in _long_tail(rng, samples, self.reply_min, self.reply_max,
+                                                             self.reply_alpha)]
+        return [(min(n, self.reply_cap) if self.reply_cap else n,) for n in lengths]
 
     def describe(self) -> str:
         text = (f"{self.name}: groups of {self.group_size}, prompt {self.prompt_tokens} tokens, replies "
