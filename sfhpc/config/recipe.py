@@ -520,6 +520,11 @@ class EngineSpec:
                                         "before (whole where that is smaller, and the first version whole); each "
                                         "rollout rank keeps a copy of the weights to apply it to and receives the "
                                         "version itself (also under the torch transport)")
+    staged_updates: bool = setting(False, "receive each weight version beside the weights the engine serves while it "
+                                          "goes on generating with them, then pause it only to load the received "
+                                          "version (at one token boundary): under the torch transport into a second "
+                                          "copy in the engine's own device memory (the memory plan checks the room), "
+                                          "under mpi into the rollout rank's host copy")
 
     def validate(self, where: Where) -> None:
         if not self.token_delay_s >= 0:
@@ -555,16 +560,20 @@ class TimingModelSpec:
     backend stand in for when they model a machine's speed (`sfhpc.engine.scripted`,
     `sfhpc.trainer.timing_trainer`). A decode step lasts ``engine.token_delay_s`` plus ``per_sequence_s``
     for every sequence in flight, a prompt ``prefill_per_token_s`` per token, a weight load
-    ``weight_load_s``; a training step ``train_step_s`` plus ``train_per_token_s`` per trained token over
-    the trainer ranks. A run that trains a model leaves this section out."""
+    ``weight_load_s``, a whole version on the network to a rollout rank ``weight_transfer_s``; a training step
+    ``train_step_s`` plus ``train_per_token_s`` per trained token over the trainer ranks. A run that trains a
+    model leaves this section out."""
 
     per_sequence_s: float = setting(0.0, "seconds a test-engine decode step adds per sequence in flight")
     prefill_per_token_s: float = setting(0.0, "seconds the test engine spends per prompt token")
     weight_load_s: float = setting(0.0, "seconds the test engine pauses per weight load")
+    weight_transfer_s: float = setting(0.0, "seconds one whole weight version takes on the way to a rollout rank (a "
+                                            "delta's share of it): the broadcast's network, where the rank receives "
+                                            "the version (`sfhpc.weights.paced`)")
     train_step_s: float = setting(0.0, "seconds of every step of the timing training backend")
     train_per_token_s: float = setting(0.0, "seconds per trained token on one rank of the timing training backend")
 
-    ENGINE_KEYS = ("per_sequence_s", "prefill_per_token_s", "weight_load_s")
+    ENGINE_KEYS = ("per_sequence_s", "prefill_per_token_s", "weight_load_s", "weight_transfer_s")
     TRAINING_KEYS = ("train_step_s", "train_per_token_s")
 
     def validate(self, where: Where) -> None:

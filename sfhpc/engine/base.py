@@ -112,6 +112,7 @@ class RolloutEngine(abc.ABC):
         self._resumed.set()
         self._sleeping = False
         self._dead = asyncio.Event()
+        self._staged: int | None = None  # a version received beside the weights, not loaded yet (`stage_weights`)
 
     # -- what a backend implements ---------------------------------------------------------------
     @property
@@ -158,6 +159,19 @@ class RolloutEngine(abc.ABC):
     async def _receive_weights(self, manifest: WeightManifest, *, load: bool) -> None:
         """Receive every bucket of `manifest` from the joined group and load it (or only receive it)."""
         raise EngineStateError(f"engine '{self.name}' never joined a weight group")
+
+    async def _stage_weights(self, manifest: WeightManifest) -> None:
+        """Start receiving every bucket of `manifest` from the joined group into a second copy of the weights in
+        the engine's own memory, and return at once (the engine goes on generating)."""
+        raise EngineStateError(f"engine '{self.name}' cannot stage weights in its own processes")
+
+    async def _staged_arrived(self) -> bool:
+        """True once every bucket of the staged version is in the engine's second copy."""
+        raise EngineStateError(f"engine '{self.name}' cannot stage weights in its own processes")
+
+    async def _load_staged(self) -> None:
+        """Load the staged version from the engine's second copy (called only while paused)."""
+        raise EngineStateError(f"engine '{self.name}' cannot stage weights in its own processes")
 
     def shutdown(self) -> None:  # noqa: B027 (a hook engines without processes leave empty)
         """Stop the engine's own processes, if it has any (call from the engine's event loop)."""
@@ -255,6 +269,41 @@ class RolloutEngine(abc.ABC):
         await self._load_weights(weights)
         self._version = new_version
         return new_version
+
+    @property
+    def staged_version(self) -> int | None:
+        """The version the engine's processes are receiving or hold beside the weights that generate
+        (`stage_weights`), not loaded yet; None when there is none."""
+        return self._staged
+
+    async def stage_weights(self, manifest: WeightManifest, *, version: int) -> None:
+        """Start receiving `version` from the weight group the engine joined into a second copy of the weights
+        in its own memory (``engine.staged_updates``) while it goes on generating with the weights it holds;
+        `staged_arrived` says when all of it is in, and `load_staged` (paused) makes it the weights that
+        generate. Every token still comes from one version."""
+        if version <= self._version:
+            raise EngineStateError(f"engine '{self.name}' holds version {self._version}; a staged version must be "
+                                   f"newer, found {version}")
+        if self._staged is not None:
+            raise EngineStateError(f"engine '{self.name}' has version {self._staged} staged and not loaded yet")
+        await self._stage_weights(manifest)
+        self._staged = version
+
+    async def staged_arrived(self) -> bool:
+        """True once every bucket of the staged version is in (a call between the engine's decode steps)."""
+        if self._staged is None:
+            raise EngineStateError(f"engine '{self.name}' has no staged version")
+        return await self._staged_arrived()
+
+    async def load_staged(self) -> int:
+        """Make the staged version the one that generates (paused only); returns it."""
+        if not self._paused:
+            raise EngineStateError(f"engine '{self.name}' is generating: pause() it before load_staged()")
+        if self._staged is None:
+            raise EngineStateError(f"engine '{self.name}' has no staged version")
+        await self._load_staged()
+        self._version, self._staged = self._staged, None
+        return self._version
 
     async def receive_weights(self, manifest: WeightManifest, *, version: int, load: bool = True) -> int:
         """Receive a version from the weight group the engine joined (`join_weight_group`) and, with `load`,

@@ -302,6 +302,20 @@ class VllmEngine(RolloutEngine):
 
         await self._on_core("receiving weights", receive())
 
+    async def _stage_weights(self, manifest: WeightManifest) -> None:
+        await self._on_core("staging weights", self._llm.collective_rpc("sfhpc_stage_weights",
+                                                                        args=(manifest.to_json(),)))
+
+    async def _staged_arrived(self) -> bool:
+        return all(await self._on_core("asking for staged weights", self._llm.collective_rpc("sfhpc_staged_arrived")))
+
+    async def _load_staged(self) -> None:
+        async def load() -> None:
+            await self._llm.collective_rpc("sfhpc_load_staged")
+            await self._llm.reset_prefix_cache()
+
+        await self._on_core("loading staged weights", load())
+
     def kill_processes(self) -> int:
         """SIGKILL this engine's core (what the kernel's OOM killer would do; fault injection's ``engine=kill``).
         Returns how many processes were killed."""

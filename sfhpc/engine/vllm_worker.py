@@ -5,13 +5,15 @@ memory (NCCL between GPUs, gloo on CPUs) with no copy through the rollout rank a
 vLLM mixes this class into its worker class and calls its methods by name through ``collective_rpc``: every
 worker of the engine (one per tensor-parallel rank) runs them. Each worker receives the whole version and
 `reload_weights` takes from it what its own shard needs. Only the manifest (names, shapes, offsets) travels
-with the call. An adapter version (LoRA, `sfhpc.weights.adapter`) is received whole and merged into the frozen
-weights of the folder the engine started from, on the worker's device, before it is reloaded. The module is
-imported inside vLLM's worker: nothing here imports MPI.
+with the call. With ``engine.staged_updates`` a version is received into a second copy while the worker goes on
+generating, and loaded from there in one pause. An adapter version (LoRA, `sfhpc.weights.adapter`) is received
+whole and merged into the frozen weights of the folder the engine started from, on the worker's device, before
+it is reloaded. The module is imported inside vLLM's worker: nothing here imports MPI.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -77,6 +79,10 @@ class WeightGroupWorker:
     _sfhpc_weight_group: Any = None
     _sfhpc_adapter_merge: adapter.AdapterMerge | None = None
     _sfhpc_weight_device: torch.device = torch.device("cpu")
+    # engine.staged_updates: the second copy a version is received into while the worker generates, and the
+    # version on its way there (its manifest, bucket starts in the copy and the group's transfers)
+    _sfhpc_staging_copy: torch.Tensor | None = None
+    _sfhpc_staged: tuple[WeightManifest, list[int], list[Any]] | None = None
 
     def sfhpc_join_weight_group(self, address: dict[str, Any], first_member: int) -> int:
         """Join the weight group as member ``first_member + rank``; returns once every member has joined."""
@@ -85,6 +91,62 @@ class WeightGroupWorker:
         self._sfhpc_weight_group = weight_group.join(group, member)
         self._sfhpc_weight_device = group.device  # this worker's GPU under NCCL
         return member
+
+    def sfhpc_stage_weights(self, plain_manifest: dict[str, Any]) -> int:
+        """Start receiving every bucket of the manifest into a second copy of the weights in this worker's memory
+        (kept from one version to the next) and return at once: the worker goes on generating with the weights
+        it holds while the group's transfers run (NCCL on its own stream, gloo in its own threads).
+        `sfhpc_staged_arrived` says when they are done, `sfhpc_load_staged` loads the copy. Returns the bytes."""
+        manifest = WeightManifest.from_json(plain_manifest)
+        group = self._sfhpc_weight_group
+        if group is None:
+            raise RuntimeError("this vLLM worker never joined a weight group")
+        if self._sfhpc_staged is not None:
+            raise RuntimeError("a staged version is still waiting to be loaded")
+        copy = self._sfhpc_staging_copy
+        if copy is None or copy.numel() < manifest.total_bytes:
+            self._sfhpc_staging_copy = copy = None
+            copy = self._sfhpc_staging_copy = torch.empty(manifest.total_bytes, dtype=torch.uint8,
+                                                          device=self._sfhpc_weight_device)
+        starts = [0, *itertools.accumulate(manifest.bucket_sizes)]
+        works = [weight_group.broadcast(group, copy[starts[index] + m.offset:starts[index] + m.end])
+                 for index in range(manifest.num_buckets) for m in manifest.bucket_messages(index)]
+        self._sfhpc_staged = (manifest, starts, works)
+        return manifest.total_bytes
+
+    def sfhpc_staged_arrived(self) -> bool:
+        """True once every bucket of the staged version is in this worker's copy."""
+        if self._sfhpc_staged is None:
+            raise RuntimeError("no version is staged")
+        return all(work.is_completed() for work in self._sfhpc_staged[2])
+
+    def sfhpc_load_staged(self) -> int:
+        """Load the staged version from this worker's copy (a device-memory copy on a GPU); returns its buckets."""
+        if self._sfhpc_staged is None:
+            raise RuntimeError("no version is staged")
+        manifest, starts, works = self._sfhpc_staged
+        for work in works:
+            work.wait()
+        self._sfhpc_staged = None
+        copy = self._sfhpc_staging_copy
+        assert copy is not None
+        named = [item for index in range(manifest.num_buckets)
+                 for item in unpack(copy[starts[index]:starts[index + 1]], manifest.bucket(index))]
+        if adapter.is_adapter(name for name, _ in named):
+            self._load_adapter([(name, t.clone()) for name, t in named])
+        elif named:
+            reload_in_place(self.model_runner, named)
+        return manifest.num_buckets
+
+    def _load_adapter(self, received: list[tuple[str, torch.Tensor]]) -> None:
+        """An adapter version merged into the frozen weights of the folder this engine started from, reloaded."""
+        merge = self._sfhpc_adapter_merge
+        if merge is None:  # the frozen weights of the folder this engine started from, kept in host memory
+            merge = self._sfhpc_adapter_merge = adapter.AdapterMerge(self.model_config.model,
+                                                                     self.model_config.dtype,
+                                                                     device=self._sfhpc_weight_device)
+        for load_ in merge.loads(adapter.deltas_of(received)):
+            reload_in_place(self.model_runner, load_)
 
     def sfhpc_receive_weights(self, plain_manifest: dict[str, Any], load: bool) -> int:
         """Receive every bucket of the manifest (`WeightManifest.to_json`) into this worker's memory and (with
@@ -115,10 +177,5 @@ class WeightGroupWorker:
             if named and not is_adapter:
                 reload_in_place(self.model_runner, named)
         if received:
-            merge = self._sfhpc_adapter_merge
-            if merge is None:  # the frozen weights of the folder this engine started from, kept in host memory
-                merge = self._sfhpc_adapter_merge = adapter.AdapterMerge(self.model_config.model,
-                                                                         self.model_config.dtype, device=device)
-            for load_ in merge.loads(adapter.deltas_of(received)):
-                reload_in_place(self.model_runner, load_)
+            self._load_adapter(received)
         return manifest.num_buckets

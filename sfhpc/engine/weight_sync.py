@@ -5,6 +5,12 @@ header), then `apply_version` pauses the engine, loads the version bucket by buc
 resumes: generation stops only for the transfer and the loads, and the rank never holds more than the
 receiver's bucket buffers (``depth`` buckets, two by default) beyond the engine's own weights.
 
+With ``engine.staged_updates`` the version is received first, beside the weights the engine serves, while it
+goes on generating with them: into the rank's copy when the rank receives the buckets (`receive_aside`), into a
+second copy in the engine's own memory when its processes do (`RolloutEngine.stage_weights`). `apply_version`
+then pauses the engine only to load what is already there. Every token still comes from one version: the engine
+switches while paused, at one token boundary.
+
 The engine's version moves once, to the publisher's version, when the last bucket is in: the buckets
 before it go through the engine's backend hook (`RolloutEngine._load_weights`) because the public
 ``load_weights`` bumps the version on every call. A version must be newer than the engine's; an older
@@ -18,12 +24,18 @@ receive the buckets merges it there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import Iterator
+
+import torch
 
 from sfhpc.engine.base import EngineStateError, RolloutEngine
 from sfhpc.weights import adapter
+from sfhpc.weights.manifest import WeightManifest
 from sfhpc.weights.publisher import IncomingWeights, WeightReceiver
 
 POLL_SECONDS = 0.005  # header polling: short enough to be prompt, long enough not to spin a core
+STAGED_POLL_SECONDS = 0.02  # asking an engine whether its staged version is in: a call between its decode steps
 
 
 async def header_arrived(receiver: WeightReceiver, poll_seconds: float = POLL_SECONDS) -> None:
@@ -43,7 +55,60 @@ async def next_version(receiver: WeightReceiver, poll_seconds: float = POLL_SECO
     return pending.result()
 
 
-async def apply_version(engine: RolloutEngine, incoming: IncomingWeights,
+@dataclasses.dataclass
+class StagedVersion:
+    """A version whose buckets are all in the rank's copy (`receive_aside`): views into it, ready to load."""
+
+    version: int
+    manifest: WeightManifest
+    buckets: list[list[tuple[str, torch.Tensor]]]
+    lands_in_engine: bool = False
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.buckets)
+
+    def __iter__(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        return iter(self.buckets)
+
+    def drain(self) -> None:
+        return None  # received already
+
+
+async def receive_aside(incoming: IncomingWeights, poll_seconds: float = POLL_SECONDS) -> StagedVersion:
+    """Receive every bucket of `incoming` into the rank's copy (a receiver that keeps one) without blocking the
+    event loop, so the engine goes on generating meanwhile; a delta is applied to the copy here too. What
+    `apply_version` then loads is already in memory: the engine pauses for its loads alone."""
+    while not incoming.arrived():
+        await asyncio.sleep(poll_seconds)
+    return StagedVersion(incoming.version, incoming.manifest, list(incoming))
+
+
+async def stage_in_engine(engine: RolloutEngine, incoming: IncomingWeights,
+                          poll_seconds: float = STAGED_POLL_SECONDS) -> None:
+    """Where the engine's own processes receive the buckets: they receive `incoming` into a second copy in their
+    memory while the engine goes on generating; returns once every bucket is there (`apply_version` then loads
+    it in one pause)."""
+    await engine.stage_weights(incoming.manifest, version=incoming.version)
+    incoming.landed()
+    while not await engine.staged_arrived():
+        await asyncio.sleep(poll_seconds)
+
+
+async def receive_beside(engine: RolloutEngine, incoming: IncomingWeights) -> IncomingWeights | StagedVersion:
+    """``engine.staged_updates``: `incoming` received beside the weights `engine` serves while it goes on
+    generating with them (into its own second copy where its processes receive the buckets, else into the rank's
+    copy); `apply_version` then pauses it only to load the version. An older version than the engine's is left
+    as it is (`apply_version` drains and refuses it)."""
+    if incoming.version <= engine.version:
+        return incoming
+    if incoming.lands_in_engine:
+        await stage_in_engine(engine, incoming)
+        return incoming
+    return await receive_aside(incoming)
+
+
+async def apply_version(engine: RolloutEngine, incoming: IncomingWeights | StagedVersion,
                         merge: adapter.AdapterMerge | None = None) -> int:
     """Pause `engine`, load every bucket of `incoming`, set the engine's version to the publisher's and
     resume (if this call paused it). Returns the new version. An adapter version is merged by `merge` (the
@@ -62,7 +127,10 @@ async def apply_version(engine: RolloutEngine, incoming: IncomingWeights,
     was_paused = engine.paused
     try:
         await engine.pause()
-        if incoming.lands_in_engine:  # the engine's own processes receive the buckets and load them
+        if engine.staged_version == incoming.version:  # in the engine's own memory already (`stage_in_engine`)
+            await engine.load_staged()
+        elif incoming.lands_in_engine:  # the engine's own processes receive the buckets and load them
+            assert isinstance(incoming, IncomingWeights)
             await engine.receive_weights(incoming.manifest, version=incoming.version)
             incoming.landed()
         elif adapter.is_adapter(t.name for t in incoming.manifest.tensors):

@@ -183,24 +183,29 @@ def _capacity(recipe: Recipe, pool: Pool, on_gpu: bool, role_name: str) -> int:
     return pool.memory_mb * (1 << 20) // max(ranks_on_node, 1)
 
 
-def delta_copy_problem(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> str | None:
-    """With ``engine.weight_delta`` each rollout rank keeps a copy of the weights; under the torch transport on
-    GPUs it lies in the rank's GPU memory beside vLLM's share. The line that refuses a copy without room there."""
-    rollout = recipe.role("rollout")
-    if not recipe.engine.weight_delta or recipe.engine.weight_transport == "mpi" or rollout is None \
-            or rollout.gpus_per_task == 0 or recipe.engine.name != "vllm":
+def weight_copy_problem(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> str | None:
+    """A rollout rank that keeps a second copy of the weights beside its engine's: the rank's with
+    ``engine.weight_delta`` or ``engine.max_restarts`` (what a delta applies to, what a restarted engine loads), the
+    engine's own with ``engine.staged_updates`` (a version received while the engine generates). Under the torch
+    transport on GPUs the copy lies in the GPU's memory beside vLLM's share: the line that refuses a copy without
+    room there."""
+    rollout, engine = recipe.role("rollout"), recipe.engine
+    why = next((key for key, on in (("weight_delta", engine.weight_delta), ("staged_updates", engine.staged_updates),
+                                    ("max_restarts", engine.max_restarts > 0)) if on), None)
+    if why is None or engine.weight_transport == "mpi" or rollout is None or rollout.gpus_per_task == 0 \
+            or engine.name != "vllm":
         return None
     shape = model_shape(recipe)
     if shape is None:
         return None
     pools = {p.name: p for p in cluster.pools}
     copy = shape.params * DTYPE_BYTES.get(recipe.model.dtype, 2)
-    share = recipe.engine.gpu_memory_utilization
+    share = engine.gpu_memory_utilization
     for pool_name in sorted({s.pool for s in plan.ranks() if "rollout" in s.roles}):
         gpu = pools[pool_name].gpu_memory_gib * GIB
         if gpu and copy > gpu * (USABLE_SHARE - share):
             room = max(0.0, USABLE_SHARE - copy / gpu)
-            return (f"engine.weight_delta: each rollout rank on pool '{pool_name}' keeps a copy of the weights "
+            return (f"engine.{why}: each rollout rank on pool '{pool_name}' keeps a copy of the weights "
                     f"({gib(copy)}) in its GPU's memory under the torch transport, beside vLLM's share "
                     f"(gpu_memory_utilization {share:g} of {gib(int(gpu))}): lower engine.gpu_memory_utilization to "
                     f"at most {room:.2f}, or set engine.weight_transport: mpi (the copy then lives in host memory)")
@@ -209,7 +214,7 @@ def delta_copy_problem(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) ->
 
 def memory_problems(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[str]:
     """One line per kind of rank whose plan does not fit what it has."""
-    problems = [line] if (line := delta_copy_problem(recipe, plan, cluster)) else []
+    problems = [line] if (line := weight_copy_problem(recipe, plan, cluster)) else []
     for rank in planned_ranks(recipe, plan, cluster):
         if rank.memory.fits:
             continue

@@ -415,15 +415,22 @@ class Controller:
         return reply
 
     def sync_weights(self, version: int) -> float:
-        """Every engine to `version`; returns the longest pause a rollout rank saw."""
+        """Every engine to `version`; returns the longest pause a rollout rank saw.
+
+        The trainer ranks sync until every engine holds the version; a rollout rank syncs, on the timeline, while
+        its engine was paused (its own account): with ``engine.staged_updates`` it generates while the version
+        comes in."""
         rollouts, trainers = self.scheduler.rollout_ranks, self.scheduler.trainer_ranks
         everyone = sorted(set(rollouts) | set(trainers))
         self.live.enter("broadcast", self.live.step)
-        self.scheduler.set_state(everyone, RankState.SYNCING)
+        self.scheduler.set_state(trainers, RankState.SYNCING)
         told = [rank for rank in everyone if send_to(self.layout.world, rank, msg.SyncWeights(version))]
         answering = [r for r in rollouts if r in told] + ([trainers[0]] if trainers[0] not in rollouts else [])
         # A stop request is noted meanwhile (and acted on once every engine holds the new weights).
         replies = replies_from(self.layout.world, answering, msg.Synced, idle=self.stop_requested)
+        for reply in replies:
+            if reply.rank not in trainers and reply.paused_at:
+                self.scheduler.was_paused(reply.rank, reply.paused_at, reply.paused_at + reply.seconds)
         self.scheduler.set_state(everyone, RankState.WAITING)
         self.version = version
         self.update_bytes = max(r.bytes for r in replies)

@@ -75,6 +75,7 @@ class Synced:
     seconds: float
     bytes: int = 0  # the publishing trainer's: the version's bytes on the wire (a delta's, with engine.weight_delta)
     restarts: int = 0  # a rollout rank's: its engine's restarts so far in this allocation (engine.max_restarts)
+    paused_at: float = 0.0  # a rollout rank's: when its engine paused for this version (wall clock, `seconds` long)
 
 
 @dataclasses.dataclass(frozen=True)

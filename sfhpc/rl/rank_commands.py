@@ -65,7 +65,8 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
 
         def sync(command: msg.SyncWeights) -> msg.Synced | None:
             seconds = r.sync_weights(command.version)
-            return None if lent else msg.Synced(r.rank, command.version, seconds, restarts=r.engine_restarts)
+            return None if lent else msg.Synced(r.rank, command.version, seconds, restarts=r.engine_restarts,
+                                                paused_at=r.paused_at)
 
         def stop(_command: msg.Stop) -> None:
             r.end_weight_stream()

@@ -99,6 +99,7 @@ class RolloutWorker:
         # in the copy a restart loads from).
         self.engine_lock = asyncio.Lock()
         self.synced_to = 0  # the version this rank was last told to hold (what a restart's engine must hold)
+        self.paused_at = 0.0  # when the last weight update paused the engine (wall clock: the run's timeline)
         self.engine: RolloutEngine = self.server.call(self._start_engine(), timeout=600)
         self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
                                      if task.max_turns > 1
@@ -115,13 +116,18 @@ class RolloutWorker:
 
             # With delta updates, or engines that may restart, the rank receives each version itself and keeps a
             # copy (what a delta applies to, what a restarted engine loads), so an engine that could join the
-            # weight group does not.
-            keep_copy = recipe.engine.weight_delta or recipe.engine.max_restarts > 0
-            members = 0 if keep_copy else self.engine.weight_group_members
-            self.receiver = WeightReceiver(connect(layout.weight_broadcast, recipe.engine.weight_transport,
-                                                   engine_members=members,
-                                                   join_engine=join_engine if members else None),
-                                           keep_copy=keep_copy)
+            # weight group does not. Staged updates need a copy beside the engine's weights: the engine's own
+            # where its processes receive, else the rank's.
+            own_copy = recipe.engine.weight_delta or recipe.engine.max_restarts > 0
+            members = 0 if own_copy else self.engine.weight_group_members
+            transport = connect(layout.weight_broadcast, recipe.engine.weight_transport, engine_members=members,
+                                join_engine=join_engine if members else None)
+            if recipe.timing_model.weight_transfer_s:
+                from sfhpc.weights.paced import PacedLink
+
+                transport = PacedLink(transport, recipe.timing_model.weight_transfer_s)
+            self.receiver = WeightReceiver(transport, keep_copy=own_copy or (recipe.engine.staged_updates
+                                                                             and not transport.engine_receives))
         self.adapter_merge = None  # LoRA: each version is the adapter alone, merged here into the frozen weights
         if self.receiver is not None and recipe.model.lora is not None and model_dir is not None:
             from sfhpc.weights.adapter import AdapterMerge
@@ -333,9 +339,10 @@ class RolloutWorker:
         """Bring the engine to `version`; returns the seconds the engine was paused.
 
         Disaggregated: the weights arrive over the broadcast group; `apply_version` pauses, loads them
-        bucket by bucket and resumes. Colocated: this rank's own trainer holds them.
-        """
-        from sfhpc.engine.weight_sync import apply_version, header_arrived, next_version
+        bucket by bucket and resumes (with ``engine.staged_updates`` they come in first while the engine goes on
+        generating, `receive_beside`, and the pause only loads them). Colocated: this rank's own trainer holds
+        them. `paused_at` says when the pause began (the run's timeline)."""
+        from sfhpc.engine.weight_sync import apply_version, header_arrived, next_version, receive_beside
 
         async def from_broadcast() -> float:
             assert self.receiver is not None
@@ -347,9 +354,12 @@ class RolloutWorker:
                 if incoming is None or incoming.version != version:
                     raise RuntimeError(f"rank {self.rank}: expected weights version {version}, got "
                                        f"{None if incoming is None else incoming.version}")
-                start = time.perf_counter()
                 self.synced_to = version
-                await self._into_engine(apply_version(self.engine, incoming, self.adapter_merge))
+                staged = await receive_beside(self.engine, incoming) if self.recipe.engine.staged_updates \
+                    else incoming  # staged: the engine goes on generating while the version comes in
+                start = time.perf_counter()
+                self.paused_at = time.time()
+                await self._into_engine(apply_version(self.engine, staged, self.adapter_merge))
                 seconds = time.perf_counter() - start
             if version >= 2 and fault_injection.engine_fault(self.rank):
                 asyncio.get_running_loop().create_task(self._kill_engine_mid_generation())
@@ -363,6 +373,7 @@ class RolloutWorker:
                     raise RuntimeError(f"rank {self.rank}: expected weights version {version} from the weight "
                                        f"server, got {None if incoming is None else incoming.version}")
                 start = time.perf_counter()
+                self.paused_at = time.time()
                 self.synced_to = version
                 await self._into_engine(apply_version(self.engine, incoming))
                 return time.perf_counter() - start
@@ -370,6 +381,7 @@ class RolloutWorker:
         async def from_own_trainer() -> float:
             assert self.trainer is not None
             start = time.perf_counter()
+            self.paused_at = time.time()
             self.synced_to = version
             await self._into_engine(self._own_trainers_weights(version))
             return time.perf_counter() - start

@@ -182,6 +182,14 @@ class Scheduler:
                 entry.state = self._at_rest(entry) if state in (RankState.WAITING, RankState.GENERATING) else state
                 self._record(entry)
 
+    def was_paused(self, rank: int, start: float, end: float) -> None:
+        """`rank`'s engine was paused for a weight update from `start` to `end` (the rank's own account): SYNCING
+        on the timeline then, its state otherwise unchanged."""
+        with self._lock:
+            entry = self.entries.get(rank)
+            if entry is not None and timeline_role(entry.roles):
+                self.timeline.was(rank, RankState.SYNCING, start, end)
+
     def observe(self, ended: Mapping[int, int], ranks: Iterable[int] | None = None) -> None:
         """Episodes ended (`ended`: rank -> episodes ended, as `in_flight` takes it): ranks at rest or lent
         whose last episode ended are waiting from now on. `ranks`: only these (default: every rank)."""

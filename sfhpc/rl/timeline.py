@@ -59,6 +59,21 @@ class Timeline:
             self._close(rank, current, now)
             self._open[rank] = _Open(current.role, state, now, self.step)
 
+    def was(self, rank: int, state: str, start: float, end: float) -> None:
+        """`rank` was in `state` from `start` to `end` (clock times a rank reported after the fact, such as its
+        engine's pause for a weight update): the open interval is cut there and goes on after `end`. Times are
+        kept inside the open interval and now (another node's clock may run a little apart)."""
+        with self._lock:
+            current = self._open.get(rank)
+            if current is None:
+                return
+            now = self.clock()
+            start = min(max(start, current.since), now)
+            end = min(max(end, start), now)
+            self._close(rank, current, start)
+            self._close(rank, _Open(current.role, str(state), start, current.step), end)
+            self._open[rank] = _Open(current.role, current.state, end, current.step)
+
     def end(self, rank: int) -> None:
         """`rank` leaves the run now (a worker of another job): its open interval ends, later changes are ignored."""
         with self._lock:

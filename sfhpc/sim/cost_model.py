@@ -167,6 +167,11 @@ class CostModel:
         hops = math.ceil(math.log2(max(receivers, 1) + 1))
         return self.weight_bytes / (self.sync_gb_s * 1e9) + hops * SYNC_HOP_LATENCY_S
 
+    def staged_load_s(self, gpu: str) -> float:
+        """An engine loading a staged version (``engine.staged_updates``) from its second copy in device memory:
+        every byte of the weights read once and written once, at the bandwidth a decode step reads them."""
+        return 2.0 * self.device(gpu).decode_base_s
+
     def _state_move_s(self, gpu: str, trainer_gpus: int) -> float:
         return self.trainer_state_bytes / max(trainer_gpus, 1) / (self.device(gpu).host_gb_s * 1e9)
 

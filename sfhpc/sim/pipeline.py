@@ -14,7 +14,9 @@ Modes:
   batch they put the engine to sleep and load the trainer (the reclaim cost), after the weight update
   they wake it again (the lend cost). The rollout GPUs wait while the trainer trains.
 * ``async``: the trainer's GPUs only train; rollout GPUs keep generating; a weight update pauses the
-  engines and interrupted generations continue with the new weights (partial rollout). A group is dropped
+  engines for the transfer (with `SimConfig.staged_updates`: they generate during the transfer and pause only to
+  load the version from a second copy in device memory) and interrupted generations continue with the new
+  weights (partial rollout). A group is dropped
   (its tokens discarded) only under `SimConfig.max_token_lag`, as in a run.
 * ``seamless``: ``async``, and while the trainer waits for its batch the scheduler lends the trainer's
   ranks (their pool tagged ``rollout``) to rollout. With `SimConfig.rebalance` (the default, as in a run) a
@@ -68,6 +70,7 @@ class SimConfig:
     timeline: bool = False     # record busy-rank counts over time (for a chart)
     intervals: bool = False    # keep every rank's state intervals, as a run's store does (for a trace)
     rebalance: bool = True     # seamless: a lent rank that runs dry takes half the batch of a loaded rollout rank
+    staged_updates: bool = False  # engine.staged_updates: engines generate while a version comes in, pause to load it
 
     def __post_init__(self) -> None:
         self.policy()  # refuses a mode or bound it does not know
@@ -133,6 +136,8 @@ class PipelineSim:
         self.trainer_gpu = cluster.trainer_pool.gpu_type or ""
         engine_ranks = set(self.scheduler.rollout_ranks) | set(self.scheduler.lendable_ranks)
         self.engines: dict[int, SimEngine] = {}
+        # A staged version's load: every engine's, the slowest GPU's (the step waits for the last engine).
+        self.staged_load_s = max((cost.staged_load_s(cluster.gpu_type(r)) for r in engine_ranks), default=0.0)
         for rank in sorted(engine_ranks):
             gpu = cluster.gpu_type(rank)
             # Engines on trainer GPUs sleep until lent (seamless); colocated ones start awake (sync).
@@ -413,16 +418,26 @@ class PipelineSim:
         self.clock.after(train_s, self._sync)
 
     def _sync(self, _: Any = None) -> None:
-        """Every engine pauses and takes the new weights (interrupted sequences stay in their batch)."""
+        """Every engine pauses and takes the new weights (interrupted sequences stay in their batch). Staged
+        (`SimConfig.staged_updates`): the engines generate while the version comes in, and pause to load it."""
         self.phases[-1]["sync_start"] = self.clock.now
+        transfer_s = self.cost.weight_sync_s(len(self.engines))
+        if not self.config.staged_updates:
+            self._account_trainer("syncing", transfer_s)
+            self._pause_engines(transfer_s)
+            return
+        self.scheduler.set_state(self.trainer_ranks, RankState.SYNCING)
+        self._account_trainer("syncing", transfer_s + self.staged_load_s)
+        self.clock.after(transfer_s, self._pause_engines, self.staged_load_s)
+
+    def _pause_engines(self, seconds: float) -> None:
+        """Every engine paused for `seconds` (taking the new weights), then `_synced`."""
         self.scheduler.set_state(self.scheduler.entries, RankState.SYNCING)
         for engine in self.engines.values():
             engine.pause()
-        sync_s = self.cost.weight_sync_s(len(self.engines))
-        self._account_trainer("syncing", sync_s)
         if self.measuring:
-            self.sync_s += sync_s
-        self.clock.after(sync_s, self._synced)
+            self.sync_s += seconds
+        self.clock.after(seconds, self._synced)
 
     def _synced(self, _: Any = None) -> None:
         self.version += 1

@@ -409,6 +409,16 @@ class IncomingWeights:
                 self._layout.held_version = self.version  # every bucket of a whole version is in the copy
             yield views
 
+    def arrived(self) -> bool:
+        """Post every bucket still to come and say, without blocking, whether all of them are in: a receiver
+        that keeps a copy receives a whole version into it while its engine goes on generating, and then
+        iterates the buckets at once (`sfhpc.engine.weight_sync.receive_aside`)."""
+        if not self._receiver.keep_copy:
+            raise WeightStreamError("only a receiver that keeps a copy can take a whole version before loading it")
+        for index in range(self._next, self.num_buckets):
+            self._post(index)
+        return all(transfer.test() for transfer, _ in self._posted.values())
+
     @property
     def lands_in_engine(self) -> bool:
         """True when the engine's own processes receive the buckets (`WeightTransport.engine_receives`): hand
@@ -491,6 +501,11 @@ class IncomingDelta(IncomingWeights):
             if self.done:
                 layout.held_version = self.version
             yield layout.bucket(index)[1]
+
+    def arrived(self) -> bool:
+        if self._transfer is not None and self._transfer.test():
+            self._transfer = None
+        return self._transfer is None
 
     def _post(self, index: int) -> None:
         raise AssertionError("a delta version posts every message when it arrives")

@@ -43,7 +43,10 @@ def test_the_simulated_cluster_and_costs_are_the_timing_scales() -> None:
     assert gpu.decode_step_s(8) == pytest.approx(recipe["engine"]["token_delay_s"]
                                                  + 8 * recipe["timing_model"]["per_sequence_s"], rel=1e-3)
     assert gpu.train_per_token_s == pytest.approx(recipe["timing_model"]["train_per_token_s"], rel=1e-3)
-    assert fast.weight_sync_s(12) == pytest.approx(recipe["timing_model"]["weight_load_s"], rel=1e-2)
+    assert fast.weight_sync_s(12) == pytest.approx(recipe["timing_model"]["weight_transfer_s"], rel=1e-2)
+    assert fast.staged_load_s("gpu") == pytest.approx(recipe["timing_model"]["weight_load_s"], rel=1e-2)
+    assert recipe["engine"]["staged_updates"]  # the timing scale's default, simulated alike
+    assert timing_recipe(16, costs, model_path=None, speedup=3.0, staged=False)["timing_model"]["weight_load_s"] == 0
     assert fast.lend_s("gpu", 3) == 0 and fast.reclaim_s("gpu", 3) == 0  # the timing scale lends for free
 
 

@@ -179,10 +179,11 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
                                                                              / row["sim_tokens_per_s"])
     assert report["against_simulator"]["prompt_tokens"] > 5
     assert "controller tok/s" in done.stdout and "sync is not compared" in done.stdout
-    # The engines' pause per update, measured on the rollout ranks' timeline: at least the modelled load, which
-    # the test engine sleeps while paused.
-    transfer = timing_recipe(4, timing_costs(None), model_path=None,
-                             speedup=DEFAULT_SPEEDUP)["timing_model"]["weight_load_s"]
+    # The engines' pause per update, measured on the rollout ranks' timeline (their own account of it): staged
+    # updates (the default), so at least the modelled load from the second copy, which the test engine sleeps
+    # while paused, and far less than the modelled transfer, which the engines generated through.
+    model = timing_recipe(4, timing_costs(None), model_path=None, speedup=DEFAULT_SPEEDUP)["timing_model"]
     for mode in ("sync", "async"):
-        assert results[mode]["engine_pause_s"] >= 0.9 * transfer, (results[mode]["engine_pause_s"], transfer)
+        pause = results[mode]["engine_pause_s"]
+        assert 0.9 * model["weight_load_s"] <= pause < 0.5 * model["weight_transfer_s"], (pause, model)
         assert f"timing {mode}: a weight update paused each engine" in done.stdout

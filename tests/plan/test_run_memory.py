@@ -173,23 +173,28 @@ def test_a_distillation_teacher_is_planned_on_its_own_gpu(tmp_path: Path, teache
     assert memory.item("logits chunk") == 1024 * shape.vocab * 8  # the default chunk, float32 and its log-softmax
 
 
-@pytest.mark.parametrize(("engine", "refused"), [("{weight_delta: true}", True),
-                                                 ("{weight_delta: true, gpu_memory_utilization: 0.85}", False),
-                                                 ("{weight_delta: true, weight_transport: mpi}", False)])
-def test_a_delta_copy_without_room_beside_vllm_is_refused(tmp_path: Path, engine: str, refused: bool) -> None:
-    """With engine.weight_delta each rollout rank keeps a copy of the weights (bf16: 2.9 GiB for a 1.5B), on its GPU
-    under the torch transport: beside vLLM's 0.9 of an L40S (48 GiB, 0.95 usable) there are 2.4 GiB left."""
+@pytest.mark.parametrize(("engine", "refused"), [("{weight_delta: true}", "weight_delta"),
+                                                 ("{staged_updates: true}", "staged_updates"),
+                                                 ("{max_restarts: 2}", "max_restarts"),
+                                                 ("{weight_delta: true, gpu_memory_utilization: 0.85}", None),
+                                                 ("{staged_updates: true, gpu_memory_utilization: 0.85}", None),
+                                                 ("{weight_delta: true, weight_transport: mpi}", None),
+                                                 ("{staged_updates: true, weight_transport: mpi}", None)])
+def test_a_weight_copy_without_room_beside_vllm_is_refused(tmp_path: Path, engine: str, refused: str | None) -> None:
+    """With engine.weight_delta or max_restarts each rollout rank keeps a copy of the weights, with staged_updates
+    its engine does (bf16: 2.9 GiB for a 1.5B): on its GPU under the torch transport, where beside vLLM's 0.9 of an
+    L40S (48 GiB, 0.95 usable) there are 2.4 GiB left."""
     cluster = load_cluster_map(RECIPES / "cluster-h100-l40s.yaml")
     path = recipe_on_folder(tmp_path, QWEN_1_5B, "seamless")
     path.write_text(path.read_text() + f"engine: {engine}\n")
     recipe = load_recipe(path)
-    if not refused:
+    if refused is None:
         resolve(recipe, cluster)
         return
     with pytest.raises(ResolveError) as refusal:
         resolve(recipe, cluster)
     line = str(refusal.value)
     copy = 2 * ModelShape.from_config(QWEN_1_5B).params / GIB
-    assert line.startswith("engine.weight_delta: each rollout rank on pool 'l40s' keeps a copy of the weights "
+    assert line.startswith(f"engine.{refused}: each rollout rank on pool 'l40s' keeps a copy of the weights "
                            f"({copy:.2f} GiB)") and "\n" not in line, line
     assert "lower engine.gpu_memory_utilization to at most 0.89" in line and "weight_transport: mpi" in line

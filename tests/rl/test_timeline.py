@@ -119,3 +119,22 @@ def test_timeline_drops_instants_and_can_keep_only_sums() -> None:
     timeline.begin(6, "rollout", "waiting")
     with pytest.raises(ValueError, match="already on the timeline"):
         timeline.begin(6, "rollout", "waiting")
+
+
+def test_a_pause_a_rank_reports_after_the_fact_cuts_its_interval() -> None:
+    """A rollout rank's engine paused for a weight update from 2 s to 3 s; the controller learns it at 5 s (the
+    rank's reply): the rank generated before and after, and synced only while paused. Reported times outside the
+    open interval and now (another node's clock) are kept inside them."""
+    clock = Clock()
+    timeline = Timeline(clock)
+    timeline.begin(2, "rollout", "generating")
+    clock.now = 5.0
+    timeline.was(2, "syncing", 2.0, 3.0)
+    clock.now = 6.0
+    timeline.was(2, "syncing", 4.5, 9.0)  # ends after now: cut at now
+    timeline.change(2, "waiting")
+    clock.now = 7.0
+    timeline.close()
+    got = [(i.state, i.t_start, i.t_end) for i in timeline.drain()]
+    assert got == [("generating", 0.0, 2.0), ("syncing", 2.0, 3.0), ("generating", 3.0, 4.5), ("syncing", 4.5, 6.0),
+                   ("waiting", 6.0, 7.0)]

@@ -1,8 +1,9 @@
 """Weights into a running vLLM engine over each transport (MPI to the rank; a torch.distributed group, gloo
-here, that vLLM's worker joins and receives into itself; and delta updates over MPI, applied by the rank): a
-trainer rank publishes, the engine loads them while it serves, greedy generation shows the new weights (and,
-with the original weights back, the old output again), and the trainer's logprobs of a reply the engine
-sampled match the engine's.
+here, that vLLM's worker joins and receives into itself; delta updates over MPI, applied by the rank; staged
+updates over either, received beside the weights that generate while a generation goes on): a trainer rank
+publishes, the engine loads them while it serves, greedy generation shows the new weights (and, with the
+original weights back, the old output again), and the trainer's logprobs of a reply the engine sampled match
+the engine's.
 
 The folder is a Qwen2 with tied embeddings: on CPUs vLLM keeps a packed copy of the tied output head,
 which a reload of the embeddings left stale (logprobs 1.6 nats apart) until the worker re-processed it."""
@@ -23,13 +24,15 @@ from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.mpi, pytest.mark.vllm]
 
+STREAMS = ("mpi", "torch", "mpi-delta", "torch-staged", "mpi-staged")
+
 
 def test_trainer_publishes_into_a_running_vllm_engine_over_each_transport(tmp_path: Path) -> None:
     # A Qwen2 folder (biases on q, k and v; tied embeddings), as a user's Qwen2.5 would be.
     model_dir = build_tiny_model(ModelSpec(build=BuildSpec(architecture="qwen2")), tmp_path / "tiny", seed=0)
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(["mpiexec", "--oversubscribe", "--bind-to", "none", "-n", "2", sys.executable, "-m",
-                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path), "mpi,torch,mpi-delta"],
+                           "tests.weights.vllm_ranks", str(model_dir), str(tmp_path), ",".join(STREAMS)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     trainer = json.loads((tmp_path / "rank0.json").read_text())
@@ -37,11 +40,18 @@ def test_trainer_publishes_into_a_running_vllm_engine_over_each_transport(tmp_pa
     before = engine["before"]
     assert len(before["tokens"]) == 16 and before["versions"] == [0] * 16
 
-    for index, stream in enumerate(("mpi", "torch", "mpi-delta")):
+    for index, stream in enumerate(STREAMS):
         sent, got = trainer[stream], engine[stream]
         perturbed, restored = 2 * index + 1, 2 * index + 2
-        assert sent["transport"] == {"mpi": "MPITransport", "torch": "TorchTransport"}[stream.removesuffix("-delta")]
-        assert got["lands_in_engine"] == (stream == "torch")  # the worker received the buckets, not the rank
+        assert sent["transport"] == {"mpi": "MPITransport", "torch": "TorchTransport"}[stream.split("-")[0]]
+        assert got["lands_in_engine"] == stream.startswith("torch")  # the worker received the buckets, not the rank
+        if stream.endswith("-staged"):
+            # Each version came in beside the weights that generated (the worker's second copy, or the rank's
+            # copy) with no pause: a generation started before it ran on, every token from the version before.
+            assert [s["beside"] for s in got["staged"]] == [True, True], got["staged"]
+            assert [s["pauses"] for s in got["staged"]] == [0, 0], got["staged"]
+            assert [s["versions"] for s in got["staged"]] == [[perturbed - 1], [perturbed]], got["staged"]
+            assert all(s["tokens"] == 16 for s in got["staged"]), got["staged"]
         assert sent["manifest_sent"] == [True, False]  # same layout: the second version travels without one
         assert [v["version"] for v in got["loaded"]] == got["engine_versions"] == [perturbed, restored]
         assert got["loaded"][0]["buckets"] == sent["buckets"][0] >= 3  # several buckets, loaded one at a time

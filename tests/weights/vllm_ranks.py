@@ -1,8 +1,10 @@
 """Rank program of the engine weight-sync test:
-`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT mpi,torch,mpi-delta` (each stream in turn, one
-engine: `mpi`; `torch`, where vLLM's worker joins a gloo group and receives the buckets itself; `mpi-delta`,
-delta updates over MPI: the perturbation then touches a tenth of the elements, and restoring them is a delta
-of a tenth of the words, which the rank applies to its copy before the engine loads the changed buckets).
+`mpiexec -n 2 python -m tests.weights.vllm_ranks MODEL OUT mpi,torch,mpi-delta,torch-staged,mpi-staged` (each
+stream in turn, one engine: `mpi`; `torch`, where vLLM's worker joins a gloo group and receives the buckets
+itself; `mpi-delta`, delta updates over MPI: the perturbation then touches a tenth of the elements, and restoring
+them is a delta of a tenth of the words, which the rank applies to its copy before the engine loads the changed
+buckets; `-staged`, staged updates: the version comes in beside the weights that generate, into the worker's
+second copy over gloo or into the rank's copy over MPI, while a generation goes on, and is loaded in one pause).
 
 Rank 0 is a trainer (`TorchTrainer` on the model folder). Over each transport it perturbs its float32 master
 weights (the same perturbation every time) and publishes them (cast to bf16 on the way, in small buckets),
@@ -53,7 +55,7 @@ def trainer_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> dict[st
     original = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     record: dict[str, Any] = {}
     for index, (stream, weights) in enumerate(streams.items()):
-        transport, delta = stream.removesuffix("-delta"), stream.endswith("-delta")
+        transport, delta = stream.split("-")[0], stream.endswith("-delta")
         publisher = WeightPublisher(connect(weights, transport), bucket_bytes=BUCKET_BYTES, delta=delta)
         gen = torch.Generator().manual_seed(1)
         with torch.no_grad():
@@ -84,7 +86,7 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
     from sfhpc.engine.base import GenerationRequest
     from sfhpc.engine.tokenizer import load_tokenizer
     from sfhpc.engine.vllm_engine import VllmEngine
-    from sfhpc.engine.weight_sync import apply_version, next_version
+    from sfhpc.engine.weight_sync import StagedVersion, apply_version, next_version, receive_beside
     from sfhpc.weights import WeightReceiver, connect
 
     engine = VllmEngine.start("vllm-0", model_dir, max_model_len=256)
@@ -117,12 +119,14 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
     record: dict[str, Any] = {"before": await generate(0.0)}
     try:
         for stream_name, weights in streams.items():
-            transport, delta = stream_name.removesuffix("-delta"), stream_name.endswith("-delta")
-            members = 0 if delta else engine.weight_group_members  # a delta is applied by the rank
-            receiver = WeightReceiver(await asyncio.to_thread(connect, weights, transport, engine_members=members,
-                                                              join_engine=join_engine if members else None),
-                                      keep_copy=delta)
-            stream: dict[str, Any] = {"loaded": [], "engine_versions": [],
+            transport, delta, staged = (stream_name.split("-")[0], stream_name.endswith("-delta"),
+                                        stream_name.endswith("-staged"))
+            # A delta is applied by the rank; a staged version over MPI comes into the rank's copy.
+            members = 0 if delta or (staged and transport == "mpi") else engine.weight_group_members
+            link = await asyncio.to_thread(connect, weights, transport, engine_members=members,
+                                           join_engine=join_engine if members else None)
+            receiver = WeightReceiver(link, keep_copy=delta or (staged and not link.engine_receives))
+            stream: dict[str, Any] = {"loaded": [], "engine_versions": [], "staged": [],
                                       "lands_in_engine": receiver.transport.engine_receives}
             for name in ("perturbed", "restored"):
                 await sync()
@@ -130,7 +134,16 @@ async def engine_rank(comm: Any, streams: dict[str, Any], model_dir: Path) -> di
                 assert incoming is not None
                 stream["loaded"].append({"version": incoming.version, "buckets": incoming.num_buckets,
                                          "largest_bucket": max(incoming.manifest.bucket_sizes)})
-                stream["engine_versions"].append(await apply_version(engine, incoming))
+                loading: Any = incoming
+                if staged:  # a generation goes on while the version comes in: the engine is not paused for it
+                    pauses, going_on = engine.pauses, asyncio.create_task(generate(1.0))
+                    loading = await receive_beside(engine, incoming)
+                    beside = engine.staged_version == incoming.version or isinstance(loading, StagedVersion)
+                    generated = await going_on
+                    stream["staged"].append({"beside": beside, "pauses": engine.pauses - pauses,
+                                             "versions": sorted(set(generated["versions"])),
+                                             "tokens": len(generated["tokens"])})
+                stream["engine_versions"].append(await apply_version(engine, loading))
                 stream[name] = await generate(0.0)
                 stream[name]["engine_version"] = engine.version
                 if name == "perturbed":  # the trainer scores a reply sampled with its weights
