@@ -76,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sfhpc.plan.run_memory import planned_ranks
+    from sfhpc.plan.run_memory import planned_ranks, weight_copies
 
     recipe, cluster, plan = _load(args)
     print(plan.describe())
@@ -89,6 +89,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("memory per rank, at its peak (sfhpc.plan.memory):")
         for rank in ranks:
             print(f"  {rank.describe()}")
+    for copy in weight_copies(recipe, plan, cluster):
+        print(copy.describe())
     return 0
 
 

@@ -183,32 +183,61 @@ def _capacity(recipe: Recipe, pool: Pool, on_gpu: bool, role_name: str) -> int:
     return pool.memory_mb * (1 << 20) // max(ranks_on_node, 1)
 
 
-def weight_copy_problem(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> str | None:
-    """A rollout rank that keeps a second copy of the weights beside its engine's: the rank's with
-    ``engine.weight_delta`` or ``engine.max_restarts`` (what a delta applies to, what a restarted engine loads), the
-    engine's own with ``engine.staged_updates`` (a version received while the engine generates). Under the torch
-    transport on GPUs the copy lies in the GPU's memory beside vLLM's share: the line that refuses a copy without
-    room there."""
+@dataclasses.dataclass(frozen=True)
+class WeightCopy:
+    """The second copy of the weights each rollout rank of a pool keeps beside its engine's, and where it lies."""
+
+    why: str      # the recipe key that asks for it: engine.weight_delta, engine.staged_updates, engine.max_restarts
+    pool: str
+    nbytes: int
+    on_gpu: bool  # in the GPU's memory beside vLLM's share (torch transport), else in host memory
+    room: int     # on a GPU: the bytes beside vLLM's share (0: the cluster map does not say)
+    share: float  # vLLM's gpu_memory_utilization
+    gpu: int      # the GPU's bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.on_gpu or not self.gpu or self.nbytes <= self.room
+
+    def describe(self) -> str:
+        where = (f"in its GPU's memory beside vLLM's share ({gib(self.room)} there)" if self.on_gpu and self.gpu
+                 else "in its GPU's memory beside vLLM's share" if self.on_gpu else "in host memory")
+        return (f"{self.why}: each rollout rank on pool '{self.pool}' keeps a copy of the weights ({gib(self.nbytes)}) "
+                f"{where}" + ("" if self.fits else ": does not fit"))
+
+
+def weight_copies(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> list[WeightCopy]:
+    """A rollout rank that keeps a second copy of the weights beside its engine's, per pool: the rank's with
+    ``engine.weight_delta`` or ``engine.max_restarts`` (what a delta applies to, what a restarted engine loads),
+    the engine's own with ``engine.staged_updates`` (a version received while the engine generates). Under the
+    torch transport on GPUs the copy lies in the GPU's memory beside vLLM's share, else in host memory. Empty for
+    the test engine, and where the model is sfhpc's own."""
     rollout, engine = recipe.role("rollout"), recipe.engine
     why = next((key for key, on in (("weight_delta", engine.weight_delta), ("staged_updates", engine.staged_updates),
                                     ("max_restarts", engine.max_restarts > 0)) if on), None)
-    if why is None or engine.weight_transport == "mpi" or rollout is None or rollout.gpus_per_task == 0 \
-            or engine.name != "vllm":
-        return None
     shape = model_shape(recipe)
-    if shape is None:
-        return None
+    if why is None or rollout is None or engine.name != "vllm" or shape is None:
+        return []
     pools = {p.name: p for p in cluster.pools}
-    copy = shape.params * DTYPE_BYTES.get(recipe.model.dtype, 2)
-    share = engine.gpu_memory_utilization
+    on_gpu = engine.weight_transport != "mpi" and rollout.gpus_per_task > 0
+    copies = []
     for pool_name in sorted({s.pool for s in plan.ranks() if "rollout" in s.roles}):
-        gpu = pools[pool_name].gpu_memory_gib * GIB
-        if gpu and copy > gpu * (USABLE_SHARE - share):
-            room = max(0.0, USABLE_SHARE - copy / gpu)
-            return (f"engine.{why}: each rollout rank on pool '{pool_name}' keeps a copy of the weights "
-                    f"({gib(copy)}) in its GPU's memory under the torch transport, beside vLLM's share "
-                    f"(gpu_memory_utilization {share:g} of {gib(int(gpu))}): lower engine.gpu_memory_utilization to "
-                    f"at most {room:.2f}, or set engine.weight_transport: mpi (the copy then lives in host memory)")
+        gpu = int(pools[pool_name].gpu_memory_gib * GIB) if on_gpu else 0
+        copies.append(WeightCopy(f"engine.{why}", pool_name, shape.params * DTYPE_BYTES.get(recipe.model.dtype, 2),
+                                 on_gpu, int(gpu * (USABLE_SHARE - engine.gpu_memory_utilization)),
+                                 engine.gpu_memory_utilization, gpu))
+    return copies
+
+
+def weight_copy_problem(recipe: Recipe, plan: LaunchPlan, cluster: ClusterMap) -> str | None:
+    """The line that refuses a copy of the weights (`weight_copies`) without room beside vLLM's share."""
+    for copy in weight_copies(recipe, plan, cluster):
+        if not copy.fits:
+            room = max(0.0, USABLE_SHARE - copy.nbytes / copy.gpu)
+            return (f"{copy.why}: each rollout rank on pool '{copy.pool}' keeps a copy of the weights "
+                    f"({gib(copy.nbytes)}) in its GPU's memory under the torch transport, beside vLLM's share "
+                    f"(gpu_memory_utilization {copy.share:g} of {gib(copy.gpu)}): lower engine.gpu_memory_utilization "
+                    f"to at most {room:.2f}, or set engine.weight_transport: mpi (the copy then lives in host memory)")
     return None
 
 

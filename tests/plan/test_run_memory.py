@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from sfhpc.cli import main
 from sfhpc.config import load_cluster_map, load_recipe
 from sfhpc.errors import ResolveError
 from sfhpc.plan.memory import GIB, ModelShape, lora_layers
@@ -180,7 +181,8 @@ def test_a_distillation_teacher_is_planned_on_its_own_gpu(tmp_path: Path, teache
                                                  ("{staged_updates: true, gpu_memory_utilization: 0.85}", None),
                                                  ("{weight_delta: true, weight_transport: mpi}", None),
                                                  ("{staged_updates: true, weight_transport: mpi}", None)])
-def test_a_weight_copy_without_room_beside_vllm_is_refused(tmp_path: Path, engine: str, refused: str | None) -> None:
+def test_a_weight_copy_without_room_beside_vllm_is_refused(tmp_path: Path, engine: str, refused: str | None,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """With engine.weight_delta or max_restarts each rollout rank keeps a copy of the weights, with staged_updates
     its engine does (bf16: 2.9 GiB for a 1.5B): on its GPU under the torch transport, where beside vLLM's 0.9 of an
     L40S (48 GiB, 0.95 usable) there are 2.4 GiB left."""
@@ -188,13 +190,17 @@ def test_a_weight_copy_without_room_beside_vllm_is_refused(tmp_path: Path, engin
     path = recipe_on_folder(tmp_path, QWEN_1_5B, "seamless")
     path.write_text(path.read_text() + f"engine: {engine}\n")
     recipe = load_recipe(path)
-    if refused is None:
+    copy = 2 * ModelShape.from_config(QWEN_1_5B).params / GIB
+    if refused is None:  # `sfhpc plan` says where the copy lies, and the room beside vLLM's share
         resolve(recipe, cluster)
+        assert main(["plan", str(path), "--cluster", str(RECIPES / "cluster-h100-l40s.yaml")]) == 0
+        printed = capsys.readouterr().out
+        where = "in host memory" if "mpi" in engine else "in its GPU's memory beside vLLM's share (4.80 GiB there)"
+        assert f"each rollout rank on pool 'l40s' keeps a copy of the weights ({copy:.2f} GiB) {where}\n" in printed
         return
     with pytest.raises(ResolveError) as refusal:
         resolve(recipe, cluster)
     line = str(refusal.value)
-    copy = 2 * ModelShape.from_config(QWEN_1_5B).params / GIB
     assert line.startswith(f"engine.{refused}: each rollout rank on pool 'l40s' keeps a copy of the weights "
                            f"({copy:.2f} GiB)") and "\n" not in line, line
     assert "lower engine.gpu_memory_utilization to at most 0.89" in line and "weight_transport: mpi" in line
