@@ -58,7 +58,7 @@ def check_report(report: dict, features: dict[str, set[str]], expected_component
     assert "Open MPI" in report["mpi_library"]
 
 
-def wait_for_sacct(job_id: str, expected: dict[str, str], timeout: float = 30) -> dict[str, str]:
+def wait_for_sacct(job_id: str, expected: dict[str, str], timeout: float = 120) -> dict[str, str]:
     """Component states from sacct, polled until they equal `expected` (accounting lags behind the job)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -105,12 +105,17 @@ def test_submitit_job_state_and_results_are_real(slurm_cluster: str, tmp_path: P
     results = job.results()  # waits; one result per rank, from both components
     assert [r["component"] for r in results] == [0, 0, 1, 1]
     assert [r["rank"] for r in results] == [0, 1, 2, 3]
-    deadline = time.monotonic() + 30
-    state = job.get_info(mode="force").get("State")
-    while state != "COMPLETED" and time.monotonic() < deadline:
-        time.sleep(0.5)
-        state = job.get_info(mode="force").get("State")
-    assert state == "COMPLETED", state
+    # The ranks have written their results; the job ends once their processes have and accounting has heard
+    # of it, which on a loaded host (the other test worker) took over 30 s once: bounded by what only a job
+    # that never ends reaches, and the job's own view named if it does.
+    try:
+        wait_until("submitit to see the job completed",
+                   lambda: job.get_info(mode="force").get("State") == "COMPLETED", timeout=180, poll_s=0.5)
+    except AssertionError as timed_out:
+        squeue = subprocess.run(["squeue", "-j", job.job_id, "-o", "%i %T %R"], capture_output=True, text=True)
+        sacct = subprocess.run(["sacct", "-j", job.job_id, "-o", "JobID,State,ExitCode,End", "-P"],
+                               capture_output=True, text=True)
+        raise AssertionError(f"{timed_out}\n{squeue.stdout}{sacct.stdout}") from None
     assert seen <= {"PENDING", "RUNNING", "COMPLETED", "UNKNOWN"}  # UNKNOWN only before sacct has the job
     assert job.state == "COMPLETED"
 
@@ -221,10 +226,8 @@ def test_cancel_and_status_of_a_running_job(slurm_cluster: str, tmp_path: Path) 
                          capture_output=True, text=True, check=True)
     job_id = out.stdout.strip()
     assert run_sfhpc("cancel", job_id).returncode == 0
-    deadline = time.monotonic() + 30
-    while job_status(job_id).state.split()[0] != "CANCELLED" and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert job_status(job_id).state.startswith("CANCELLED")
+    wait_until(f"job {job_id} to be cancelled", lambda: job_status(job_id).state.split()[0] == "CANCELLED",
+               timeout=120, poll_s=0.5)
     assert_one_line_error(run_sfhpc("status", "abc"), "'abc' is not a Slurm job id")
     assert_one_line_error(run_sfhpc("logs", job_id, "--output-dir", str(tmp_path)), f"job {job_id} is not in")
 
