@@ -242,7 +242,7 @@ STOPPED_EXIT = 75
 def _run_outcome(run_dir: Path, code: int, verbose: bool = False) -> int:
     """The exit code of ``sfhpc run``: mpiexec's (a failed rank's own, which said why in its line), 75 for a
     run stopped at a signal's safe point; a rank ended by a signal has no line of its own, so one is said."""
-    from sfhpc.rl.controller import last_event
+    from sfhpc.data.run_log import last_event
 
     if code > 128:
         try:

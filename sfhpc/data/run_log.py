@@ -45,6 +45,12 @@ def read_log(path: Path, *, warn: Warn | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def last_event(run_dir: Path) -> dict[str, Any] | None:
+    """The last whole event of a run's event log (None when it has none)."""
+    events = read_log(RunPaths(run_dir).events)
+    return events[-1] if events else None
+
+
 def is_training_row(row: Mapping[str, Any]) -> bool:
     """Whether a ``metrics.jsonl`` row is a training step's; the row of step 0 holds only the evaluation before
     training (`sfhpc.rl.evaluation`), the one row without the step's training figures."""

@@ -32,7 +32,7 @@ from sfhpc.config.recipe import Recipe
 from sfhpc.data.groups import DROP_CAUSES
 from sfhpc.data.manager import Batch, TrajectoryManager
 from sfhpc.data.rank_intervals import BubbleFraction  # the run's bubble fraction, from the timeline
-from sfhpc.data.run_log import read_log, repair_log
+from sfhpc.data.run_log import repair_log
 from sfhpc.data.service import ManagerServer
 from sfhpc.data.store import TrajectoryStore
 from sfhpc.data.trajectory import Status
@@ -830,9 +830,3 @@ def lending_summary(rows: list[dict[str, Any]]) -> str | None:
             f"-> training starts) mean {sum(seconds) / len(seconds):.3f} s, max {max(seconds):.3f} s; "
             f"{sum(int(r['reclaim_moved']) for r in reclaimed)} episodes moved, "
             f"{sum(int(r['reclaim_interrupted']) for r in reclaimed)} generations cut")
-
-
-def last_event(run_dir: Path) -> dict[str, Any] | None:
-    """The last whole event of a run's event log (None when it has none)."""
-    events = read_log(RunPaths(run_dir).events)
-    return events[-1] if events else None

@@ -19,8 +19,12 @@ while the controller still writes its store; and from then on nothing is sent to
 rank that has exited fails in Open MPI's TCP transport ("writev failed: Broken pipe"), which then retries
 the connection and holds the sender's ``MPI_Finalize`` for minutes: a loaded machine showed a finished
 run's controller hang so, beating every second to ranks that had left while it wrote its store. So a
-rank hears before it beats, beats only to peers that have not said goodbye, and lingers a beat after its
-own goodbye, so that a beat already on its way lands while it still listens.
+rank hears before it beats, beats only to peers that have not said goodbye, and does not leave while a
+beat may still be on its way to it: a rank that hears a goodbye sees the leaver off (one last message,
+sent while the leaver still listens for it, and nothing after it), and a leaver listens until each peer
+has said goodbye too or seen it off. MPI delivers a peer's earlier beats before either (messages between
+two ranks on one tag do not overtake each other), so nothing can reach the leaver after it leaves. (This
+had been a fixed linger of a beat and a half after the goodbye, on every rank at every run's end.)
 
 A watcher that did not run itself for a while (the whole job suspended and resumed, a starved process)
 would see silence of its own making: everyone gets a fresh bound then.
@@ -39,8 +43,9 @@ from sfhpc.runtime import fault
 
 HEARTBEAT_TAG = 0x5F23  # every rank <-> the controller, on the world communicator
 INTERVAL_S = 1.0  # the recipe's bound is at least 3 s (sfhpc.config.recipe.Budgets): a beat or two late is jitter
+HEAR_EVERY_S = 0.1  # how often a rank takes what arrived: a leaver waits this long, about, to be seen off
 BACKUP_DELAY_S = 15.0  # ranks after the first one report a silent controller only this much later
-_ALIVE, _GOODBYE = 1, 0
+_ALIVE, _GOODBYE, _SEEN_OFF = 1, 0, 2
 
 
 class RanksSilent(SfhpcError):
@@ -67,6 +72,7 @@ class Heartbeats:
         self.last_heard = dict.fromkeys(self.peers, now)
         self._last_tick = now
         self._sends: list[Any] = []
+        self._leaving = False  # this rank said goodbye
 
     def beat(self, kind: int = _ALIVE) -> list[int]:
         """Send one heartbeat (or the goodbye) to every peer that has not said goodbye; never waits for a
@@ -78,7 +84,8 @@ class Heartbeats:
         return listening
 
     def hear(self) -> None:
-        """Take every heartbeat that arrived; a peer that said goodbye is no longer watched."""
+        """Take every heartbeat that arrived; a peer that said goodbye is no longer watched, and is seen off
+        (unless this rank said goodbye to it first, which the peer then hears instead)."""
         from mpi4py import MPI
 
         now = self.clock()
@@ -89,8 +96,10 @@ class Heartbeats:
         status = MPI.Status()
         while (message := self.world.improbe(source=MPI.ANY_SOURCE, tag=HEARTBEAT_TAG, status=status)) is not None:
             kind, peer = message.recv(), status.Get_source()
-            if kind == _GOODBYE:
-                self.last_heard.pop(peer, None)
+            if kind in (_GOODBYE, _SEEN_OFF):
+                listening = self.last_heard.pop(peer, None) is not None
+                if kind == _GOODBYE and listening and not self._leaving:
+                    self._sends.append(self.world.isend(_SEEN_OFF, dest=peer, tag=HEARTBEAT_TAG))
             elif peer in self.last_heard:
                 self.last_heard[peer] = now
 
@@ -107,16 +116,23 @@ class Heartbeats:
                 f"stopped, stuck or cut off from the others; see {logs} in the run folder, and the node; raise "
                 "budgets.heartbeat_timeout_s if a rank may hold Python's interpreter lock that long on purpose")
 
-    def finish(self, linger_s: float = 1.5 * INTERVAL_S) -> None:
-        """Say goodbye to the peers still listening, then linger for a beat, taking what arrives, so that a
-        peer's beat already on its way lands here (MPI finalises after this)."""
+    def finish(self, bound_s: float | None = None) -> bool:
+        """Say goodbye to the peers still listening, then listen until each has said goodbye too or seen this
+        rank off, so that no beat can reach it once it has left (MPI finalises after this). Returns whether
+        every peer did; after `bound_s` (the silence bound: a peer that quiet is gone or hung) it leaves
+        anyway."""
         self.hear()
         self.beat(_GOODBYE)
-        deadline = time.monotonic() + linger_s
-        while time.monotonic() < deadline:
+        self._leaving = True
+        deadline = time.monotonic() + (self.bound if bound_s is None else bound_s)
+        while True:
             self._sends = [request for request in self._sends if not request.Test()]
             self.hear()
-            time.sleep(0.02)
+            if not self.last_heard and not self._sends:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -128,8 +144,12 @@ def watched(world: Any, labels: Mapping[int, str], timeout_s: float, *,
     stop = threading.Event()
 
     def keep() -> None:
-        while not stop.wait(interval_s):
-            beats.hear()  # first: a peer that said goodbye gets no more beats
+        next_beat = time.monotonic() + interval_s
+        while not stop.wait(min(HEAR_EVERY_S, interval_s)):
+            beats.hear()  # first: a peer that said goodbye gets no more beats (and is seen off soon)
+            if time.monotonic() < next_beat:
+                continue
+            next_beat = time.monotonic() + interval_s
             beats.beat()
             if silent := beats.silent():
                 fault.fail(RanksSilent(beats.describe(silent)))

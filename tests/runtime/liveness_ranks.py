@@ -36,12 +36,15 @@ def main() -> None:
     beats.hear()  # this thread itself did not run for 14.5 s: the silence is its own
     seen["silent_after_own_gap"] = beats.silent()
     world.Barrier()
-    if me == 1:
-        beats.finish()  # rank 1's program ended well: it says goodbye
-    world.Barrier()
+    if me == 1:  # rank 1's program ended well: it says goodbye, and leaves once the controller saw it off
+        started = time.monotonic()
+        seen["seen_off"] = beats.finish(bound_s=30.0)
+        seen["left_after_s"] = time.monotonic() - started
     if me == 0:
         now[0] = 116.0
-        hear_until(lambda: 1 not in beats.last_heard)
+        hear_until(lambda: 1 not in beats.last_heard)  # hears the goodbye, sees rank 1 off
+    world.Barrier()
+    if me == 0:
         now[0] = 127.0
         seen["silent_after_goodbye"] = beats.silent()
         seen["beats_after_goodbye"] = beats.beat()  # none to rank 1, which may have exited
@@ -50,7 +53,9 @@ def main() -> None:
         print(json.dumps(everyone))
     world.Barrier()  # rank 0 heard what it listened for: the goodbyes may go now
     if me != 1:
-        beats.finish()
+        # Ranks 0 and 2 say goodbye to each other at once: each hears the other's, neither waits to be seen off.
+        ended = beats.finish(bound_s=30.0)
+        assert ended, f"rank {me} left without every peer's goodbye"
 
 
 if __name__ == "__main__":

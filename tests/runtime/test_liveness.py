@@ -1,6 +1,8 @@
 """Heartbeats over real MPI ranks (mpiexec), with a clock the ranks set: who watches whom, silence past
 the bound named, a rank that said goodbye no longer watched, a watcher's own pause not taken for silence.
-The end-to-end case (a rank stopped mid-run, the run ended) is in test_faults_on_ranks.py."""
+A leaving rank is seen off by the controller before it goes (nothing can reach it after), and two ranks
+that leave at once see each other go. The end-to-end case (a rank stopped mid-run, the run ended) is in
+test_faults_on_ranks.py."""
 
 from __future__ import annotations
 
@@ -41,3 +43,5 @@ def test_heartbeats_between_the_controller_and_every_rank() -> None:
     assert controller["silent_after_goodbye"] == {"2": 11.5}
     # ... and gets no more beats: a send to a rank that has exited holds MPI_Finalize (Open MPI over TCP).
     assert controller["beats_after_goodbye"] == [2]
+    # Rank 1 left once the controller had seen it off: not at its bound (30 s here), nor after a fixed linger.
+    assert first["seen_off"] is True and first["left_after_s"] < 10, first
