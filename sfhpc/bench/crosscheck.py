@@ -89,13 +89,14 @@ def timing_cluster(recipe: Mapping[str, Any]) -> SimCluster:
                       pool("rollout", ("rollout",), rollouts))
 
 
-def timing_cost_model(costs: CostModel, speedup: float) -> CostModel:
-    """`costs` at the timing scale's pace (every duration divided by `speedup`), without lending costs."""
+def timing_cost_model(costs: CostModel, speedup: float, batch_weight: float = 1.0) -> CostModel:
+    """`costs` at the timing scale's pace (every duration divided by `speedup`), without lending costs; each
+    sequence costing what `batch_weight` of them cost (`sfhpc.bench.pipeline.TimingWorkload.batch_weight`)."""
     device = costs.device(GPU)
     fast = dataclasses.replace(device, decode_base_s=device.decode_base_s / speedup,
-                               decode_per_sequence_s=device.decode_per_sequence_s / speedup,
-                               prefill_per_token_s=device.prefill_per_token_s / speedup,
-                               train_per_token_s=device.train_per_token_s / speedup)
+                               decode_per_sequence_s=device.decode_per_sequence_s * batch_weight / speedup,
+                               prefill_per_token_s=device.prefill_per_token_s * batch_weight / speedup,
+                               train_per_token_s=device.train_per_token_s * batch_weight / speedup)
     fast = dataclasses.replace(fast, host_gb_s=float("inf"))  # an engine's wake-up: free at the timing scale
     return dataclasses.replace(costs, devices={GPU: fast}, sync_gb_s=costs.sync_gb_s * speedup, engine_fixed_s=0.0,
                                trainer_state_bytes=0.0)
@@ -110,9 +111,9 @@ def prompt_tokens_of(rows: Sequence[Mapping[str, Any]]) -> int:
 
 
 def simulate_modes(recipe: Mapping[str, Any], costs: CostModel, speedup: float, modes: Sequence[str], steps: int,
-                   prompt_tokens: int) -> dict[str, SimResult]:
+                   prompt_tokens: int, batch_weight: float = 1.0) -> dict[str, SimResult]:
     """Each of `modes` simulated on the timing recipe's configuration."""
-    cluster, cost, workload = timing_cluster(recipe), timing_cost_model(costs, speedup), \
+    cluster, cost, workload = timing_cluster(recipe), timing_cost_model(costs, speedup, batch_weight), \
         timing_workload(recipe, prompt_tokens)
     pipeline = recipe.get("pipeline", {})
     return {mode: simulate(cluster, cost, SimConfig(mode=mode, workload=workload,

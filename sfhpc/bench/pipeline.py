@@ -1,7 +1,7 @@
 """Benchmark: the same long-tailed workload under ``sync``, ``async`` and ``seamless`` on the same ranks.
 
     sfhpc bench pipeline [--scales small,timing] [--modes sync,async,seamless] [--ranks 16] [--steps 8]
-                         [--timing-speedup 3] [--against-simulator]
+                         [--timing-workload grpo-7b|short] [--timing-speedup K] [--against-simulator]
 
 One invocation runs every mode at each scale, one after the other on this machine (``mpiexec``, as
 ``sfhpc run`` does), and reports per mode: trained tokens/s (the tokens of the training batches over the
@@ -22,6 +22,9 @@ Scales:
   ``--calibrate`` those of the small scale's ``async`` run (vLLM on this machine's CPU), with
   ``--calibrate-from`` an earlier run's. The scheduler, trajectory manager, store, endpoint, agents, weight
   broadcast and MPI are the real ones; only compute is modelled, and the output says so, and which costs.
+  ``--timing-workload`` shapes the steps (`TIMING_WORKLOADS`): ``grpo-7b`` (the default) like a 7B GRPO step,
+  whose replies reach thousands of tokens and whose generation lasts most of a step; ``short``, replies of at
+  most 128 tokens, where a step is shorter than a version's transfer.
 
 Modes on the same ranks: ``async`` runs the recipe as written (trainer and rollout on ranks of their own);
 ``seamless`` is the same with the trainer's nodes tagged ``rollout`` so that idle trainer ranks are lent to
@@ -42,6 +45,7 @@ each run's folder and log are under ``runs/bench/pipeline/SCALE/``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -62,11 +66,59 @@ MODES = ("sync", "async", "seamless")
 SCALES = ("small", "timing")
 DEFAULT_RECIPE = Path("recipes/bench-pipeline.yaml")
 MIN_TIMING_RANKS = 4  # controller, one trainer, two rollout ranks
-# The timing scale's default pace: three times the cost model's, so that the benchmark ends in minutes on
-# 2 cores. With the published GPU figures a decode step is 23 ms, 7.7 ms at this pace: still several times
-# the real per-token overheads (about a millisecond). Calibrated on vLLM on CPU (--calibrate) a step is about
-# 230 ms and a long reply's decode 30 s at the model's own pace.
+# The short workload's pace: three times the cost model's. With the published GPU figures a decode step is
+# 23 ms, 7.7 ms at this pace: still several times the real per-token overheads (about a millisecond).
+# Calibrated on vLLM on CPU (--calibrate) a step is about 230 ms and a long reply's decode 30 s at the model's
+# own pace.
 DEFAULT_SPEEDUP = 3.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TimingWorkload:
+    """The shape of the timing scale's steps: ``repeat-letter``'s long tail of reply lengths (the test engine
+    writes every reply of a group to the asked count, `sfhpc.tasks.long_tail`), the group size, the prompts
+    per step for every two rollout ranks, how many sequences of the modelled batch each played one stands for,
+    and the pace that keeps one mode's run to minutes on 2 cores (every modelled duration divided by
+    `speedup`; the real per-token overheads, about a millisecond, stay a fraction of a modelled decode step)."""
+
+    name: str
+    about: str
+    group_size: int
+    prompts_per_two_rollout_ranks: int
+    min_count: int
+    max_count: int
+    alpha: float
+    speedup: float
+    # Each played sequence stands for this many of the modelled batch: it costs their decode share of every
+    # decode step (``per_sequence_s``), their prefill and their training tokens. A 7B engine decodes hundreds of
+    # sequences at once, where the per-sequence share of a step outweighs its fixed part (so more engines finish
+    # a batch sooner); 2 cores cannot play every token of such a batch, but can play a few sequences that cost
+    # what it costs. Weight transfers and loads are the model's, unscaled.
+    batch_weight: int = 1
+
+    def prompts_per_step(self, rollouts: int) -> int:
+        return max(4, self.prompts_per_two_rollout_ranks * rollouts // 2)
+
+
+# grpo-7b: a 7B GRPO step's shape on the published costs. Groups of 8 replies whose lengths reach 4,096 tokens
+# (P(N >= n) = (48 / n) ** 0.8: a median of 114 tokens, a mean of about 390, about one group in 35 at the cap), so that
+# a step's generation is held back by its longest groups and lasts most of the step, as in published profiles of
+# synchronous GRPO (50-90% of a step generating). Half a prompt per rollout rank is played, each reply standing
+# for 32: about 4 to 8 played replies per engine, 128 to 256 modelled (vLLM's usual max_num_seqs is 256), 192
+# modelled prompts a step on 16 ranks. At pace 8 a modelled decode step of 6 played replies lasts 10 ms, ten
+# times the real per-token overheads. short: the earlier default, replies of 2 to 128 tokens in groups of 4,
+# each standing for itself; a step is shorter than a version's transfer, a regime no 7B run is in, kept for
+# quick runs and the tests.
+TIMING_WORKLOADS = {
+    "grpo-7b": TimingWorkload("grpo-7b", "a 7B GRPO step's shape: groups of 8, replies of 48 to 4,096 tokens (tail "
+                              "index 0.8), a prompt per two rollout ranks, each reply standing for 32 of the "
+                              "modelled batch", group_size=8, prompts_per_two_rollout_ranks=1, min_count=48,
+                              max_count=4096, alpha=0.8, speedup=8.0, batch_weight=32),
+    "short": TimingWorkload("short", "short steps: groups of 4, replies of 2 to 128 tokens (tail index 0.8), two "
+                            "prompts per rollout rank", group_size=4, prompts_per_two_rollout_ranks=4, min_count=2,
+                            max_count=128, alpha=0.8, speedup=DEFAULT_SPEEDUP),
+}
+DEFAULT_WORKLOAD = "grpo-7b"
 # Statuses whose generated tokens were thrown away (never trained on).
 DISCARDED_STATUSES = ("stale", "aborted", "failed")
 STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
@@ -81,9 +133,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=8, help="training steps per run (the first is left out)")
     p.add_argument("--timing-steps", type=int, default=None, help="steps per timing-model run (default --steps)")
     p.add_argument("--ranks", type=int, default=16, help="ranks of the timing-model runs (16-64)")
-    p.add_argument("--timing-speedup", type=float, default=DEFAULT_SPEEDUP, metavar="K",
+    p.add_argument("--timing-workload", choices=tuple(TIMING_WORKLOADS), default=DEFAULT_WORKLOAD,
+                   help="the timing scale's steps: " + "; ".join(f"{w.name}: {w.about} (pace {w.speedup:g})"
+                                                              for w in TIMING_WORKLOADS.values()))
+    p.add_argument("--timing-speedup", type=float, default=None, metavar="K",
                    help="the timing scale models a machine K times as fast as its cost model: every modelled "
-                        f"duration divided by K (default {DEFAULT_SPEEDUP:g}; 1: the cost model's own pace)")
+                        "duration divided by K (default: the workload's pace; 1: the cost model's own pace)")
     p.add_argument("--calibrate", action="store_true",
                    help="calibrate the timing scale on this invocation's small async run (default: the published "
                         "GPU figures of a 7B model, an L40S engine and an H100 trainer)")
@@ -109,6 +164,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                          "--calibrate-from RUN_DIR")
     if args.calibrate_from is not None and not RunPaths(args.calibrate_from).metrics.is_file():
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
+    if args.timing_speedup is None:
+        args.timing_speedup = TIMING_WORKLOADS[args.timing_workload].speedup
     if not args.timing_speedup > 0:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
     if args.against_simulator and "timing" not in args.scales:
@@ -165,33 +222,38 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
 
 
 def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0,
-                  speedup: float = 1.0, staged: bool = True) -> dict[str, Any]:
-    """The workload of the timing scale on `ranks` ranks: the long-tailed ``repeat-letter`` task, test engines
-    and a trainer that are timing models of `costs` (a `CostModel` with one GPU type for engines and
-    trainers alike), every modelled duration divided by `speedup` (a machine that many times as fast: the
-    modes' ratios stay, while the real overheads stay small beside the modelled times). A quarter of the
-    ranks train, the rest but the controller generate. A version takes the modelled broadcast on the network;
-    with `staged` (``engine.staged_updates``) the engines generate meanwhile and pause only to load it from a
-    second copy in device memory (`CostModel.staged_load_s`), else they pause for the transfer."""
+                  speedup: float = 1.0, staged: bool = True, workload: str = DEFAULT_WORKLOAD) -> dict[str, Any]:
+    """The timing scale on `ranks` ranks: `workload`'s steps (`TIMING_WORKLOADS`: the long-tailed
+    ``repeat-letter`` task), test engines and a trainer that are timing models of `costs` (a `CostModel` with
+    one GPU type for engines and trainers alike), every modelled duration divided by `speedup` (a machine that
+    many times as fast: the modes' ratios stay, while the real overheads stay small beside the modelled
+    times). A quarter of the ranks train, the rest but the controller generate. A version takes the modelled
+    broadcast on the network; with `staged` (``engine.staged_updates``) the engines generate meanwhile and pause
+    only to load it from a second copy in device memory (`CostModel.staged_load_s`), else they pause for the
+    transfer."""
+    shape = TIMING_WORKLOADS[workload]
+    weight = shape.batch_weight
     trainers = max(1, (ranks - 1) // 4)
     rollouts = ranks - 1 - trainers
     gpu, device = next(iter(costs.devices.items()))
-    prompts = max(4, 2 * rollouts)
+    slack = 2  # repeat-letter's own: a reply holds the asked count and the end of the reply
     recipe: dict[str, Any] = {
         "name": f"bench-timing-{ranks}",
         "seed": seed,
-        "model": {"max_seq_len": 256},
-        "algorithm": {"name": "grpo", "group_size": 4},
+        "model": {"max_seq_len": shape.max_count + 128},  # the prompt, the longest reply, its slack
+        "algorithm": {"name": "grpo", "group_size": shape.group_size},
         "pipeline": {"mode": "async", "max_staleness": 1},
-        "budgets": {"steps": 8, "prompts_per_step": prompts, "max_new_tokens": 130},
-        "task": {"name": "repeat-letter", "options": {"min_count": 2, "max_count": 128, "alpha": 0.8}},
+        "budgets": {"steps": 8, "prompts_per_step": shape.prompts_per_step(rollouts),
+                    "max_new_tokens": shape.max_count + slack},
+        "task": {"name": "repeat-letter", "options": {"min_count": shape.min_count, "max_count": shape.max_count,
+                                                      "alpha": shape.alpha, "slack": slack}},
         "engine": {"name": "test", "writes_to_budget": True, "staged_updates": staged,
                    "token_delay_s": round(device.decode_base_s / speedup, 6)},
-        "timing_model": {"per_sequence_s": round(device.decode_per_sequence_s / speedup, 7),
-                         "prefill_per_token_s": round(device.prefill_per_token_s / speedup, 8),
+        "timing_model": {"per_sequence_s": round(device.decode_per_sequence_s * weight / speedup, 7),
+                         "prefill_per_token_s": round(device.prefill_per_token_s * weight / speedup, 8),
                          "weight_transfer_s": round(costs.weight_sync_s(rollouts) / speedup, 4),
                          "weight_load_s": round(costs.staged_load_s(gpu) / speedup, 5) if staged else 0.0,
-                         "train_per_token_s": round(device.train_per_token_s / speedup, 8)},
+                         "train_per_token_s": round(device.train_per_token_s * weight / speedup, 8)},
         "training": {"backend": "timing"},
         "roles": {"controller": {"place_with": "trainer"},
                   "trainer": {"tags": ["train"], "nodes": 1, "tasks_per_node": trainers},
@@ -514,7 +576,7 @@ def against_simulator(timing: list[dict[str, Any]], base: dict[str, Any], costs:
         return {"rows": [], "text": "no timing-scale run to compare"}
     prompt = crosscheck.prompt_tokens_of(read_log(RunPaths(Path(measured["run_dir"])).metrics))
     simulated = crosscheck.simulate_modes(base, costs, args.timing_speedup, modes, args.timing_steps or args.steps,
-                                          prompt)
+                                          prompt, batch_weight=TIMING_WORKLOADS[args.timing_workload].batch_weight)
     rows = crosscheck.compare(timing, simulated)
     return {"rows": [r.as_json() for r in rows], "same_order": crosscheck.same_order(rows), "prompt_tokens": prompt,
             "text": crosscheck.format_comparison(rows, left_out)}
@@ -569,7 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "timing" in args.scales:
         costs = timing_costs(calibration)
         base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup,
-                             staged=args.weight_updates == "staged")
+                             staged=args.weight_updates == "staged", workload=args.timing_workload)
         transfer_s = float(base["timing_model"]["weight_transfer_s"])
         pace = "" if args.timing_speedup == 1 else f", every duration divided by {args.timing_speedup:g}"
         updates = "staged" if args.weight_updates == "staged" else "paused for the transfer"
@@ -577,6 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            f"{updates}) and trainer step times (timing-model test engine and 'timing' trainer "
                            f"backend; {costs.source}{pace}); real: the scheduler, trajectory manager, store, agents, "
                            "endpoint, weight broadcast and MPI")
+        notes["timing"] += f"; workload {args.timing_workload}: {TIMING_WORKLOADS[args.timing_workload].about}"
         print(f"timing scale, {args.ranks} ranks: {notes['timing']}\n{costs.describe()}", flush=True)
         timing = run_scale("timing", base, args.modes, args.timing_steps or args.steps, bench_dir,
                            modelled=notes["timing"], sync_layout=args.sync_layout)
@@ -614,6 +677,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         charts.append(str(summary_chart))
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
                                     "sync_layout": args.sync_layout, "timing_speedup": args.timing_speedup,
+                                    "timing_workload": args.timing_workload,
                                     "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
                                     "results": results, "against_simulator": crosschecked}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -12,6 +12,8 @@ import yaml
 
 from sfhpc.bench.pipeline import (
     DEFAULT_SPEEDUP,
+    DEFAULT_WORKLOAD,
+    TIMING_WORKLOADS,
     after_first_step,
     discarded_tokens,
     recipe_for_mode,
@@ -75,8 +77,9 @@ def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) ->
     assert plan.world_size == 32
     assert (recipe.engine.name, recipe.engine.writes_to_budget, recipe.training.backend) == ("test", True, "timing")
     assert recipe.engine.token_delay_s == pytest.approx(device.decode_base_s, rel=1e-3)
-    assert recipe.timing_model.per_sequence_s == pytest.approx(device.decode_per_sequence_s, rel=1e-3)
-    assert recipe.timing_model.train_per_token_s == pytest.approx(device.train_per_token_s, rel=1e-3)
+    weight = TIMING_WORKLOADS[DEFAULT_WORKLOAD].batch_weight  # each played reply costs that many of the batch
+    assert recipe.timing_model.per_sequence_s == pytest.approx(device.decode_per_sequence_s * weight, rel=1e-3)
+    assert recipe.timing_model.train_per_token_s == pytest.approx(device.train_per_token_s * weight, rel=1e-3)
     assert sum("trainer" in s.roles for s in plan.ranks()) == 7 and recipe.task.name == "repeat-letter"
     published = timing_costs(None)
     assert "published" in published.source and set(published.devices) == {"gpu"}
@@ -142,14 +145,16 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     out = tmp_path / "bench" / "pipeline.json"
     # The fewest ranks the timing scale takes (a controller, a trainer, two rollout ranks) and two steps measured
     # after the first: each mode's run is mostly its ranks' start-up, and the modelled long tail shows at once.
+    # The short workload: a step of grpo-7b's shape lasts tens of seconds (`test_crosscheck.py` checks its shape).
     done = run_sfhpc("bench", "pipeline", "--scales", "timing", "--ranks", "4", "--steps", "3", "--out", str(out),
-                     "--against-simulator", timeout=900)
+                     "--timing-workload", "short", "--against-simulator", timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(out.read_text())
     results = {r["mode"]: r for r in report["results"]}
     assert list(results) == ["sync", "async", "seamless"]
     assert "modelled" in report["modelled"]["timing"] and "real: the scheduler" in report["modelled"]["timing"]
     assert "published figures" in report["modelled"]["timing"]  # the GPU costs, the default
+    assert report["timing_workload"] == "short" and report["timing_speedup"] == DEFAULT_SPEEDUP
     for mode in ("sync", "async"):
         r = results[mode]
         assert r["available"] and r["ranks"] == 4 and r["steps"] == 2, r
@@ -182,7 +187,8 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
     # The engines' pause per update, measured on the rollout ranks' timeline (their own account of it): staged
     # updates (the default), so at least the modelled load from the second copy, which the test engine sleeps
     # while paused, and far less than the modelled transfer, which the engines generated through.
-    model = timing_recipe(4, timing_costs(None), model_path=None, speedup=DEFAULT_SPEEDUP)["timing_model"]
+    model = timing_recipe(4, timing_costs(None), model_path=None, speedup=DEFAULT_SPEEDUP,
+                          workload="short")["timing_model"]
     for mode in ("sync", "async"):
         pause = results[mode]["engine_pause_s"]
         assert 0.9 * model["weight_load_s"] <= pause < 0.5 * model["weight_transfer_s"], (pause, model)
