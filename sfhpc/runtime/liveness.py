@@ -43,7 +43,7 @@ from sfhpc.runtime import fault
 
 HEARTBEAT_TAG = 0x5F23  # every rank <-> the controller, on the world communicator
 INTERVAL_S = 1.0  # the recipe's bound is at least 3 s (sfhpc.config.recipe.Budgets): a beat or two late is jitter
-HEAR_EVERY_S = 0.1  # how often a rank takes what arrived: a leaver waits this long, about, to be seen off
+HEAR_EVERY_S = 0.25  # how often a rank takes what arrived: a leaver waits this long, about, to be seen off
 BACKUP_DELAY_S = 15.0  # ranks after the first one report a silent controller only this much later
 _ALIVE, _GOODBYE, _SEEN_OFF = 1, 0, 2
 
