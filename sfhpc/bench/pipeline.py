@@ -119,6 +119,11 @@ TIMING_WORKLOADS = {
                             max_count=128, alpha=0.8, speedup=DEFAULT_SPEEDUP),
 }
 DEFAULT_WORKLOAD = "grpo-7b"
+# A quarter of the ranks train by default. On the published costs a trainer H100 trains a 7B at about 5,700
+# tokens/s and an L40S engine decodes about 2,500 tokens/s at batch 256, so a quarter training keeps an async run
+# near the trainer's pace; a larger share (--timing-trainer-share) leaves it waiting for generation, where lending
+# idle trainer ranks to rollout (seamless) has the most to give.
+DEFAULT_TRAINER_SHARE = 0.25
 # Statuses whose generated tokens were thrown away (never trained on).
 DISCARDED_STATUSES = ("stale", "aborted", "failed")
 STATE_COLOURS = {"generating": "tab:green", "training": "tab:blue", "syncing": "tab:orange", "lent": "tab:purple",
@@ -136,6 +141,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--timing-workload", choices=tuple(TIMING_WORKLOADS), default=DEFAULT_WORKLOAD,
                    help="the timing scale's steps: " + "; ".join(f"{w.name}: {w.about} (pace {w.speedup:g})"
                                                               for w in TIMING_WORKLOADS.values()))
+    p.add_argument("--timing-trainer-share", type=float, default=DEFAULT_TRAINER_SHARE, metavar="F",
+                   help=f"the share of the timing scale's ranks that train (default {DEFAULT_TRAINER_SHARE:g}); "
+                        "the rest but the controller generate")
     p.add_argument("--timing-speedup", type=float, default=None, metavar="K",
                    help="the timing scale models a machine K times as fast as its cost model: every modelled "
                         "duration divided by K (default: the workload's pace; 1: the cost model's own pace)")
@@ -166,6 +174,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SfhpcError(f"--calibrate-from: {args.calibrate_from} is no run folder (it has no metrics.jsonl)")
     if args.timing_speedup is None:
         args.timing_speedup = TIMING_WORKLOADS[args.timing_workload].speedup
+    if not 0 < args.timing_trainer_share < 1:
+        raise SfhpcError(f"--timing-trainer-share must be between 0 and 1, found {args.timing_trainer_share:g}")
     if not args.timing_speedup > 0:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
     if args.against_simulator and "timing" not in args.scales:
@@ -222,18 +232,20 @@ def recipe_for_mode(base: dict[str, Any], mode: str, steps: int, output_dir: Pat
 
 
 def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int = 0,
-                  speedup: float = 1.0, staged: bool = True, workload: str = DEFAULT_WORKLOAD) -> dict[str, Any]:
+                  speedup: float = 1.0, staged: bool = True, workload: str = DEFAULT_WORKLOAD,
+                  trainer_share: float = DEFAULT_TRAINER_SHARE) -> dict[str, Any]:
     """The timing scale on `ranks` ranks: `workload`'s steps (`TIMING_WORKLOADS`: the long-tailed
     ``repeat-letter`` task), test engines and a trainer that are timing models of `costs` (a `CostModel` with
     one GPU type for engines and trainers alike), every modelled duration divided by `speedup` (a machine that
     many times as fast: the modes' ratios stay, while the real overheads stay small beside the modelled
-    times). A quarter of the ranks train, the rest but the controller generate. A version takes the modelled
+    times). `trainer_share` of the ranks train (at least one), the rest but the controller generate (at least
+    two). A version takes the modelled
     broadcast on the network; with `staged` (``engine.staged_updates``) the engines generate meanwhile and pause
     only to load it from a second copy in device memory (`CostModel.staged_load_s`), else they pause for the
     transfer."""
     shape = TIMING_WORKLOADS[workload]
     weight = shape.batch_weight
-    trainers = max(1, (ranks - 1) // 4)
+    trainers = min(ranks - 3, max(1, int((ranks - 1) * trainer_share)))
     rollouts = ranks - 1 - trainers
     gpu, device = next(iter(costs.devices.items()))
     slack = 2  # repeat-letter's own: a reply holds the asked count and the end of the reply
@@ -631,7 +643,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "timing" in args.scales:
         costs = timing_costs(calibration)
         base = timing_recipe(args.ranks, costs, model_path=model_path, speedup=args.timing_speedup,
-                             staged=args.weight_updates == "staged", workload=args.timing_workload)
+                             staged=args.weight_updates == "staged", workload=args.timing_workload,
+                             trainer_share=args.timing_trainer_share)
         transfer_s = float(base["timing_model"]["weight_transfer_s"])
         pace = "" if args.timing_speedup == 1 else f", every duration divided by {args.timing_speedup:g}"
         updates = "staged" if args.weight_updates == "staged" else "paused for the transfer"
@@ -678,6 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps({"bench": "pipeline", "recipe": str(args.recipe), "steps": args.steps,
                                     "sync_layout": args.sync_layout, "timing_speedup": args.timing_speedup,
                                     "timing_workload": args.timing_workload,
+                                    "timing_trainer_share": args.timing_trainer_share,
                                     "ranks": args.ranks, "seconds": elapsed, "modelled": notes,
                                     "results": results, "against_simulator": crosschecked}, indent=2) + "\n")
     print(f"wrote {args.out}")

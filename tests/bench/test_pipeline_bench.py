@@ -81,6 +81,8 @@ def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) ->
     assert recipe.timing_model.per_sequence_s == pytest.approx(device.decode_per_sequence_s * weight, rel=1e-3)
     assert recipe.timing_model.train_per_token_s == pytest.approx(device.train_per_token_s * weight, rel=1e-3)
     assert sum("trainer" in s.roles for s in plan.ranks()) == 7 and recipe.task.name == "repeat-letter"
+    half = timing_recipe(32, costs, model_path=None, trainer_share=0.5)["roles"]  # 15 of the 31 ranks train
+    assert (half["trainer"]["tasks_per_node"], half["rollout"]["tasks_per_node"]) == (15, 16)
     published = timing_costs(None)
     assert "published" in published.source and set(published.devices) == {"gpu"}
     assert published.device("gpu").train_per_token_s == CostModel.published().device("h100").train_per_token_s
@@ -133,6 +135,7 @@ def test_bad_options_get_one_line() -> None:
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--modes", "fast"), "--modes", "fast")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "huge"), "--scales", "huge")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--ranks", "2"), "--ranks")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--timing-trainer-share", "1"), "--timing-trainer-share")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--calibrate-from", "/nonexistent"), "--calibrate-from")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "timing", "--calibrate"), "--calibrate", "small")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--recipe", "nope.yaml"), "nope.yaml")
