@@ -239,16 +239,17 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
     one GPU type for engines and trainers alike), every modelled duration divided by `speedup` (a machine that
     many times as fast: the modes' ratios stay, while the real overheads stay small beside the modelled
     times). `trainer_share` of the ranks train (at least one), the rest but the controller generate (at least
-    two). A version takes the modelled
-    broadcast on the network; with `staged` (``engine.staged_updates``) the engines generate meanwhile and pause
-    only to load it from a second copy in device memory (`CostModel.staged_load_s`), else they pause for the
-    transfer."""
+    two). A version takes the modelled broadcast on the network; with `staged` (``engine.staged_updates``) the
+    engines generate meanwhile and pause only to load it from a second copy in device memory
+    (`CostModel.staged_load_s`), else they pause for the transfer."""
+    from sfhpc.tasks.long_tail import RepeatLetterTask
+
     shape = TIMING_WORKLOADS[workload]
     weight = shape.batch_weight
     trainers = min(ranks - 3, max(1, int((ranks - 1) * trainer_share)))
     rollouts = ranks - 1 - trainers
     gpu, device = next(iter(costs.devices.items()))
-    slack = 2  # repeat-letter's own: a reply holds the asked count and the end of the reply
+    options: dict[str, Any] = {"min_count": shape.min_count, "max_count": shape.max_count, "alpha": shape.alpha}
     recipe: dict[str, Any] = {
         "name": f"bench-timing-{ranks}",
         "seed": seed,
@@ -256,9 +257,8 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
         "algorithm": {"name": "grpo", "group_size": shape.group_size},
         "pipeline": {"mode": "async", "max_staleness": 1},
         "budgets": {"steps": 8, "prompts_per_step": shape.prompts_per_step(rollouts),
-                    "max_new_tokens": shape.max_count + slack},
-        "task": {"name": "repeat-letter", "options": {"min_count": shape.min_count, "max_count": shape.max_count,
-                                                      "alpha": shape.alpha, "slack": slack}},
+                    "max_new_tokens": RepeatLetterTask(**options).max_reply_tokens},  # the count and its slack
+        "task": {"name": "repeat-letter", "options": options},
         "engine": {"name": "test", "writes_to_budget": True, "staged_updates": staged,
                    "token_delay_s": round(device.decode_base_s / speedup, 6)},
         "timing_model": {"per_sequence_s": round(device.decode_per_sequence_s * weight / speedup, 7),
