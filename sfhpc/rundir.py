@@ -124,6 +124,13 @@ class RunPaths:
         0600 (`write_register`)."""
         return self.root / "attach"
 
+    @property
+    def engine_doors(self) -> Path:
+        """Where each rank's engine door is registered (``engine-<rank>.json``, address and key, mode 0600): how a
+        rank whose agent program's episode moved reaches the engine its generation went to
+        (`sfhpc.engine.remote`)."""
+        return self.root / "engine-doors"
+
     def agent_host_log(self, name: str) -> Path:
         return self.logs / f"agent-host-{name}.log"
 

@@ -51,6 +51,10 @@ ONE_WAY = frozenset({"add_generated", "interrupt", "finish", "fail", "finish_epi
 # The calls that end an episode, exactly one per episode whatever the number of its trajectories (several
 # agents, or a call that asked for n > 1 choices): a rank's running episodes are counted by them.
 EPISODE_ENDS = frozenset({"finish_episode", "fail_episode"})
+# An episode end may count for another rank than the one that reports it: an agent program's episode whose
+# generation was routed to another rank's engine (`sfhpc.engine.remote`) is in flight there, by the
+# scheduler's count, while its program reports the end from its own rank.
+COUNTS_FOR = "counts_for"
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
@@ -118,6 +122,8 @@ class ManagerServer:
         if method == GOODBYE:
             self.open_clients.discard(source)
             return
+        counted = kwargs.pop(COUNTS_FOR, None) if method in EPISODE_ENDS and isinstance(kwargs, dict) else None
+        counted = source if counted is None else int(counted)
         try:
             if method not in METHODS:
                 raise ServiceError(f"the trajectory manager has no method {method!r}")
@@ -131,12 +137,12 @@ class ManagerServer:
         if reply[0] == "ok" and source in self.followed:
             self._follow(source, method, args, kwargs, reply[1])
         if method in EPISODE_ENDS:
-            self.episodes_ended[source] = self.episodes_ended.get(source, 0) + 1
+            self.episodes_ended[counted] = self.episodes_ended.get(counted, 0) + 1
             if self.on_episode_end is not None:
                 try:
-                    self.on_episode_end(source)
+                    self.on_episode_end(counted)
                 except Exception:  # bookkeeping: the caller's reply must still go out
-                    log.exception("the episode-end hook failed for rank %d", source)
+                    log.exception("the episode-end hook failed for rank %d", counted)
         if wants_reply:
             self.comm.send(reply, dest=source, tag=REPLY_TAG)
         elif reply[0] == "error":
@@ -288,13 +294,14 @@ class ManagerClient:
 
     def finish_episode(self, trajectory_id: str, reward: float | None = None, *,
                        turn_rewards: Sequence[float] | None = None,
-                       others: Sequence[tuple[str, float | None]] = ()) -> None:
+                       others: Sequence[tuple[str, float | None]] = (), counts_for: int | None = None) -> None:
+        """`counts_for`: the rank whose episode this was by the scheduler's count (`COUNTS_FOR`), if not this one."""
         self._call("finish_episode", trajectory_id, reward,
                    turn_rewards=None if turn_rewards is None else list(turn_rewards),
-                   others=[(other, reward) for other, reward in others])
+                   others=[(other, reward) for other, reward in others], **_counted(counts_for))
 
-    def fail_episode(self, trajectory_ids: Sequence[str], reason: str) -> None:
-        self._call("fail_episode", list(trajectory_ids), reason)
+    def fail_episode(self, trajectory_ids: Sequence[str], reason: str, *, counts_for: int | None = None) -> None:
+        self._call("fail_episode", list(trajectory_ids), reason, **_counted(counts_for))
 
     def abort(self, trajectory_id: str) -> None:
         self._call("abort", trajectory_id)
@@ -311,3 +318,7 @@ class ManagerClient:
 
     def flush(self) -> None:
         self._call("flush")
+
+
+def _counted(counts_for: int | None) -> dict[str, Any]:
+    return {} if counts_for is None else {COUNTS_FOR: counts_for}

@@ -163,6 +163,10 @@ class AgentEndpoint:
         self._turn_tasks: dict[str, set[asyncio.Task[Any]]] = {}  # trajectory -> the tasks running its turns
         self._handed_off: set[str] = set()  # trajectories moved to another rank: their turns are refused here
         self.refused_after_hand_off = 0  # turns refused for that (a late call of a moved episode's agent)
+        # Trajectories whose generations run on another engine (an agent program's episode moved: `route`), and
+        # the generation each trajectory runs now (its engine and request), which a route cuts.
+        self._routes: dict[str, RolloutEngine] = {}
+        self._running: dict[str, tuple[RolloutEngine, str]] = {}
 
     @property
     def engine(self) -> RolloutEngine:
@@ -170,8 +174,37 @@ class AgentEndpoint:
 
     @property
     def generating(self) -> int:
-        """Turns with a generation running on the engine now."""
+        """Turns with a generation running on the engine now (not those routed elsewhere)."""
         return self._in_engine
+
+    def engine_for(self, trajectory_id: str) -> RolloutEngine:
+        """The engine that generates `trajectory_id`'s turns: the one it is routed to (`route`) while that one
+        takes them, else this endpoint's own."""
+        routed = self._routes.get(trajectory_id)
+        if routed is not None and getattr(routed, "gone", None) is not None:
+            del self._routes[trajectory_id]  # its rank takes no more: the generation comes home
+            routed = None
+        return self._engine if routed is None else routed
+
+    def route(self, trajectory_ids: Iterable[str], engine: RolloutEngine) -> int:
+        """From now on these trajectories' turns generate on `engine` (another rank's, `sfhpc.engine.remote`),
+        while their agents' calls stay here: a generation running now is cut at a token boundary (its tokens
+        recorded) and continues there from its prefix, and a turn waiting for this endpoint's engine goes there
+        at once. Returns how many generations were cut."""
+        cut = 0
+        for tid in trajectory_ids:
+            self._routes[tid] = engine
+            running = self._running.get(tid)
+            if running is not None and running[0] is not engine:
+                asyncio.get_running_loop().create_task(running[0].abort(running[1]))
+                cut += 1
+        self._engine_changed.set()  # (as `replace_engine`: waiting turns look again)
+        self._engine_changed = asyncio.Event()
+        return cut
+
+    def routed(self) -> dict[str, RolloutEngine]:
+        """The trajectories routed to other engines now (`route`), those that still take them."""
+        return {tid: engine for tid in list(self._routes) if (engine := self.engine_for(tid)) is not self._engine}
 
     def turn(self, request: TurnRequest) -> Turn:
         """``async with endpoint.turn(req) as turn: async for delta in turn.stream(): ...``; then ``turn.result``."""
@@ -194,11 +227,16 @@ class AgentEndpoint:
         finally:
             await engine.resume()
 
-    async def quiesce(self, timeout: float = 10.0) -> int:
+    async def quiesce(self, timeout: float = 10.0, *, routes: bool = True) -> int:
         """Pause the engine and return once every turn has recorded what it generated (each ends its
         engine run with ``abort``, records the partial segment and interrupts its trajectory, then waits
-        for a resume that a stopping rank never gives). Returns how many generations were cut."""
+        for a resume that a stopping rank never gives). With `routes`, the generations routed to other
+        engines (`route`) are cut too (a stop); without, they go on (a lent rank taken back keeps serving the
+        programs whose generations it moved). Returns how many generations were cut here."""
         cut = self._in_engine
+        if routes:
+            for engine in set(self.routed().values()):
+                await engine.pause()
         await self._engine.pause()
         deadline = asyncio.get_running_loop().time() + timeout
         while self._in_engine and asyncio.get_running_loop().time() < deadline:
@@ -268,17 +306,24 @@ class AgentEndpoint:
         await old.pause()
         return old
 
+    async def running_engine(self) -> RolloutEngine:
+        """This endpoint's engine once it is not paused; `ShuttingDown` when the rank takes no more turns (it is
+        stopping, or was taken back from rollout). What another rank's routed generations run on."""
+        return await self._running_engine()
+
     # -- internals used by Turn ------------------------------------------------------------------
     def _next_request_id(self) -> str:
         return f"gen-{next(self._request_ids)}"
 
-    async def _running_engine(self) -> RolloutEngine:
-        """The current engine once it is not paused (following replacements while waiting)."""
+    async def _running_engine(self, trajectory_id: str | None = None) -> RolloutEngine:
+        """The engine that generates `trajectory_id`'s turns (`engine_for`; None: this endpoint's own) once it
+        is not paused (following replacements and routes while waiting)."""
         while True:
-            engine, changed = self._engine, self._engine_changed
+            changed = self._engine_changed
+            engine = self._engine if trajectory_id is None else self.engine_for(trajectory_id)
             if self._closing.is_set():
                 raise ShuttingDown("the rollout rank is stopping; the trajectory continues after a restart")
-            if self._refusing:
+            if self._refusing and engine is self._engine:
                 raise ShuttingDown("the rank was taken back from rollout; the trajectory continues on another rank")
             if not engine.paused:
                 return engine
@@ -447,7 +492,7 @@ class Turn:
         interrupted = False  # the sink was told; told again only after new tokens
         stop_met = req.stop_when() if req.stop_when is not None else None
         while True:
-            engine = await ep._running_engine()
+            engine = await ep._running_engine(tid)
             epoch = engine.pauses
             request = base if not tokens else base.continued(tokens, ep._next_request_id())
             seg_tokens: list[int] = []
@@ -455,7 +500,9 @@ class Turn:
             seg_versions: list[int] = []
             finish: FinishReason | None = None
             chunks = engine.generate(request)
-            ep._in_engine += 1
+            here = 1 if engine is ep._engine else 0  # `generating` and `quiesce` count this engine's alone
+            ep._in_engine += here
+            ep._running[tid] = (engine, request.request_id)
             try:
                 async for chunk in chunks:
                     seg_tokens += chunk.token_ids
@@ -473,7 +520,8 @@ class Turn:
             except (GeneratorExit, asyncio.CancelledError, Exception):
                 # The agent went away mid-turn, or the engine died under it (a stop signal reached its
                 # process): keep what was generated, as an interrupted segment, for a continuation.
-                ep._in_engine -= 1
+                ep._in_engine -= here
+                ep._running.pop(tid, None)
                 await chunks.aclose()  # type: ignore[attr-defined]
                 self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
                 if seg_tokens or not interrupted:
@@ -481,13 +529,15 @@ class Turn:
                 raise
             finally:
                 await chunks.aclose()  # type: ignore[attr-defined]
+                ep._running.pop(tid, None)
             if finish is None:
-                ep._in_engine -= 1
+                ep._in_engine -= here
                 raise RuntimeError(f"engine '{engine.name}' ended request {request.request_id} without a finish reason")
             tokens += seg_tokens
             logprobs += seg_logprobs
             versions += seg_versions
-            paused = engine.paused or engine.pauses != epoch or engine is not ep.engine
+            # Paused, replaced, or routed elsewhere (or back) meanwhile: the turn continues from its prefix.
+            paused = engine.paused or engine.pauses != epoch or engine is not ep.engine_for(tid)
             try:
                 if finish == "abort" and paused and len(tokens) < self._max_new:
                     self._record(seg_tokens, seg_logprobs, seg_versions, engine, "abort")
@@ -503,6 +553,6 @@ class Turn:
                     ep._sink_call(tid, ep.sink.interrupt, tid)
                 break
             finally:
-                ep._in_engine -= 1  # recorded: `quiesce` may count this generation as settled
+                ep._in_engine -= here  # recorded: `quiesce` may count this generation as settled
         self.result = TurnResult(tid, req.prompt_token_ids, tuple(tokens), tuple(logprobs), tuple(versions),
                                  finish, interruptions)

@@ -96,7 +96,7 @@ def run_worker(run_dir: Path, tags: tuple[str, ...]) -> int:
         try:
             serve(layout, rollout=worker, notice=LeaveNotice())
         except Leave as leave:
-            interrupted, episodes = worker.reclaim()
+            interrupted, episodes, _ = worker.reclaim()  # (it routes nothing: no engine doors)
             link.send(msg.Leaving(rank, leave.signal, interrupted, episodes), 0, msg.LEAVE_TAG)
             print(f"sfhpc attached worker: rank {rank} left the run on {leave.signal}: {interrupted} generation(s) "
                   f"cut, {len(episodes)} episode(s) handed back", flush=True)

@@ -250,7 +250,9 @@ class Controller:
         """The episodes of `groups` stop wherever they play (and leave their ranks' counts)."""
         ranks = [r for r in self.scheduler.assignable_ranks if send_to(self.layout.world, r, msg.Cancel(tuple(groups)))]
         for reply in replies_from(self.layout.world, ranks, msg.Cancelled, idle=self.stop_requested):
-            self.scheduler.withdraw(reply.rank, reply.episodes)
+            self.scheduler.withdraw(reply.rank, reply.episodes - len(reply.routed))
+            for rank in reply.routed:  # counted where its generation went (`carry`)
+                self.scheduler.withdraw(rank, 1)
 
     def lend_idle_trainers(self, step: int) -> None:
         """Step `step` begins (the timeline's intervals from now on belong to it). seamless: the trainer ranks
@@ -270,14 +272,19 @@ class Controller:
         if not self.policy.reclaim_now(self.scheduler.lent_ranks, batch_ready=True):
             return
         ranks = self.scheduler.reclaim()
-        replies = self._move_episodes({rank: msg.Reclaim() for rank in ranks}, msg.Reclaimed)
+        ended = self.server.episodes_ended
+        targets = self._route_targets()
+        replies = self._move_episodes({rank: msg.Reclaim(self.scheduler.routes(
+            max(0, self.scheduler.in_flight(rank, ended)), targets)) for rank in ranks}, msg.Reclaimed)
         moved = [episode for reply in replies for episode in reply.episodes]
+        routed = sum(len(reply.routed) for reply in replies)
         seconds = time.monotonic() - started
         interrupted = sum(r.interrupted for r in replies)
         self.last_reclaim = {"reclaim_s": seconds, "reclaimed_ranks": len(ranks), "reclaim_interrupted": interrupted,
-                             "reclaim_moved": len(moved), "continued": sum(e.resume_id is not None for e in moved)}
+                             "reclaim_moved": len(moved) + routed,
+                             "continued": sum(e.resume_id is not None for e in moved) + routed}
         self.event("reclaimed", step=step, ranks=list(ranks), seconds=round(seconds, 4), interrupted=interrupted,
-                   moved=len(moved), continued=self.last_reclaim["continued"])
+                   moved=len(moved) + routed, continued=self.last_reclaim["continued"], routed=routed)
 
     def rebalance_lent(self, step: int) -> int:
         """seamless, while the trainer waits: lent ranks that ran out of episodes take running ones of the
@@ -292,13 +299,26 @@ class Controller:
         counts = self.policy.rebalance_counts(drained, loads, trainer_waits=True)
         if not counts:
             return 0
-        replies = self._move_episodes({rank: msg.Release(count) for rank, count in counts.items()}, msg.Released)
-        moved = [episode for reply in replies for episode in reply.episodes]
-        self.rebalanced += len(moved)
-        if moved:
-            self.event("rebalanced", step=step, drained=drained, donors={str(r.rank): len(r.episodes) for r in replies},
-                       moved=len(moved))
-        return len(moved)
+        to = self._route_targets(drained)
+        replies = self._move_episodes({rank: msg.Release(count, self.scheduler.routes(count, to))
+                                       for rank, count in counts.items()}, msg.Released)
+        moved = len([episode for reply in replies for episode in reply.episodes])
+        routed = sum(len(reply.routed) for reply in replies)
+        self.rebalanced += moved + routed
+        if moved + routed:
+            self.event("rebalanced", step=step, drained=drained,
+                       donors={str(r.rank): len(r.episodes) + len(r.routed) for r in replies}, moved=moved + routed,
+                       routed=routed)
+        return moved + routed
+
+    def _route_targets(self, among: Sequence[int] | None = None) -> tuple[int, ...]:
+        """The ranks a moved agent program's generation may go to (`sfhpc.engine.remote`): `among` (default: the
+        rollout ranks of the run's world, whose engine doors are open); none where programs' episodes do not
+        move (no agent program, or not ``seamless``)."""
+        if not self.policy.routes_programs:
+            return ()
+        ranks = self.scheduler.rollout_ranks if among is None else among
+        return tuple(r for r in ranks if self.attached is None or r not in self.attached.links)
 
     def _move_episodes(self, commands: dict[int, object], reply_type: type[Moved]) -> list[Moved]:
         """Send each rank its command (Reclaim, Release); the episodes their replies give up leave those ranks'
@@ -306,8 +326,10 @@ class Controller:
         ranks = [rank for rank, command in commands.items() if send_to(self.layout.world, rank, command)]
         replies = replies_from(self.layout.world, ranks, reply_type, idle=self.stop_requested)
         for reply in replies:
-            self.scheduler.withdraw(reply.rank, len(reply.episodes))
+            self.scheduler.withdraw(reply.rank, len(reply.episodes) + len(reply.routed))
             self.moved_from(reply.rank, reply.episodes)
+            for rank in reply.routed:  # an agent program's episode: its program stays, its generation went there
+                self.scheduler.carry(rank, 1)
         self.hand_out([episode for reply in replies for episode in reply.episodes])
         return replies
 

@@ -109,7 +109,10 @@ class Quiesced:
 class Reclaim:
     """Controller -> a trainer rank lent to rollout, when the batch is ready: cut its generations at a token
     boundary (recorded as partial rollouts), drop its episodes and answer `Reclaimed` with them, so that
-    they continue elsewhere; the engine stays loaded for the next lending."""
+    they continue elsewhere; the engine stays loaded for the next lending. An agent program's episode stays
+    (its program cannot move): its generation goes to a rank of `to`, taken in turn (`sfhpc.engine.remote`)."""
+
+    to: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,20 +120,24 @@ class Reclaimed:
     rank: int
     interrupted: int  # generations cut short
     episodes: tuple[EpisodeTicket, ...]  # its unfinished episodes (``resume_id`` set where a trajectory started)
+    routed: tuple[int, ...] = ()  # per agent program's episode kept here: the rank its generation went to
 
 
 @dataclasses.dataclass(frozen=True)
 class Release:
     """Controller -> a loaded rollout rank while a lent rank ran dry (``seamless`` rebalancing): cut up to
     `episodes` of its episodes now generating, those handed out first (the oldest groups), at a token
-    boundary (recorded as partial rollouts) and answer `Released` with them, to continue elsewhere."""
+    boundary (recorded as partial rollouts) and answer `Released` with them, to continue elsewhere. Agent
+    programs' episodes among them stay, their generations routed to the ranks of `to` in turn (as `Reclaim`)."""
     episodes: int
+    to: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Released:
     rank: int
     episodes: tuple[EpisodeTicket, ...]  # each with ``resume_id``: the trajectory to continue from its prefix
+    routed: tuple[int, ...] = ()  # per agent program's episode kept here: the rank its generation went to
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +151,7 @@ class Cancel:
 class Cancelled:
     rank: int
     episodes: int  # episodes of those groups that were still playing here, now stopped
+    routed: tuple[int, ...] = ()  # of those, the agent programs' whose generations had gone: where each had gone
 
 
 @dataclasses.dataclass(frozen=True)

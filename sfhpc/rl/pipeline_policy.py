@@ -45,6 +45,7 @@ class PipelinePolicy:
     max_staleness: int = 1           # S: admission keeps up to (S + 1) steps of groups that can train within S
     max_token_lag: int | None = None  # a group with an older token is dropped (None: never, for its age)
     rebalance: bool = True           # seamless: lent ranks that run dry take running sequences of loaded ones
+    routes_programs: bool = False    # seamless with agent programs: their episodes move by their generations
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -56,12 +57,13 @@ class PipelinePolicy:
 
     @classmethod
     def of(cls, recipe: Any) -> PipelinePolicy:
-        """The policy of a recipe (`sfhpc.config.recipe.Recipe`). An agent program's episode cannot move (its
-        state lives in the program), so a recipe with ``agent`` does not rebalance: its lent ranks play new
-        episodes instead, which is all a lent rank can do for it."""
+        """The policy of a recipe (`sfhpc.config.recipe.Recipe`). An agent program's state lives in the program,
+        which cannot move: in ``seamless`` its episode moves by its generation instead (`sfhpc.engine.remote`),
+        the program staying where it runs, so agent programs' episodes are reclaimed and rebalanced too."""
         pipeline = recipe.pipeline
         return cls(pipeline.mode, recipe.budgets.prompts_per_step, pipeline.max_staleness, pipeline.max_token_lag,
-                   rebalance=pipeline.rebalance and getattr(recipe, "agent", None) is None)
+                   rebalance=pipeline.rebalance,
+                   routes_programs=pipeline.mode == "seamless" and getattr(recipe, "agent", None) is not None)
 
     # -- admission -------------------------------------------------------------------------------------
     @property

@@ -213,6 +213,7 @@ def find_resume_checkpoint(recipe: Recipe, run_dir: Path, model_dir: Path, world
 
 def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe, run_dir: Path) -> dict[str, Any]:
     from sfhpc.rl.controller import Controller, describe, run_loop
+    from sfhpc.rl.pipeline_policy import PipelinePolicy
     from sfhpc.rl.rank_commands import serve
     from sfhpc.rl.rollout_worker import RolloutWorker
     from sfhpc.rl.scheduler import Scheduler
@@ -269,7 +270,9 @@ def run_rl(identity: RankIdentity, world: Any, plan: LaunchPlan, recipe: Recipe,
 
         worker = RolloutWorker(recipe, task, layout, engine, trainer=trainer_worker.trainer if trainer_worker else None,
                                tokenizer=load_tokenizer(model_dir),  # the endpoint speaks the model's tokenizer
-                               lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts, model_dir=model_dir)
+                               lendable=lendable, agent_hosts=RunPaths(run_dir).agent_hosts, model_dir=model_dir,
+                               engine_doors=RunPaths(run_dir).engine_doors
+                               if PipelinePolicy.of(recipe).routes_programs else None)
         try:
             assert trainer_worker is not None or not lendable  # lendable ranks are trainer ranks
             if trainer_worker is not None:

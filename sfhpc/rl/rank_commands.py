@@ -74,11 +74,11 @@ def command_table(trainer: TrainerWorker | None, rollout: RolloutWorker | None,
         on(msg.Play, lambda command: r.play(command.episodes))
         on(msg.SyncWeights, sync)
         on(msg.Quiesce, lambda _command: msg.Quiesced(r.rank, r.quiesce()))
-        on(msg.Cancel, lambda command: msg.Cancelled(r.rank, r.cancel(command.groups)))
+        on(msg.Cancel, lambda command: msg.Cancelled(r.rank, *r.cancel(command.groups)))
         if lent:
-            on(msg.Reclaim, lambda _command: msg.Reclaimed(r.rank, *r.reclaim()))
+            on(msg.Reclaim, lambda command: msg.Reclaimed(r.rank, *r.reclaim(command.to)))
         else:
-            on(msg.Release, lambda command: msg.Released(r.rank, r.release(command.episodes)))
+            on(msg.Release, lambda command: msg.Released(r.rank, *r.release(command.episodes, command.to)))
         on(msg.Stop, stop)
     return {kind: tuple(handlers) for kind, handlers in table.items()}
 

@@ -8,6 +8,10 @@ receives the broadcast and loads it. An agent never notices a weight update: its
 A trainer rank lent to rollout (``seamless``) runs a `RolloutWorker` too, beside its trainer: when it is
 taken back (`RolloutWorker.reclaim`) its generations are cut at a token boundary and recorded, and the
 episodes it held go back to the controller, which continues them on other ranks from their prefix.
+
+An agent program's episode cannot go back: the program and its connections stay on this rank. Its generation
+moves instead (`sfhpc.engine.remote`): the endpoint routes the episode's turns to the engine of a rank the
+controller names, where they continue from their prefix; its end counts for that rank (`COUNTS_FOR`).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_tok
 from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.endpoint.service import SamplingRule
 from sfhpc.engine.base import EngineDied, RolloutEngine
+from sfhpc.engine.remote import GenerationDoor, RemoteEngine
 from sfhpc.engine.tokenizer import ChatTokenizer
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rollout.agent import (
@@ -55,12 +60,15 @@ log = logging.getLogger("sfhpc")
 class RolloutWorker:
     def __init__(self, recipe: Recipe, task: Task, layout: CommLayout, engine_factory: Any,
                  trainer: Any | None = None, tokenizer: ChatTokenizer | None = None, lendable: bool = False,
-                 agent_hosts: Path | None = None, model_dir: Path | None = None, puller: Any | None = None) -> None:
+                 agent_hosts: Path | None = None, model_dir: Path | None = None, puller: Any | None = None,
+                 engine_doors: Path | None = None) -> None:
         """`lendable`: a trainer rank lent to rollout now and then (``seamless``), which `reclaim` takes back, or a
         worker of another job (`sfhpc.rl.attached`), which leaves the same way; `agent_hosts`: the run folder's
         register of agent hosts, where a recipe with an agents role finds them; `model_dir`: the folder the engine
         started from, into which a LoRA run's adapter versions are merged; `puller`: a worker of another job pulls
-        each version from the first trainer's weight server (`sfhpc.weights.version_server.VersionPuller`)."""
+        each version from the first trainer's weight server (`sfhpc.weights.version_server.VersionPuller`);
+        `engine_doors`: where the ranks' engine doors are registered, with agent programs whose episodes may move
+        (``seamless``): this rank serves their generations and routes its own (`sfhpc.engine.remote`)."""
         self.recipe, self.task, self.layout = recipe, task, layout
         self.rank = layout.world.Get_rank()
         self.manager = ManagerClient(layout.manager_link, layout.controller_rank)
@@ -101,6 +109,12 @@ class RolloutWorker:
         self.synced_to = 0  # the version this rank was last told to hold (what a restart's engine must hold)
         self.paused_at = 0.0  # when the last weight update paused the engine (wall clock: the run's timeline)
         self.engine: RolloutEngine = self.server.call(self._start_engine(), timeout=600)
+        self.engine_doors = engine_doors if recipe.agent is not None else None
+        self.door = None if self.engine_doors is None else GenerationDoor(
+            self.engine_doors, self.rank, self.server.loop, self.endpoint.running_engine, lambda: self.engine.name)
+        self.remotes: dict[int, RemoteEngine] = {}  # other ranks' engines, where moved episodes generate
+        # Agent programs' episodes playing here whose generations run on another rank: that rank, by episode task.
+        self.routed_to: dict[asyncio.Task[Any], int] = {}
         self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
                                      if task.max_turns > 1
                                      else LocalChat(AsyncLocalClient(self.server.api), recipe.model.name))
@@ -250,10 +264,13 @@ class RolloutWorker:
         started: list[str] = []
         self.held[task] = (episode, started)
         noted = started.append if self.starts is None else _both(started.append, self.starts.claim)
+        if self.programs is not None:  # a routed episode's later trajectories (another agent's) go there too
+            noted = _both(noted, lambda tid: self._route_if_moved(task, tid))
         try:
             return await self._play(episode, noted)
         finally:
             self.held.pop(task, None)
+            self.routed_to.pop(task, None)
 
     async def _play(self, episode: EpisodeTicket, noted: Callable[[str], None]) -> EpisodeOutcome | None:
         # An agent or task that raises, or outlives budgets.episode_timeout_s, fails its trajectory with the
@@ -290,8 +307,10 @@ class RolloutWorker:
 
         assert self.recipe.agent is not None
         timeout_s = self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s
+        task = asyncio.current_task()
+        recorder = _EndCountedWhereGenerated(self.manager, lambda: self.routed_to.get(task))  # type: ignore[arg-type]
         async with programs.slots:
-            return await play_or_fail(play, self.manager, task=self.task.name, group=episode.group,
+            return await play_or_fail(play, recorder, task=self.task.name, group=episode.group,
                                       timeout_s=timeout_s if programs.runner.timed_here else None,
                                       stopping=self._stopping)
 
@@ -438,45 +457,81 @@ class RolloutWorker:
         self.manager.counts()
         return cut
 
-    def cancel(self, groups: Iterable[str]) -> int:
+    def cancel(self, groups: Iterable[str]) -> tuple[int, tuple[int, ...]]:
         """Stop the episodes of `groups`, which the run dropped as stale while they played: their turns are
         cancelled (the generations end on the engine) and so are the episodes. Returns how many were still
-        playing."""
+        playing, and for those whose generations were routed to another rank, that rank (their count's)."""
         return self.server.call(self._cancel(frozenset(groups)), timeout=60)
 
-    async def _cancel(self, groups: frozenset[str]) -> int:
+    async def _cancel(self, groups: frozenset[str]) -> tuple[int, tuple[int, ...]]:
         doomed = {task: started for task, (episode, started) in self.held.items()
                   if episode.group in groups and not task.done()}
+        routed = tuple(self.routed_to[task] for task in doomed if task in self.routed_to)
         self.endpoint.cancel_turns(tid for started in doomed.values() for tid in started)
         for task in doomed:
             task.cancel()
         await asyncio.gather(*doomed, return_exceptions=True)
-        return len(doomed)
+        return len(doomed), routed
 
-    def reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
+    def reclaim(self, to: tuple[int, ...] = ()) -> tuple[int, tuple[EpisodeTicket, ...], tuple[int, ...]]:
         """This trainer rank goes back to training: every generation in flight is cut at a token boundary
         and recorded as a partial rollout, every episode still playing is dropped here, and the engine runs
         again for the next lending. Returns how many generations were cut and the dropped episodes, each
-        naming its trajectory (``resume_id``) where one started, for the controller to continue elsewhere."""
+        naming its trajectory (``resume_id``) where one started, for the controller to continue elsewhere.
+        Agent programs' episodes stay, their generations routed to the ranks of `to` in turn (the rank's
+        endpoint goes on serving their programs while it trains); the last item names, per such episode, the
+        rank its generation went to."""
         self.reclaiming = True
         try:
-            cut, moved = self.server.call(self._reclaim(), timeout=90)
+            cut, moved, routed = self.server.call(self._reclaim(to), timeout=90)
         finally:
             self.reclaiming = False
         self.refusing_turns = True
         self.manager.counts()  # a round trip: the cut segments' one-way records have reached the manager
-        return cut, moved
+        return cut, moved, routed
 
-    def release(self, count: int) -> tuple[EpisodeTicket, ...]:
+    def release(self, count: int, to: tuple[int, ...] = ()) -> tuple[tuple[EpisodeTicket, ...], tuple[int, ...]]:
         """Cut up to `count` episodes now playing here, those handed out first (the oldest groups: they hold
         the batch back), at a token boundary: each records what it generated as a partial rollout and leaves
-        this rank without counting as failed; the engine runs on for the others. Only episodes of the task's
-        own agent whose trajectory started are released (an agent program's state cannot move: its turns run
-        in the program, not in the episode's task). Returns them, each naming its trajectory (``resume_id``),
-        for the controller to continue elsewhere."""
-        if count < 1 or self.programs is not None:
+        this rank without counting as failed; the engine runs on for the others. Episodes of the task's own
+        agent are released if their trajectory started; returns them, each naming its trajectory
+        (``resume_id``), for the controller to continue elsewhere. An agent program's episode stays (its state
+        is in the program) and its generation moves to the ranks of `to` in turn; returns, per such episode,
+        the rank it went to."""
+        if count < 1:
+            return (), ()
+        if self.programs is not None:
+            return (), self.server.call(self._route_programs(count, to), timeout=60)
+        return self.server.call(self._release(count), timeout=60), ()
+
+    async def _route_programs(self, count: int, to: tuple[int, ...]) -> tuple[int, ...]:
+        """Route the generations of up to `count` agent programs' episodes playing here (the oldest first, none
+        routed already) to the ranks of `to`, one each in turn: their running turns are cut at a token boundary
+        and continue there from their prefix (`AgentEndpoint.route`). Returns the rank of each routed one."""
+        if self.engine_doors is None or not to:
             return ()
-        return self.server.call(self._release(count), timeout=60)
+        targets = iter(to[:count])
+        routed = []
+        for task, (_, started) in list(self.held.items()):
+            if task.done() or task in self.routed_to:
+                continue
+            target = next(targets, None)
+            if target is None:
+                break
+            self.routed_to[task] = target
+            self.endpoint.route(started, self._remote(target))
+            routed.append(target)
+        return tuple(routed)
+
+    def _route_if_moved(self, task: asyncio.Task[Any], trajectory_id: str) -> None:
+        if (target := self.routed_to.get(task)) is not None:
+            self.endpoint.route([trajectory_id], self._remote(target))
+
+    def _remote(self, rank: int) -> RemoteEngine:
+        assert self.engine_doors is not None
+        if rank not in self.remotes:
+            self.remotes[rank] = RemoteEngine(self.engine_doors, rank, max_model_len=self.engine.max_model_len)
+        return self.remotes[rank]
 
     async def _release(self, count: int) -> tuple[EpisodeTicket, ...]:
         chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
@@ -489,13 +544,16 @@ class RolloutWorker:
                 chosen[task] = (episode, [trajectory])
         return await self._move_out(chosen)
 
-    async def _reclaim(self) -> tuple[int, tuple[EpisodeTicket, ...]]:
-        cut = await self.endpoint.quiesce()  # every generation cut at once
+    async def _reclaim(self, to: tuple[int, ...]) -> tuple[int, tuple[EpisodeTicket, ...], tuple[int, ...]]:
+        routed = await self._route_programs(len(self.held), to)  # first: their generations move, they stay
+        cut = await self.endpoint.quiesce(routes=False)  # every generation on this engine cut at once
         self.endpoint.refuse_turns(True)  # turns of HTTP agents (not tasks of this rank's own) give up too
         assert self.starts is not None, "reclaim is for lendable ranks"
         unnamed = self.starts.unclaimed()  # group -> trajectories started here whose agent never heard the id
         chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
         for task, (episode, started) in self.held.items():
+            if task in self.routed_to:
+                continue  # its program plays on here
             if not started and unnamed.get(episode.group):
                 # Members of a group are alike (one problem, seeds of their own): an episode cut in its first
                 # turn takes any such trajectory of its group, each one once.
@@ -503,8 +561,8 @@ class RolloutWorker:
             chosen[task] = (episode, list(started))
         moved = await self._move_out(chosen)
         await self.engine.resume()
-        self.starts.clear()  # nothing plays here any more
-        return cut, moved
+        self.starts.clear()  # nothing plays on this engine any more
+        return cut, moved, routed
 
     async def _move_out(self, chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]]
                         ) -> tuple[EpisodeTicket, ...]:
@@ -563,6 +621,10 @@ class RolloutWorker:
         except Exception as exc:  # noqa: BLE001 - the launchers die with the rank: the rank must close
             log.warning("rank %d: episodes did not end at close (%s)", self.rank, exc)
         self.server.close_site()
+        if self.door is not None:
+            self.door.close()
+        for remote in self.remotes.values():
+            remote.shutdown()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             async def stop_engine() -> None:
@@ -605,6 +667,23 @@ class _StartsByGroup:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sink, name)  # every other call goes to the sink as it is
+
+
+class _EndCountedWhereGenerated:
+    """The trajectory sink of an agent program's episode: its end counts for the rank its generation was routed
+    to, if it was (`target()`: that rank, or None), where the scheduler counts it in flight."""
+
+    def __init__(self, sink: Any, target: Callable[[], int | None]) -> None:
+        self._sink, self._target = sink, target
+
+    def finish_episode(self, *args: Any, **kwargs: Any) -> None:
+        self._sink.finish_episode(*args, **kwargs, counts_for=self._target())
+
+    def fail_episode(self, *args: Any, **kwargs: Any) -> None:
+        self._sink.fail_episode(*args, **kwargs, counts_for=self._target())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sink, name)
 
 
 def _both(first: Callable[[str], None], second: Callable[[str], None]) -> Callable[[str], None]:

@@ -141,6 +141,29 @@ class Scheduler:
             if rank in self._handed:  # (not for a worker of another job that left)
                 self._handed[rank] -= episodes
 
+    def routes(self, count: int, among: Iterable[int]) -> tuple[int, ...]:
+        """Where `count` moved generations would go among the ranks `among`, each to the least loaded one as
+        `assign` spreads episodes (ties: the lower rank); nothing is counted yet: the donor routes what it holds
+        of them and the controller `carry`s those it did."""
+        with self._lock:
+            loads = [(self.in_flight(r, self._ended), r) for r in among if r in self.entries]
+            heapq.heapify(loads)
+            chosen = []
+            for _ in range(count if loads else 0):
+                load, rank = loads[0]
+                heapq.heapreplace(loads, (load + 1, rank))
+                chosen.append(rank)
+            return tuple(chosen)
+
+    def carry(self, rank: int, episodes: int) -> None:
+        """`rank` generates for `episodes` more episodes, whose agent programs play on another rank (their
+        generations were routed here, `sfhpc.engine.remote`): they count in its episodes in flight until their
+        ends, which count for it."""
+        with self._lock:
+            if rank in self._handed:
+                self._handed[rank] += episodes
+        self.observe(self._ended, (rank,))
+
     def in_flight(self, rank: int, ended: Mapping[int, int]) -> int:
         """Episodes handed to `rank` by this process that have not ended (`ended`: rank -> episodes that
         reported their end, finished or failed, as the trajectory manager's server counts them)."""

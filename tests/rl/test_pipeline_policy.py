@@ -152,17 +152,19 @@ def test_a_group_with_a_member_not_begun_still_plays_for_the_manager_and_the_sim
     assert policy.overdue(3, 0) and not policy.overdue(2, 0) and not policy.overdue(9, None)
 
 
-def test_a_recipe_of_agent_programs_lends_ranks_new_episodes_instead_of_rebalancing(tmp_path: Path) -> None:
+def test_a_recipe_of_agent_programs_rebalances_by_routing_generations(tmp_path: Path) -> None:
     from sfhpc.config import load_recipe
 
-    base = ("name: p\ntask: {name: guess-number}\npipeline: {mode: seamless}\nroles: {controller: {place_with: "
+    base = ("name: p\ntask: {name: guess-number}\npipeline: {mode: MODE}\nroles: {controller: {place_with: "
             "trainer}, trainer: {tags: [train]}, rollout: {tags: [rollout]}}\n")
     (tmp_path / "a.py").write_text("print('{}')\n")
-    plain, programs = tmp_path / "plain.yaml", tmp_path / "programs.yaml"
-    plain.write_text(base)
-    programs.write_text(base + "agent: {command: [python3, a.py]}\n")
+    plain, programs, async_programs = tmp_path / "plain.yaml", tmp_path / "programs.yaml", tmp_path / "async.yaml"
+    plain.write_text(base.replace("MODE", "seamless"))
+    programs.write_text(base.replace("MODE", "seamless") + "agent: {command: [python3, a.py]}\n")
+    async_programs.write_text(base.replace("MODE", "async") + "agent: {command: [python3, a.py]}\n")
     policy = PipelinePolicy.of(load_recipe(plain))
-    assert (policy.rebalances, policy.new_episodes_to_lent) == (True, False)
-    # A program's episode cannot move: a lent rank that waited for episodes to take over would wait idle.
+    assert (policy.rebalances, policy.new_episodes_to_lent, policy.routes_programs) == (True, False, False)
+    # A program's episode moves by its generation (`sfhpc.engine.remote`): rebalanced like any other.
     policy = PipelinePolicy.of(load_recipe(programs))
-    assert (policy.rebalances, policy.new_episodes_to_lent) == (False, True)
+    assert (policy.rebalances, policy.new_episodes_to_lent, policy.routes_programs) == (True, False, True)
+    assert not PipelinePolicy.of(load_recipe(async_programs)).routes_programs  # nothing moves outside seamless
