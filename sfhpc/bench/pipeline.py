@@ -23,8 +23,10 @@ Scales:
   ``--calibrate-from`` an earlier run's. The scheduler, trajectory manager, store, endpoint, agents, weight
   broadcast and MPI are the real ones; only compute is modelled, and the output says so, and which costs.
   ``--timing-workload`` shapes the steps (`TIMING_WORKLOADS`): ``grpo-7b`` (the default) like a 7B GRPO step,
-  whose replies reach thousands of tokens and whose generation lasts most of a step; ``short``, replies of at
-  most 128 tokens, where a step is shorter than a version's transfer.
+  whose replies reach thousands of tokens and whose generation lasts most of a step; ``agent``, the same
+  shape played by a multi-turn agent program of its own (`sfhpc.bench.timing_agent`: three calls an episode,
+  each reply from the long tail, a tool's result between them), whose episodes move by their generations;
+  ``short``, replies of at most 128 tokens, where a step is shorter than a version's transfer.
 
 Modes on the same ranks: ``async`` runs the recipe as written (trainer and rollout on ranks of their own);
 ``seamless`` is the same with the trainer's nodes tagged ``rollout`` so that idle trainer ranks are lent to
@@ -49,6 +51,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -95,6 +98,9 @@ class TimingWorkload:
     # a batch sooner); 2 cores cannot play every token of such a batch, but can play a few sequences that cost
     # what it costs. Weight transfers and loads are the model's, unscaled.
     batch_weight: int = 1
+    # An agent program plays each episode (`sfhpc.bench.timing_agent`): this many calls, each reply drawn from the
+    # long tail; 0: the task's own single-turn agent.
+    agent_turns: int = 0
 
     def prompts_per_step(self, rollouts: int) -> int:
         return max(4, self.prompts_per_two_rollout_ranks * rollouts // 2)
@@ -114,6 +120,11 @@ TIMING_WORKLOADS = {
                               "index 0.8), a prompt per two rollout ranks, each reply standing for 32 of the "
                               "modelled batch", group_size=8, prompts_per_two_rollout_ranks=1, min_count=48,
                               max_count=4096, alpha=0.8, speedup=8.0, batch_weight=32),
+    "agent": TimingWorkload("agent", "a multi-turn agent program's episodes: three calls each, replies of 32 to 1,024 "
+                            "tokens (tail index 0.8) and a tool result between them, groups of 8, a prompt per two "
+                            "rollout ranks, each reply standing for 32", group_size=8,
+                            prompts_per_two_rollout_ranks=1, min_count=32, max_count=1024, alpha=0.8, speedup=8.0,
+                            batch_weight=32, agent_turns=3),
     "short": TimingWorkload("short", "short steps: groups of 4, replies of 2 to 128 tokens (tail index 0.8), two "
                             "prompts per rollout rank", group_size=4, prompts_per_two_rollout_ranks=4, min_count=2,
                             max_count=128, alpha=0.8, speedup=DEFAULT_SPEEDUP),
@@ -180,6 +191,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
     if args.against_simulator and "timing" not in args.scales:
         raise SfhpcError("--against-simulator compares the timing scale with the simulator: add timing to --scales")
+    if args.against_simulator and TIMING_WORKLOADS[args.timing_workload].agent_turns:
+        raise SfhpcError(f"--against-simulator: the simulator has no model of the {args.timing_workload} workload's "
+                         "agent program; compare it on grpo-7b or short")
     if args.ranks < MIN_TIMING_RANKS:
         raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
                          f"rollout ranks), found {args.ranks}")
@@ -246,6 +260,7 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
 
     shape = TIMING_WORKLOADS[workload]
     weight = shape.batch_weight
+    turns = max(1, shape.agent_turns)
     trainers = min(ranks - 3, max(1, int((ranks - 1) * trainer_share)))
     rollouts = ranks - 1 - trainers
     gpu, device = next(iter(costs.devices.items()))
@@ -253,7 +268,8 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
     recipe: dict[str, Any] = {
         "name": f"bench-timing-{ranks}",
         "seed": seed,
-        "model": {"max_seq_len": shape.max_count + 128},  # the prompt, the longest reply, its slack
+        # The prompt, the longest replies of every turn, their slack and the tool results between them.
+        "model": {"max_seq_len": turns * (shape.max_count + 32) + 128},
         "algorithm": {"name": "grpo", "group_size": shape.group_size},
         "pipeline": {"mode": "async", "max_staleness": 1},
         "budgets": {"steps": 8, "prompts_per_step": shape.prompts_per_step(rollouts),
@@ -271,6 +287,14 @@ def timing_recipe(ranks: int, costs: Any, *, model_path: str | None, seed: int =
                   "trainer": {"tags": ["train"], "nodes": 1, "tasks_per_node": trainers},
                   "rollout": {"tags": ["rollout"], "nodes": 1, "tasks_per_node": rollouts}},
     }
+    if shape.agent_turns:
+        from sfhpc.bench import timing_agent
+
+        # Enough programs per rank for the episodes in flight (two steps' worth, at most staleness 1).
+        recipe["agent"] = {"command": [sys.executable, timing_agent.__file__, str(shape.agent_turns),
+                                       str(shape.min_count), str(shape.max_count), str(shape.alpha)],
+                           "serve": True, "timeout_s": 3600,
+                           "workers": max(4, 2 * shape.prompts_per_step(rollouts) * shape.group_size // rollouts)}
     if model_path is not None:
         recipe["model"]["path"] = model_path
     return recipe
@@ -334,8 +358,16 @@ def run_mode(recipe_data: dict[str, Any], path: Path) -> dict[str, Any]:
     figures.update(store_figures(run_dir))
     events = read_log(RunPaths(run_dir).events)
     figures["events"] = [e.get("event") for e in events]
+    figures.update(move_figures(events))
     figures["ran_as"] = next((e["mode"] for e in events if e.get("event") == "pipeline"), mode)
     return figures
+
+
+def move_figures(events: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """Episodes moved at reclaims and rebalancing (``moved``), of them agent programs' moved by their generations
+    (``routed``), and those continued from their prefix (``continued``), from the run's event log."""
+    moves = [e for e in events if e.get("event") in ("reclaimed", "rebalanced")]
+    return {key: sum(int(e.get(key, 0)) for e in moves) for key in ("moved", "routed", "continued")}
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -670,6 +702,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if r["scale"] == "timing" and r.get("engine_pause_s") is not None:
                 print(f"timing {r['mode']}: a weight update paused each engine {r['engine_pause_s']:.3f} s (median), "
                       f"{r['engine_pause_s'] / transfer_s:.0%} of the modelled transfer ({transfer_s:.3f} s)")
+    for r in results:
+        if r.get("routed"):
+            aborted = (r.get("trajectories_by_status") or {}).get("aborted", 0)
+            print(f"{r['scale']} {r['mode']}: {r['routed']} agent programs' episodes moved by their generations, "
+                  f"continued from their prefix; {aborted} trajectories aborted (played afresh)")
     if crosschecked is not None:
         print(f"timing scale against the simulator, the same configuration:\n{crosschecked['text']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

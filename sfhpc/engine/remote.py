@@ -139,7 +139,7 @@ class RemoteEngine(RolloutEngine):
             return
         try:
             channel = self._idle.pop() if self._idle else await self._open()
-        except SfhpcError as exc:
+        except (SfhpcError, OSError) as exc:
             self._went(str(exc))
             yield cut
             return
@@ -174,7 +174,10 @@ class RemoteEngine(RolloutEngine):
 
     async def _open(self) -> _Channel:
         channel = await _Channel.open(self.register, self.rank)
-        kind, name = await channel.next()
+        try:
+            kind, name = await asyncio.wait_for(channel.next(), KNOCK_TIMEOUT_S)
+        except TimeoutError:
+            kind, name = "silent", f"no word within {KNOCK_TIMEOUT_S:g} s"
         if kind != "hello":
             channel.close()
             raise SfhpcError(f"the engine door of rank {self.rank} did not answer ({name})")
@@ -197,6 +200,7 @@ class RemoteEngine(RolloutEngine):
         raise EngineStateError(f"engine '{self.name}' generates on rank {self.rank}, which loads its own weights")
 
     def shutdown(self) -> None:
+        self.gone = self.gone or "this rank is closing"
         for channel in [*self._idle, *self._busy.values()]:
             channel.close()
         self._idle.clear()
@@ -221,9 +225,37 @@ class _Channel:
 
     @classmethod
     async def open(cls, register: Path, rank: int) -> _Channel:
-        connection = await asyncio.to_thread(knock, register, door_name(rank), timeout_s=KNOCK_TIMEOUT_S,
-                                             what=f"engine door of rank {rank}")
-        return cls(connection, asyncio.get_running_loop())
+        """Knock on rank `rank`'s door, from a daemon thread of its own and within `KNOCK_TIMEOUT_S`: a door whose
+        process is ending may take the connection and never answer the handshake, and a thread of the loop's
+        executor stuck there would hold the interpreter's exit."""
+        loop = asyncio.get_running_loop()
+        knocked: asyncio.Future[Connection] = loop.create_future()
+
+        def settle(connection: Connection | None, error: BaseException | None) -> None:
+            if knocked.done():  # given up on meanwhile
+                if connection is not None:
+                    connection.close()
+            elif error is not None:
+                knocked.set_exception(error)
+            else:
+                knocked.set_result(connection)  # type: ignore[arg-type]
+
+        def knock_now() -> None:
+            try:
+                connection = knock(register, door_name(rank), timeout_s=KNOCK_TIMEOUT_S,
+                                   what=f"engine door of rank {rank}")
+            except BaseException as exc:  # noqa: BLE001 (handed to the waiting coroutine)
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, connection, None)
+
+        threading.Thread(target=knock_now, name="sfhpc-engine-knock", daemon=True).start()
+        try:
+            connection = await asyncio.wait_for(asyncio.shield(knocked), KNOCK_TIMEOUT_S)
+        except TimeoutError:
+            knocked.cancel()
+            raise SfhpcError(f"the engine door of rank {rank} did not answer within {KNOCK_TIMEOUT_S:g} s") from None
+        return cls(connection, loop)
 
     def _read(self) -> None:
         while True:

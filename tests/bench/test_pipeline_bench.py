@@ -83,6 +83,10 @@ def test_the_timing_scale_takes_its_costs_from_the_cost_model(tmp_path: Path) ->
     assert sum("trainer" in s.roles for s in plan.ranks()) == 7 and recipe.task.name == "repeat-letter"
     half = timing_recipe(32, costs, model_path=None, trainer_share=0.5)["roles"]  # 15 of the 31 ranks train
     assert (half["trainer"]["tasks_per_node"], half["rollout"]["tasks_per_node"]) == (15, 16)
+    # The agent workload: its own multi-turn program plays the episodes, with room for three replies a context.
+    agent, _ = _resolved(timing_recipe(32, costs, model_path=None, workload="agent"), tmp_path)
+    assert agent.agent is not None and agent.agent.serve and agent.agent.command[-4:] == ("3", "32", "1024", "0.8")
+    assert Path(agent.agent.command[1]).name == "timing_agent.py" and agent.model.max_seq_len >= 3 * 1024
     published = timing_costs(None)
     assert "published" in published.source and set(published.devices) == {"gpu"}
     assert published.device("gpu").train_per_token_s == CostModel.published().device("h100").train_per_token_s
@@ -141,6 +145,8 @@ def test_bad_options_get_one_line() -> None:
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--recipe", "nope.yaml"), "nope.yaml")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--against-simulator"),
                           "--against-simulator", "timing")
+    assert_one_line_error(run_sfhpc("bench", "pipeline", "--timing-workload", "agent", "--against-simulator"),
+                          "--against-simulator", "agent")
 
 
 @pytest.mark.mpi
