@@ -146,7 +146,12 @@ class RemoteEngine(RolloutEngine):
         self._busy[request.request_id] = channel
         finished = False
         try:
-            channel.send(("generate", request))
+            try:
+                channel.send(("generate", request))
+            except OSError as exc:  # a pooled connection whose door closed meanwhile
+                self._went(f"the connection broke ({exc})")
+                yield cut
+                return
             while True:
                 kind, body = await channel.next()
                 if kind == "chunk":
