@@ -126,7 +126,6 @@ class RemoteEngine(RolloutEngine):
         self._idle: list[_Channel] = []
         self._busy: dict[str, _Channel] = {}
         self.gone: str | None = None  # why the door answers no more (its rank stopped taking turns); None: open
-        self.served_tokens = 0
 
     @property
     def max_model_len(self) -> int:
@@ -155,7 +154,6 @@ class RemoteEngine(RolloutEngine):
             while True:
                 kind, body = await channel.next()
                 if kind == "chunk":
-                    self.served_tokens += len(body.token_ids)
                     finished = finished or body.finish_reason is not None
                     yield GenerationChunk(request.request_id, body.token_ids, body.logprobs, body.versions,
                                           body.finish_reason)

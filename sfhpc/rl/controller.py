@@ -302,7 +302,7 @@ class Controller:
         to = self._route_targets(drained)
         replies = self._move_episodes({rank: msg.Release(count, self.scheduler.routes(count, to))
                                        for rank, count in counts.items()}, msg.Released)
-        moved = len([episode for reply in replies for episode in reply.episodes])
+        moved = sum(len(reply.episodes) for reply in replies)
         routed = sum(len(reply.routed) for reply in replies)
         self.rebalanced += moved + routed
         if moved + routed:

@@ -109,7 +109,7 @@ class RolloutWorker:
         self.synced_to = 0  # the version this rank was last told to hold (what a restart's engine must hold)
         self.paused_at = 0.0  # when the last weight update paused the engine (wall clock: the run's timeline)
         self.engine: RolloutEngine = self.server.call(self._start_engine(), timeout=600)
-        self.engine_doors = engine_doors if recipe.agent is not None else None
+        self.engine_doors = engine_doors
         self.door = None if self.engine_doors is None else GenerationDoor(
             self.engine_doors, self.rank, self.server.loop, self.endpoint.running_engine, lambda: self.engine.name)
         self.remotes: dict[int, RemoteEngine] = {}  # other ranks' engines, where moved episodes generate
