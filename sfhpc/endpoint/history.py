@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 from sfhpc.engine.tokenizer import ChatTokenizer
 
-WINDOW = 64  # how far around the recorded length the token boundary of the same text is looked for
+WINDOW = 8  # how far around the prefix of the same text's length its exact token boundary is looked for
 KEPT = 16384  # contexts kept (trajectories in flight on one rank are far fewer)
 
 
@@ -74,7 +74,7 @@ class RecordedContexts:
         context, generated = self._contexts.get(trajectory_id, ((), ()))
         if not context or prompt[:len(context)] == context:
             return prompt
-        at = self._boundary(self._seen(context, generated), prompt, len(context))
+        at = self._boundary(self._seen(context, generated), prompt)
         if at is None:
             return prompt
         self.respelled += 1
@@ -87,11 +87,24 @@ class RecordedContexts:
         return [t for t, g in zip(context, generated) if not (g and t not in stops and tk.is_special(t))] \
             + list(context[len(generated):])
 
-    def _boundary(self, seen: Sequence[int], prompt: Sequence[int], near: int) -> int | None:
-        """The length of the prompt's prefix whose text is exactly the text of `seen` (None: none is)."""
+    def _boundary(self, seen: Sequence[int], prompt: Sequence[int]) -> int | None:
+        """The length of the prompt's prefix whose text is exactly the text of `seen` (None: none is).
+
+        The prefix's length is found by its text's length, not near `seen`'s: a reply re-encoded from its
+        text can take hundreds of tokens fewer than were sampled (a thousand single letters that merge
+        into words), and the boundary then lies that far before the recorded length."""
         decode = self.tokenizer.decode
         text = decode(seen, skip_special=False)
         if not decode(prompt, skip_special=False).startswith(text):
             return None
-        low, high = max(1, min(near, len(seen)) - WINDOW), min(len(prompt), max(near, len(seen)) + WINDOW)
-        return next((k for k in range(low, high + 1) if decode(prompt[:k], skip_special=False) == text), None)
+        # The shortest prefix whose text is as long: a token adds text (a partial UTF-8 character may count
+        # one more or less, so the first exact match is looked for around it).
+        low, high = 1, len(prompt)
+        while low < high:
+            middle = (low + high) // 2
+            if len(decode(prompt[:middle], skip_special=False)) >= len(text):
+                high = middle
+            else:
+                low = middle + 1
+        return next((k for k in range(max(1, low - WINDOW), min(len(prompt), low + WINDOW) + 1)
+                     if decode(prompt[:k], skip_special=False) == text), None)

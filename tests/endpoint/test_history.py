@@ -40,6 +40,35 @@ def test_the_same_history_in_other_tokens_continues_the_recorded_ones() -> None:
         assert sink.trajectory(tid).history_mismatches == 1 and api.health()["history_respelled"] == 1
 
 
+def test_a_long_reply_respelled_in_hundreds_more_tokens_continues_the_recorded_ones() -> None:
+    """The re-encoded reply can be hundreds of tokens longer or shorter than the sampled one (here 300
+    broken pairs, 600 tokens, come back as 300 U+FFFD, 900 bytes): where its text ends is found by its
+    length, not near the recorded length. Found on the timing scale's agent workload (random letters that
+    re-encode into words), where a sixth of the episodes forked after a long reply and 28-33% of the
+    generated tokens were never trained on."""
+    long_reply = BROKEN * 300 + [tk.END]
+    engine = ReplyingEngine([long_reply, list(b"7") + [tk.END]])
+    sink = RecordingManager()
+    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m")
+    with EndpointServer(api) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "write"}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=1000)
+        tid = first.model_extra["trajectory_id"]
+        assert first.choices[0].message.content == "\ufffd" * 300
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "?"}]
+        second = client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                                extra_headers={"X-Trajectory-Id": tid})
+        trajectory = sink.trajectory(tid)
+        assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
+        assert [list(r) for r, _ in trajectory.replies()] == [long_reply, list(b"7") + [tk.END]]
+        recorded = first.model_extra["prompt_token_ids"] + long_reply
+        assert second.model_extra["prompt_token_ids"][:len(recorded)] == recorded
+        # What the history added after the reply (the user's turn) follows it, spelled as sent.
+        assert len(second.model_extra["prompt_token_ids"]) < len(recorded) + 20
+
+
 def test_a_special_token_the_policy_wrote_inside_its_reply_is_not_a_difference() -> None:
     """The reply's text leaves out a role marker written mid-reply; the history the agent sends back is
     still the recorded one, and the marker stays in the trajectory as sampled."""
