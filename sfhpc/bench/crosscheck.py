@@ -8,8 +8,13 @@ compute modelled (`sfhpc.bench.pipeline`); the simulator (`sfhpc.sim`) runs the 
 here: the timing recipe's ranks (its trainer ranks as trainer GPUs, its rollout ranks as rollout GPUs; the
 controller holds none), its costs divided by the same speedup, its workload (``repeat-letter``'s long tail of
 reply lengths, one length per group as the test engine writes each reply to its budget, the prompts' length
-as the runs measured it), its batch, staleness bound and rebalancing, and the same steps with the first left
-out. The lending costs are the timing scale's: none (its trainer ranks' engines are up from the start and
+as the runs measured it; with an agent program, its calls, each reply drawn for itself, the tool results'
+length and the program's turnaround between calls as the runs measured them, and every call prefilling its
+whole context, as the test engine keeps none), its batch, staleness bound and rebalancing, and the same steps
+with the first left out. Moves are charged as the code makes them: a cut generation continues from its prefix
+on another engine, prefilled there (an agent program's episode by its generations, the program staying
+where it is), and a weight update cuts every running generation, which continues from its prefix under the
+new weights. The lending costs are the timing scale's: none (its trainer ranks' engines are up from the start and
 its trainer keeps its state in place), so the simulator charges none either.
 
 Per mode: trained tokens/s, bubble and the share of rollout time spent in weight updates (the engine's
@@ -24,7 +29,9 @@ every GPU); with the disaggregated layout it is left out and the table says so.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from sfhpc.config.cluster import Pool
@@ -63,15 +70,54 @@ class Comparison:
         return {**dataclasses.asdict(self), "ratio": self.ratio, "within": self.within}
 
 
-def timing_workload(recipe: Mapping[str, Any], prompt_tokens: int) -> Workload:
+@dataclasses.dataclass(frozen=True)
+class EpisodeShape:
+    """What a run's episodes held beside their replies, as its store recorded them."""
+
+    prompt_tokens: int
+    observation_tokens: int = 0  # a tool result between two calls of an agent program, with its template
+    turnaround_s: float = 0.0    # from a reply's end to the program's next call
+
+
+def episode_shape_of(store: Path) -> EpisodeShape:
+    """The mean prompt, the mean observation between calls and the program's mean turnaround of a run's
+    trajectories (its store)."""
+    from sfhpc.data.store_reader import open_store
+    from sfhpc.data.trajectory import SegmentKind
+
+    prompts, observations, turnarounds = [], [], []
+    with open_store(store) as reader:
+        for trajectory in reader.trajectories():
+            segments = trajectory.segments
+            prompts.append(len(segments[0]))
+            for segment in segments[1:]:
+                if segment.kind is SegmentKind.OBSERVATION:
+                    observations.append(len(segment))
+                    turnarounds.append(max(0.0, segment.t_start - segments[segment.parent].t_end))
+    return EpisodeShape(max(1, round(statistics.fmean(prompts))) if prompts else 1,
+                        round(statistics.fmean(observations)) if observations else 0,
+                        statistics.fmean(turnarounds) if turnarounds else 0.0)
+
+
+def timing_workload(recipe: Mapping[str, Any], shape: EpisodeShape, turns: int = 1) -> Workload:
     """The timing recipe's ``repeat-letter`` task as the simulator's workload: a reply is the asked count
-    plus the task's slack (the test engine writes each to its budget), the same for a whole group."""
+    plus the task's slack (the test engine writes each to its budget), the same for a whole group. With
+    `turns` > 1, the timing scale's agent program (`sfhpc.bench.timing_agent`): that many calls, each reply
+    drawn for itself from the same tail, the measured tool result and turnaround between them, and every
+    call prefilling its whole context (the test engine keeps nothing between requests)."""
     from sfhpc.tasks.long_tail import RepeatLetterTask
 
     task = RepeatLetterTask(**recipe["task"].get("options", {}))  # the task's own defaults where the recipe has none
-    return Workload("timing-scale", group_size=int(recipe["algorithm"]["group_size"]), prompt_tokens=prompt_tokens,
+    group = int(recipe["algorithm"]["group_size"])
+    cap = int(recipe["budgets"]["max_new_tokens"])
+    if turns > 1:
+        return Workload("timing-scale agent", group_size=group, prompt_tokens=shape.prompt_tokens,
+                        reply_min=task.min_count, reply_max=task.max_count, reply_alpha=task.alpha,
+                        turns_min=turns, turns_max=turns, observation_tokens=shape.observation_tokens,
+                        env_s=shape.turnaround_s, reply_cap=cap, prefix_cache=False)
+    return Workload("timing-scale", group_size=group, prompt_tokens=shape.prompt_tokens,
                     reply_min=task.min_count, reply_max=task.max_count, reply_alpha=task.alpha,
-                    reply_slack=task.slack, reply_cap=int(recipe["budgets"]["max_new_tokens"]), group_lengths=True)
+                    reply_slack=task.slack, reply_cap=cap, group_lengths=True, prefix_cache=False)
 
 
 def timing_cluster(recipe: Mapping[str, Any]) -> SimCluster:
@@ -102,19 +148,11 @@ def timing_cost_model(costs: CostModel, speedup: float, batch_weight: float = 1.
                                trainer_state_bytes=0.0)
 
 
-def prompt_tokens_of(rows: Sequence[Mapping[str, Any]]) -> int:
-    """The mean prompt length of a run's trained trajectories (its metrics rows after the first)."""
-    steady = list(rows[1:]) or list(rows)
-    trajectories = sum(int(r["trajectories"]) for r in steady)
-    prompts = sum(int(r["trained_tokens"]) - int(r["generated_tokens"]) for r in steady)
-    return max(1, round(prompts / max(trajectories, 1)))
-
-
 def simulate_modes(recipe: Mapping[str, Any], costs: CostModel, speedup: float, modes: Sequence[str], steps: int,
-                   prompt_tokens: int, batch_weight: float = 1.0) -> dict[str, SimResult]:
+                   shape: EpisodeShape, batch_weight: float = 1.0, turns: int = 1) -> dict[str, SimResult]:
     """Each of `modes` simulated on the timing recipe's configuration."""
     cluster, cost, workload = timing_cluster(recipe), timing_cost_model(costs, speedup, batch_weight), \
-        timing_workload(recipe, prompt_tokens)
+        timing_workload(recipe, shape, turns)
     pipeline = recipe.get("pipeline", {})
     return {mode: simulate(cluster, cost, SimConfig(mode=mode, workload=workload,
                                                     prompts_per_step=int(recipe["budgets"]["prompts_per_step"]),

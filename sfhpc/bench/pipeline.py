@@ -191,9 +191,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise SfhpcError(f"--timing-speedup must be more than 0, found {args.timing_speedup:g}")
     if args.against_simulator and "timing" not in args.scales:
         raise SfhpcError("--against-simulator compares the timing scale with the simulator: add timing to --scales")
-    if args.against_simulator and TIMING_WORKLOADS[args.timing_workload].agent_turns:
-        raise SfhpcError(f"--against-simulator: the simulator has no model of the {args.timing_workload} workload's "
-                         "agent program; compare it on grpo-7b or short")
     if args.ranks < MIN_TIMING_RANKS:
         raise SfhpcError(f"--ranks must be at least {MIN_TIMING_RANKS} (a controller, a trainer and two "
                          f"rollout ranks), found {args.ranks}")
@@ -618,12 +615,15 @@ def against_simulator(timing: list[dict[str, Any]], base: dict[str, Any], costs:
     measured = next((r for r in timing if r.get("available", True)), None)
     if measured is None:
         return {"rows": [], "text": "no timing-scale run to compare"}
-    prompt = crosscheck.prompt_tokens_of(read_log(RunPaths(Path(measured["run_dir"])).metrics))
+    shape = crosscheck.episode_shape_of(RunPaths(Path(measured["run_dir"])).store)
+    workload = TIMING_WORKLOADS[args.timing_workload]
     simulated = crosscheck.simulate_modes(base, costs, args.timing_speedup, modes, args.timing_steps or args.steps,
-                                          prompt, batch_weight=TIMING_WORKLOADS[args.timing_workload].batch_weight)
+                                          shape, batch_weight=workload.batch_weight,
+                                          turns=max(1, workload.agent_turns))
     rows = crosscheck.compare(timing, simulated)
-    return {"rows": [r.as_json() for r in rows], "same_order": crosscheck.same_order(rows), "prompt_tokens": prompt,
-            "text": crosscheck.format_comparison(rows, left_out)}
+    return {"rows": [r.as_json() for r in rows], "same_order": crosscheck.same_order(rows),
+            "prompt_tokens": shape.prompt_tokens, "observation_tokens": shape.observation_tokens,
+            "turnaround_s": shape.turnaround_s, "text": crosscheck.format_comparison(rows, left_out)}
 
 
 # -- the benchmark -----------------------------------------------------------------------------------------

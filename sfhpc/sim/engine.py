@@ -9,7 +9,8 @@ wall time follows from the current step time. Prefill is charged as extra tokens
 prefill seconds at the step time of the moment), as a chunked prefill shares the engine's steps.
 
 An engine that is not `available` (asleep on a trainer GPU, waking, or paused for a weight update) keeps
-its sequences where they are and runs nothing.
+its sequences where they are and runs nothing. A weight update cuts the running ones (`pause(cut=True)`):
+they continue from their prefix under the new weights, prefilled again, as a run's engines continue them.
 """
 
 from __future__ import annotations
@@ -111,12 +112,19 @@ class SimEngine:
             sample.remaining = 0.0
             self.on_turn_end(sample, self)
 
-    def pause(self) -> None:
-        """Stop decoding (a weight update, or the engine goes to sleep); sequences stay."""
+    def pause(self, *, cut: bool = False) -> None:
+        """Stop decoding (a weight update, or the engine goes to sleep); sequences stay. With `cut` (a weight
+        update, as a run's engines take one) the running ones are cut at a token boundary and continue from
+        their prefix once it resumes, prefilling their whole context again: the keys and values the engine
+        held were the old weights'."""
         if self.available:
             self._advance()
+            was_busy = bool(self.running)
             self.available = False
-            self._changed(bool(self.running))
+            if cut:
+                self.waiting.extendleft(reversed(self._interrupt(self.running)))
+                self.running = []
+            self._changed(was_busy)
 
     def resume(self) -> None:
         if not self.available:

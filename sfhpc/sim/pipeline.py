@@ -16,8 +16,8 @@ Modes:
 * ``async``: the trainer's GPUs only train; rollout GPUs keep generating; a weight update pauses the
   engines for the transfer (with `SimConfig.staged_updates`: they generate during the transfer and pause only to
   load the version from a second copy in device memory) and interrupted generations continue with the new
-  weights (partial rollout). A group is dropped
-  (its tokens discarded) only under `SimConfig.max_token_lag`, as in a run.
+  weights from their prefix, prefilled again (partial rollout, as the engines of a run continue them). A group
+  is dropped (its tokens discarded) only under `SimConfig.max_token_lag`, as in a run.
 * ``seamless``: ``async``, and while the trainer waits for its batch the scheduler lends the trainer's
   ranks (their pool tagged ``rollout``) to rollout. With `SimConfig.rebalance` (the default, as in a run) a
   lent rank with nothing to do takes half the running sequences of the most loaded rollout ranks, oldest
@@ -239,8 +239,7 @@ class PipelineSim:
             key = f"g{self.next_group}"
             self.next_group += 1
             for k in range(size):
-                sample = Sample(self.next_sample, group, replies[g * size + k], workload.prompt_tokens,
-                                workload.observation_tokens)
+                sample = workload.sample(self.next_sample, group, replies[g * size + k])
                 self.next_sample += 1
                 group.members.append(sample)
                 self.playing[group] = None
@@ -418,8 +417,9 @@ class PipelineSim:
         self.clock.after(train_s, self._sync)
 
     def _sync(self, _: Any = None) -> None:
-        """Every engine pauses and takes the new weights (interrupted sequences stay in their batch). Staged
-        (`SimConfig.staged_updates`): the engines generate while the version comes in, and pause to load it."""
+        """Every engine pauses and takes the new weights (its running sequences cut, to continue from their
+        prefix under them, prefilled again). Staged (`SimConfig.staged_updates`): the engines generate while
+        the version comes in, and pause to load it."""
         self.phases[-1]["sync_start"] = self.clock.now
         transfer_s = self.cost.weight_sync_s(len(self.engines))
         if not self.config.staged_updates:
@@ -434,7 +434,7 @@ class PipelineSim:
         """Every engine paused for `seconds` (taking the new weights), then `_synced`."""
         self.scheduler.set_state(self.scheduler.entries, RankState.SYNCING)
         for engine in self.engines.values():
-            engine.pause()
+            engine.pause(cut=True)
         if self.measuring:
             self.sync_s += seconds
         self.clock.after(seconds, self._synced)

@@ -4,7 +4,8 @@ Lengths come from the same discrete Pareto tail as the built-in long-tailed task
 (`sfhpc.tasks.long_tail.long_tail_count`): most replies are short, a few run to the cap, and a synchronous
 step waits for its longest one. The multi-turn variant adds a long-tailed number of turns, each turn a
 reply, then an observation from the environment after `env_s` seconds (a tool call) during which the
-sample holds no place in its engine's batch.
+sample holds no place in its engine's batch. The next turn prefills only the observation where the engine
+keeps the context (`Workload.prefix_cache`, vLLM's prefix caching), else the whole context so far.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class Workload:
     reply_slack: int = 0
     reply_cap: int = 0
     group_lengths: bool = False
+    # A turn after the first prefills only what the environment added (the engine kept the rest: vLLM's prefix
+    # caching); False: the whole context again (the test engine's timing model keeps nothing between requests).
+    prefix_cache: bool = True
+
+    def sample(self, sample_id: int, group: Group, replies: tuple[int, ...]) -> Sample:
+        return Sample(sample_id, group, replies, self.prompt_tokens, self.observation_tokens, self.prefix_cache)
 
     def replies(self, rng: np.random.Generator, samples: int) -> list[tuple[int, ...]]:
         """Reply lengths per turn of `samples` samples (whole groups, in order)."""
@@ -102,10 +109,10 @@ class Sample:
     """One episode of a group as the simulation follows it through engines and turns."""
 
     __slots__ = ("id", "group", "replies", "turn", "remaining", "generated", "context", "rank", "finish_v",
-                 "prompt", "observation", "first_version")
+                 "prompt", "observation", "first_version", "cached")
 
     def __init__(self, sample_id: int, group: Group, replies: tuple[int, ...], prompt: int,
-                 observation: int = 0) -> None:
+                 observation: int = 0, cached: bool = True) -> None:
         self.id = sample_id
         self.group = group
         self.replies = replies
@@ -118,6 +125,7 @@ class Sample:
         self.rank = -1
         self.finish_v = 0.0
         self.first_version = -1             # the policy version of its first token (-1: none yet)
+        self.cached = cached                # its engine keeps its context between turns (prefix caching)
 
     def context_tokens(self) -> int:
         """Prompt, observations and every token generated so far: what an engine prefills to continue it."""
@@ -130,7 +138,8 @@ class Sample:
             return True
         self.turn += 1
         self.remaining = float(self.replies[self.turn])
-        self.context = self.observation  # the rest of the context is in the engine's cache (prefix caching)
+        # With prefix caching the rest of the context is in the engine's cache.
+        self.context = self.observation if self.cached else self.context_tokens()
         return False
 
     @property

@@ -9,18 +9,19 @@ import statistics
 import numpy as np
 import pytest
 
-from sfhpc.bench import crosscheck
+from sfhpc.bench import crosscheck, timing_agent
 from sfhpc.bench.pipeline import TIMING_WORKLOADS, timing_costs, timing_recipe
 from sfhpc.sim.pipeline import SimResult
+from sfhpc.sim.workload import Group
 from sfhpc.tasks.long_tail import RepeatLetterTask
 
 
-@pytest.mark.parametrize("name", sorted(TIMING_WORKLOADS))
+@pytest.mark.parametrize("name", sorted(n for n, w in TIMING_WORKLOADS.items() if not w.agent_turns))
 def test_the_simulated_workload_is_the_timing_tasks(name: str) -> None:
     shape = TIMING_WORKLOADS[name]
     recipe = timing_recipe(16, timing_costs(None), model_path=None, workload=name)
     assert recipe["budgets"]["prompts_per_step"] == shape.prompts_per_step(12)  # 12 rollout ranks of 16
-    workload = crosscheck.timing_workload(recipe, prompt_tokens=17)
+    workload = crosscheck.timing_workload(recipe, crosscheck.EpisodeShape(17))
     assert (workload.group_size, workload.prompt_tokens) == (shape.group_size, 17)
     size = shape.group_size
     lengths = workload.replies(np.random.default_rng(0), size * 5000)
@@ -36,6 +37,31 @@ def test_the_simulated_workload_is_the_timing_tasks(name: str) -> None:
     assert statistics.mean(drawn) == pytest.approx(statistics.mean(asked), rel=0.08)
     median = statistics.median(asked)  # 5,000 draws: within a token or two of the tail's (4 and 114 tokens)
     assert statistics.median(drawn) == pytest.approx(median, abs=max(1.0, 0.05 * median))
+
+
+def test_the_simulated_agent_workload_is_the_timing_agent_programs() -> None:
+    """Three calls an episode, each reply drawn for itself as the benchmark's agent program draws it, the
+    tool results and the program's turnaround between them as measured, every call prefilling its whole
+    context (the test engine keeps nothing between requests)."""
+    shape = TIMING_WORKLOADS["agent"]
+    recipe = timing_recipe(16, timing_costs(None), model_path=None, workload="agent")
+    measured = crosscheck.EpisodeShape(prompt_tokens=10, observation_tokens=18, turnaround_s=0.005)
+    workload = crosscheck.timing_workload(recipe, measured, turns=shape.agent_turns)
+    assert (workload.group_size, workload.prompt_tokens, workload.observation_tokens) == (8, 10, 18)
+    assert workload.env_s == 0.005 and not workload.prefix_cache
+    replies = workload.replies(np.random.default_rng(0), 8 * 2000)
+    assert {len(r) for r in replies} == {shape.agent_turns}
+    assert len({r[0] for r in replies[:8]}) > 1  # the program draws each episode's replies, not the group's
+    drawn = [n for r in replies for n in r]
+    rng = random.Random(0)
+    asked = [timing_agent.reply_tokens(rng, shape.min_count, shape.max_count, shape.alpha) for _ in drawn]
+    assert min(drawn) == min(asked) == shape.min_count and max(drawn) == max(asked) == shape.max_count
+    assert statistics.mean(drawn) == pytest.approx(statistics.mean(asked), rel=0.05)
+    assert statistics.median(drawn) == pytest.approx(statistics.median(asked), abs=2)
+    # An episode trains on its prompt, its replies and the tool results between them.
+    group = Group(0)
+    sample = workload.sample(0, group, (40, 50, 60))
+    assert sample.trained_tokens == 10 + 150 + 2 * 18
 
 
 @pytest.mark.parametrize("name", sorted(TIMING_WORKLOADS))
@@ -68,7 +94,8 @@ def test_the_simulated_cluster_and_costs_are_the_timing_scales(name: str) -> Non
 def test_the_comparison_is_the_controllers_throughput_over_the_simulators() -> None:
     costs = timing_costs(None)
     recipe = timing_recipe(8, costs, model_path=None, speedup=3.0)
-    simulated = crosscheck.simulate_modes(recipe, costs, 3.0, ["async", "seamless"], steps=4, prompt_tokens=17)
+    simulated = crosscheck.simulate_modes(recipe, costs, 3.0, ["async", "seamless"], steps=4,
+                                          shape=crosscheck.EpisodeShape(17))
     assert all(isinstance(r, SimResult) and r.trained_tokens_per_s > 0 for r in simulated.values())
     timeline = [{"role": "rollout", "state": "syncing", "t_start": 0.0, "t_end": 1.0},
                 {"role": "rollout", "state": "generating", "t_start": 1.0, "t_end": 4.0},
