@@ -55,6 +55,9 @@ EPISODE_ENDS = frozenset({"finish_episode", "fail_episode"})
 # generation was routed to another rank's engine (`sfhpc.engine.remote`) is in flight there, by the
 # scheduler's count, while its program reports the end from its own rank.
 COUNTS_FOR = "counts_for"
+# ... until its generation comes back to the program's own rank (the other rank was taken back): from then on it
+# is in flight where its program is. (client -> server: (CAME_HOME, (that rank,), {}); one-way, no reply.)
+CAME_HOME = "__came_home__"
 
 # What a client may call: the manager's public API, nothing else (no attribute access over the wire).
 METHODS = frozenset({
@@ -122,6 +125,9 @@ class ManagerServer:
         if method == GOODBYE:
             self.open_clients.discard(source)
             return
+        if method == CAME_HOME:
+            self._came_home(source, int(args[0]))
+            return
         counted = kwargs.pop(COUNTS_FOR, None) if method in EPISODE_ENDS and isinstance(kwargs, dict) else None
         counted = source if counted is None else int(counted)
         try:
@@ -150,6 +156,17 @@ class ManagerServer:
             if self.first_one_way_failure is None:
                 self.first_one_way_failure = OneWayFailure(source, method, reply[2])
             log.error("one-way %s from rank %d failed: %s", method, source, reply[2])
+
+    def _came_home(self, source: int, rank: int) -> None:
+        """An episode of `source` counted in flight on `rank` (`COUNTS_FOR`) is in flight on `source` again: it
+        leaves `rank`'s count as if it ended there, and its end will count for `source`."""
+        self.episodes_ended[rank] = self.episodes_ended.get(rank, 0) + 1
+        self.episodes_ended[source] = self.episodes_ended.get(source, 0) - 1
+        if self.on_episode_end is not None:
+            try:
+                self.on_episode_end(rank)
+            except Exception:  # bookkeeping
+                log.exception("the episode-end hook failed for rank %d", rank)
 
     def _follow(self, source: int, method: str, args: Any, kwargs: Any, result: Any) -> None:
         """Keep `open_trajectories` and `ended_by_group` of `source` after a call that succeeded."""
@@ -302,6 +319,11 @@ class ManagerClient:
 
     def fail_episode(self, trajectory_ids: Sequence[str], reason: str, *, counts_for: int | None = None) -> None:
         self._call("fail_episode", list(trajectory_ids), reason, **_counted(counts_for))
+
+    def generation_came_home(self, rank: int) -> None:
+        """An episode of this rank counted for `rank` (its generation was routed there) is in flight here again
+        (`CAME_HOME`); its end will count for this rank."""
+        self._call(CAME_HOME, rank, one_way=True)
 
     def abort(self, trajectory_id: str) -> None:
         self._call("abort", trajectory_id)

@@ -15,7 +15,8 @@ one generation at a time: the request goes in; its chunks stream back as the eng
 whether the door's engine paused under it (a weight update there), which the remote engine counts as a pause
 of its own so that the turn continues, as it does across a local pause. A door whose rank takes no more turns
 (taken back from rollout, stopping) or whose engine died answers ``gone``: the turn's generation goes back to
-its own rank's engine (`RemoteEngine.gone`), from its prefix again.
+its own rank's engine (`RemoteEngine.gone`), from its prefix again, and so do the later turns of every episode
+routed there. A rank lent again later is reached through a new `RemoteEngine`.
 
 `multiprocessing.connection` over a socket rather than the MPI world: a lent trainer rank that is taken back
 trains in its main thread while its endpoint goes on serving its programs, and the world's communicators are
@@ -119,10 +120,12 @@ class RemoteEngine(RolloutEngine):
     """The engine of rank `rank`, reached through its `GenerationDoor` in `register`. `max_model_len` is the
     policy's (the same model on every rank). It generates only: its weights are its own rank's to load."""
 
-    def __init__(self, register: Path, rank: int, *, max_model_len: int) -> None:
+    def __init__(self, register: Path, rank: int, *, max_model_len: int,
+                 on_gone: Callable[[], None] | None = None) -> None:
         super().__init__(f"rank-{rank}")
         self.register, self.rank = register, rank
         self._max_model_len = max_model_len
+        self._on_gone = on_gone  # called once, on the loop, when the door answers no more
         self._idle: list[_Channel] = []
         self._busy: dict[str, _Channel] = {}
         self.gone: str | None = None  # why the door answers no more (its rank stopped taking turns); None: open
@@ -209,11 +212,35 @@ class RemoteEngine(RolloutEngine):
         self._idle.clear()
 
     def _went(self, why: str) -> None:
-        if self.gone is None:
+        first = self.gone is None
+        if first:
             log.info("rank %d's engine takes no more generations of this rank (%s): they go back to its own", self.rank,
                      why)
         self.gone = why
         self._pauses += 1  # what it cut continues on the rank's own engine
+        if first and self._on_gone is not None:
+            self._on_gone()
+
+
+class RemoteEngines:
+    """The other ranks' engines one rank routes generations to: one `RemoteEngine` per rank, a new one once the
+    last answered no more (its rank was taken back from rollout and is lent again). `on_gone(rank)` is called,
+    on the loop, when one goes: what was routed there generates at home from then on."""
+
+    def __init__(self, register: Path, *, max_model_len: int, on_gone: Callable[[int], None]) -> None:
+        self.register, self.max_model_len, self.on_gone = register, max_model_len, on_gone
+        self._engines: dict[int, RemoteEngine] = {}
+
+    def of(self, rank: int) -> RemoteEngine:
+        engine = self._engines.get(rank)
+        if engine is None or engine.gone is not None:
+            engine = self._engines[rank] = RemoteEngine(self.register, rank, max_model_len=self.max_model_len,
+                                                        on_gone=lambda: self.on_gone(rank))
+        return engine
+
+    def shutdown(self) -> None:
+        for engine in self._engines.values():
+            engine.shutdown()
 
 
 class _Channel:

@@ -261,8 +261,13 @@ class Controller:
         hold the batch back, and new episodes go to the rollout ranks; without, new ones go to it by load."""
         self.scheduler.begin_step(step)
         ready = self.policy.batch_ready(self.manager.complete_groups(self.version, self.recipe.algorithm.group_size))
-        self.scheduler.lend(self.policy.to_lend(self.scheduler.lendable_ranks, self.scheduler.lent_ranks,
-                                                batch_ready=ready))
+        lent = self.scheduler.lend(self.policy.to_lend(self.scheduler.lendable_ranks, self.scheduler.lent_ranks,
+                                                       batch_ready=ready))
+        if self.policy.routes_programs:
+            # Agent programs' generations reach a lent rank through its engine door (`Release(to=...)`), not in a
+            # `Play`: an empty one tells it it is lent, so that it serves turns again (refused since its reclaim).
+            for rank in lent:
+                send_to(self.layout.world, rank, msg.Play(()))
 
     def reclaim_lent(self, step: int) -> None:
         """The batch is ready: every lent rank goes back to training. Its generations are cut at a token
@@ -273,9 +278,9 @@ class Controller:
             return
         ranks = self.scheduler.reclaim()
         ended = self.server.episodes_ended
-        targets = self._route_targets()
-        replies = self._move_episodes({rank: msg.Reclaim(self.scheduler.routes(
-            max(0, self.scheduler.in_flight(rank, ended)), targets)) for rank in ranks}, msg.Reclaimed)
+        counts = {rank: max(0, self.scheduler.in_flight(rank, ended)) for rank in ranks}
+        targets = self.scheduler.routes(counts, self._route_targets())
+        replies = self._move_episodes({rank: msg.Reclaim(targets[rank]) for rank in ranks}, msg.Reclaimed)
         moved = [episode for reply in replies for episode in reply.episodes]
         routed = sum(len(reply.routed) for reply in replies)
         seconds = time.monotonic() - started
@@ -299,9 +304,9 @@ class Controller:
         counts = self.policy.rebalance_counts(drained, loads, trainer_waits=True)
         if not counts:
             return 0
-        to = self._route_targets(drained)
-        replies = self._move_episodes({rank: msg.Release(count, self.scheduler.routes(count, to))
-                                       for rank, count in counts.items()}, msg.Released)
+        targets = self.scheduler.routes(counts, self._route_targets(drained))
+        replies = self._move_episodes({rank: msg.Release(count, targets[rank]) for rank, count in counts.items()},
+                                      msg.Released)
         moved = sum(len(reply.episodes) for reply in replies)
         routed = sum(len(reply.routed) for reply in replies)
         self.rebalanced += moved + routed

@@ -31,7 +31,7 @@ from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi, new_run_tok
 from sfhpc.endpoint.client import AsyncLocalClient
 from sfhpc.endpoint.service import SamplingRule
 from sfhpc.engine.base import EngineDied, RolloutEngine
-from sfhpc.engine.remote import GenerationDoor, RemoteEngine
+from sfhpc.engine.remote import GenerationDoor, RemoteEngine, RemoteEngines
 from sfhpc.engine.tokenizer import ChatTokenizer
 from sfhpc.rl.messages import EpisodeTicket
 from sfhpc.rollout.agent import (
@@ -112,7 +112,9 @@ class RolloutWorker:
         self.engine_doors = engine_doors
         self.door = None if self.engine_doors is None else GenerationDoor(
             self.engine_doors, self.rank, self.server.loop, self.endpoint.running_engine, lambda: self.engine.name)
-        self.remotes: dict[int, RemoteEngine] = {}  # other ranks' engines, where moved episodes generate
+        # Other ranks' engines, where moved episodes generate.
+        self.remotes = None if self.engine_doors is None else RemoteEngines(
+            self.engine_doors, max_model_len=self.engine.max_model_len, on_gone=self._came_home)
         # Agent programs' episodes playing here whose generations run on another rank: that rank, by episode task.
         self.routed_to: dict[asyncio.Task[Any], int] = {}
         self.backend: ChatBackend = (OpenAIChat(self.server.url, recipe.model.name, api_key=token)
@@ -248,11 +250,11 @@ class RolloutWorker:
 
     def play(self, episodes: tuple[EpisodeTicket, ...]) -> None:
         fault_injection.strike("play", self.rank)  # a test makes the rank fail here
-        if self.engine.sleeping:  # lent without a weight update since the trainer trained
-            self.server.call(self._awake())
-        if self.refusing_turns:  # lent again after a reclaim: turns are served again (this is queued first)
+        if self.refusing_turns:  # lent again after a reclaim: turns are served again (they wait for the wake-up)
             self.refusing_turns = False
             self.server.loop.call_soon_threadsafe(self.endpoint.refuse_turns, False)
+        if self.engine.sleeping:  # lent without a weight update since the trainer trained
+            self.server.call(self._awake())
         for episode in episodes:
             if episode.resume_id is not None:  # it may come back to a rank that handed it off earlier
                 self.server.loop.call_soon_threadsafe(self.endpoint.take_back, episode.resume_id)
@@ -303,12 +305,13 @@ class RolloutWorker:
                 await asyncio.to_thread(self.manager.abort, episode.resume_id)
             return await programs.play(self.task, episode.problem, group=episode.group,
                                        max_tokens=reply_budget(self.task, self.recipe.budgets.max_new_tokens),
-                                       on_trajectory=on_trajectory)
+                                       on_trajectory=on_trajectory, seed=episode.seed)
 
         assert self.recipe.agent is not None
         timeout_s = self.recipe.agent.timeout_s or self.recipe.budgets.episode_timeout_s
         task = asyncio.current_task()
-        recorder = _EndCountedWhereGenerated(self.manager, lambda: self.routed_to.get(task))  # type: ignore[arg-type]
+        # The end counts where the generation is: whoever takes the routing first, the end or `_came_home`, counts it.
+        recorder = _EndCountedWhereGenerated(self.manager, lambda: self.routed_to.pop(task, None))  # type: ignore[arg-type]
         async with programs.slots:
             return await play_or_fail(play, recorder, task=self.task.name, group=episode.group,
                                       timeout_s=timeout_s if programs.runner.timed_here else None,
@@ -528,10 +531,15 @@ class RolloutWorker:
             self.endpoint.route([trajectory_id], self._remote(target))
 
     def _remote(self, rank: int) -> RemoteEngine:
-        assert self.engine_doors is not None
-        if rank not in self.remotes:
-            self.remotes[rank] = RemoteEngine(self.engine_doors, rank, max_model_len=self.engine.max_model_len)
-        return self.remotes[rank]
+        assert self.remotes is not None
+        return self.remotes.of(rank)
+
+    def _came_home(self, rank: int) -> None:
+        """Rank `rank` takes no more generations of this rank's programs: those routed there generate here again
+        (`AgentEndpoint.engine_for`), and are counted in flight here from now on, not there."""
+        for task, target in list(self.routed_to.items()):
+            if target == rank and self.routed_to.pop(task, None) is not None:
+                self.manager.generation_came_home(rank)
 
     async def _release(self, count: int) -> tuple[EpisodeTicket, ...]:
         chosen: dict[asyncio.Task[Any], tuple[EpisodeTicket, list[str]]] = {}
@@ -623,8 +631,8 @@ class RolloutWorker:
         self.server.close_site()
         if self.door is not None:
             self.door.close()
-        for remote in self.remotes.values():
-            remote.shutdown()
+        if self.remotes is not None:
+            self.remotes.shutdown()
         shutdown = getattr(self.engine, "shutdown", None)
         if shutdown is not None:
             async def stop_engine() -> None:

@@ -141,19 +141,23 @@ class Scheduler:
             if rank in self._handed:  # (not for a worker of another job that left)
                 self._handed[rank] -= episodes
 
-    def routes(self, count: int, among: Iterable[int]) -> tuple[int, ...]:
-        """Where `count` moved generations would go among the ranks `among`, each to the least loaded one as
-        `assign` spreads episodes (ties: the lower rank); nothing is counted yet: the donor routes what it holds
-        of them and the controller `carry`s those it did."""
+    def routes(self, counts: Mapping[int, int], among: Iterable[int]) -> dict[int, tuple[int, ...]]:
+        """Where the moved generations of each donor rank (`counts`: donor -> how many) would go among the ranks
+        `among`: one plan for all of them, each to the least loaded rank as `assign` spreads episodes (ties: the
+        lower rank), so that donors moving at once do not all pick the same ranks. Nothing is counted yet: each
+        donor routes what it holds of them and the controller `carry`s those it did."""
         with self._lock:
             loads = [(self.in_flight(r, self._ended), r) for r in among if r in self.entries]
             heapq.heapify(loads)
-            chosen = []
-            for _ in range(count if loads else 0):
-                load, rank = loads[0]
-                heapq.heapreplace(loads, (load + 1, rank))
-                chosen.append(rank)
-            return tuple(chosen)
+            plan: dict[int, tuple[int, ...]] = {}
+            for donor, count in counts.items():
+                chosen = []
+                for _ in range(count if loads else 0):
+                    load, rank = loads[0]
+                    heapq.heapreplace(loads, (load + 1, rank))
+                    chosen.append(rank)
+                plan[donor] = tuple(chosen)
+            return plan
 
     def carry(self, rank: int, episodes: int) -> None:
         """`rank` generates for `episodes` more episodes, whose agent programs play on another rank (their

@@ -14,7 +14,8 @@ the recipe's ``agent.command``, contained (`sfhpc.rollout.containment`), with a 
 - the episode's input, one JSON object, on stdin (and without the problem's data in ``SFHPC_EPISODE``):
   ``episode_id``, ``task``, ``model`` (the name to send), ``messages`` (the task's opening messages),
   ``problem`` (``key``, and ``data``, the task instance with its answer, only with
-  ``agent.answer_to_program``) and ``max_tokens`` (the reply budget).
+  ``agent.answer_to_program``), ``max_tokens`` (the reply budget) and ``seed`` (the episode's own, drawn from
+  the run's seed: a program that draws at random may seed from it).
 
 The input also names ``base_url`` and ``api_key``, so that one program can play several episodes: with
 ``agent.serve`` each of the rank's ``agent.workers`` slots keeps one program running, which reads one
@@ -111,13 +112,17 @@ class EpisodeTimedOut(AgentProgramFailed):
 
 
 def episode_input(episode_id: str, task: Task, problem: Problem, *, model: str, max_tokens: int,
-                  base_url: str = "", api_key: str = "", with_data: bool = False) -> dict[str, Any]:
+                  base_url: str = "", api_key: str = "", with_data: bool = False,
+                  seed: int | None = None) -> dict[str, Any]:
     """The JSON object an agent program reads on stdin (``SFHPC_EPISODE`` holds it without the problem's
     data); the runner adds the episode's ``workdir``. The problem's data, which holds its answer, only
-    `with_data` (``agent.answer_to_program``: a program that plays the environment)."""
+    `with_data` (``agent.answer_to_program``: a program that plays the environment). `seed`: the episode's
+    own, drawn from the run's (a program that draws at random may seed from it, so that two runs of one
+    recipe play the same episodes)."""
     data = {"data": task.problem_to_json(problem.data)} if with_data else {}
+    seeded = {"seed": seed} if seed is not None else {}
     return {"episode_id": episode_id, "task": task.name, "model": model,
-            "messages": task.episode(problem).opening(),
+            "messages": task.episode(problem).opening(), **seeded,
             "problem": {"key": problem.key, **data},
             "max_tokens": max_tokens, "base_url": base_url, "api_key": api_key,
             "agents_base_url": base_url.removesuffix("/v1") + "/agents" if base_url else ""}
@@ -490,7 +495,7 @@ class AgentPrograms:
         return self.runner.slot()
 
     async def play(self, task: Task, problem: Problem, *, group: str, max_tokens: int,
-                   on_trajectory: Callable[[str], None]) -> EpisodeOutcome:
+                   on_trajectory: Callable[[str], None], seed: int | None = None) -> EpisodeOutcome:
         """One episode: run the program against its episode URL, then take its reward (see the module)."""
         source = self.spec.reward_source
         episode = self.episodes.open(task=task.name, group=group, on_trajectory=on_trajectory,
@@ -498,7 +503,7 @@ class AgentPrograms:
         try:
             end = await self.runner.run(episode_input(
                 episode.id, task, problem, model=self.model, max_tokens=max_tokens, base_url=self.url_of(episode.id),
-                api_key=episode.key, with_data=self.spec.answer_to_program))
+                api_key=episode.key, with_data=self.spec.answer_to_program, seed=seed))
         except AgentProgramFailed as exc:
             if episode.refusal is None:
                 raise

@@ -57,6 +57,13 @@ def agent(comm, rank: int) -> dict:
         client.finish_episode(duo[0], 1.0, others=[(duo[1], 0.5)])
         client.fail_episode([client.start([rank], task="mpi", group=f"bad-duo-{rank}") for _ in range(2)],
                             "RuntimeError: the checker crashed")
+        if rank == 2:
+            # Agent programs' episodes whose generations were routed to rank 1's engine: one ends there, by the
+            # scheduler's count (`counts_for`); one comes back home first, and then ends here.
+            client.finish_episode(client.start([rank], task="mpi", group="routed"), 1.0, counts_for=1)
+            home = client.start([rank], task="mpi", group="routed-home")
+            client.generation_came_home(1)
+            client.finish_episode(home, 1.0)
         record = client.trajectory(ids[1])
         result["versions"] = record.token_versions().tolist()
         for name, call, error in (

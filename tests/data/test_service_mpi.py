@@ -42,10 +42,11 @@ def test_manager_over_mpi_with_three_ranks(tmp_path):
     assert rank in (1, 2) and method == "add_generated" and "finished" in message
     assert controller["heard_from"] == [1, 2]  # when each client rank was last heard from
     # Per agent rank: one failed episode, one failed and one finished episode of two agents.
-    assert controller["by_status"]["failed"] == 2 * 3 and controller["by_status"]["finished"] == 2 * 2
+    assert controller["by_status"]["failed"] == 2 * 3 and controller["by_status"]["finished"] == 2 * 2 + 2
     # Ended episodes are counted once each, whatever the number of their trajectories (7 per rank here):
-    # a rank's running episodes are kept by that count.
-    assert controller["episodes_ended"] == {"1": 5, "2": 5}
+    # a rank's running episodes are kept by that count. Rank 2's two routed episodes count for rank 1, the one
+    # that ended there and the one that came home (it left rank 1's count then, and its end counted for rank 2).
+    assert controller["episodes_ended"] == {"1": 5 + 2, "2": 5}
     assert sorted(map(tuple, controller["marks"])) == [(0, f"r{r}-{j}") for r in (1, 2) for j in (0, 1)]
     assert controller["generated_tokens"] == 4 * 10
     # Rank 2 idles a second before it says goodbye: the server polls with sleeps and does not burn a core.

@@ -15,7 +15,7 @@ from sfhpc.data.manager import TrajectoryManager
 from sfhpc.endpoint import AgentEndpoint
 from sfhpc.endpoint.errors import ShuttingDown
 from sfhpc.endpoint.service import Sampling, TurnRequest
-from sfhpc.engine.remote import GenerationDoor, RemoteEngine
+from sfhpc.engine.remote import GenerationDoor, RemoteEngines
 from sfhpc.engine.scripted import ScriptedEngine
 
 PROMPT = (1, 2, 3)
@@ -46,7 +46,10 @@ def test_a_routed_generation_continues_from_its_prefix_on_the_other_rank(tmp_pat
         here = AgentEndpoint(_engine("engine-here"), manager)
         there = AgentEndpoint(_engine("engine-there"), manager)
         door = GenerationDoor(tmp_path, 2, asyncio.get_running_loop(), there.running_engine, lambda: "engine-there")
-        remote = RemoteEngine(tmp_path, 2, max_model_len=here.engine.max_model_len)
+        went: list[int] = []  # the rollout worker's hook: its episodes routed there count at home from then on
+        engines = RemoteEngines(tmp_path, max_model_len=here.engine.max_model_len, on_gone=went.append)
+        remote = engines.of(2)
+        assert engines.of(2) is remote
         reference = await AgentEndpoint(_engine("reference"), TrajectoryManager()).complete(_request(seed=11))
         try:
             # 1. Cut mid-reply and continued there: the same reply, two segments, two engines.
@@ -89,15 +92,20 @@ def test_a_routed_generation_continues_from_its_prefix_on_the_other_rank(tmp_pat
             last = [s for s in manager.trajectory(tid).segments if s.generated][4:]
             assert [s.engine for s in last] == ["engine-there", "engine-here"]
             assert remote.gone is not None and here.engine_for(tid) is here.engine
+            assert went == [2]  # told once
 
-            # 4. A stop cuts a routed generation too (`quiesce`): what it made is recorded, the turn gives up.
+
+            # 4. Lent again, the rank takes generations again, through a new remote engine (the gone one stays
+            # gone). A stop cuts a routed generation too (`quiesce`): what it made is recorded, the turn gives up.
             there.refuse_turns(False)
             await there.engine.resume()
             other = AgentEndpoint(_engine("engine-here-2"), manager)
             turn = asyncio.ensure_future(other.complete(_request(seed=14)))
             await _generating(manager, other, 5)
             (tid2,) = set(manager.ids()) - {tid}
-            other.route([tid2], RemoteEngine(tmp_path, 2, max_model_len=here.engine.max_model_len))
+            again = engines.of(2)
+            assert again is not remote and again.gone is None
+            other.route([tid2], again)
             await asyncio.sleep(0.1)
             await other.quiesce()
             other.close()
@@ -107,6 +115,6 @@ def test_a_routed_generation_continues_from_its_prefix_on_the_other_rank(tmp_pat
             assert [s.engine for s in manager.trajectory(tid2).segments if s.generated][-1] == "engine-there"
         finally:
             door.close()
-            remote.shutdown()
+            engines.shutdown()
 
     asyncio.run(scenario())

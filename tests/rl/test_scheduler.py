@@ -38,6 +38,17 @@ def test_episodes_go_to_the_rank_with_the_fewest_in_flight() -> None:
     assert s.entries[2].assigned == 6 and s.entries[3].assigned == 3  # lifetime counts, for the table
 
 
+def test_generations_of_several_donors_are_routed_by_one_plan() -> None:
+    """Agent programs' generations moved at once from several ranks (a rebalance, a reclaim of several lent
+    ranks) spread over the targets by load together: each donor's do not all go to the least loaded rank."""
+    s = scheduler()
+    s.assign(episodes(3))  # ranks 2 and 3 hold 2 and 1
+    plan = s.routes({7: 2, 8: 2, 9: 1}, among=(2, 3))
+    assert plan == {7: (3, 2), 8: (3, 2), 9: (3,)}  # loads 2/1 -> 2/2 -> 3/3: level, the lower rank first
+    assert s.in_flight(2, {}) == 2 and s.in_flight(3, {}) == 1  # nothing counted until the donors route them
+    assert s.routes({7: 3}, among=()) == {7: ()}  # nowhere to go: none routed
+
+
 def lending_scheduler(*, trainer_tags: str = "[train, rollout]", lending: bool = True,
                       tmp_path: Path | None = None) -> Scheduler:
     cluster = RECIPES / "cluster-dev.yaml"

@@ -50,7 +50,7 @@ seed: 5
 engine: {{name: test, token_delay_s: 0.02, writes_to_budget: true}}
 model: {{build: {{layers: 1, hidden_size: 64, heads: 1}}}}
 algorithm: {{group_size: 2}}
-pipeline: {{mode: seamless, max_staleness: 3, rebalance: false}}
+pipeline: {{mode: seamless, max_staleness: 3, rebalance: {rebalance}}}
 budgets: {{steps: 5, prompts_per_step: 2, max_new_tokens: 70}}
 task: {{name: repeat-letter, options: {{min_count: 60, max_count: 70}}}}
 agent: {{command: [{python}, {program}, {replies}], workers: 8, timeout_s: 120}}
@@ -62,16 +62,17 @@ output_dir: {runs}
 """
 
 
-def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rebalance", [False, True])
+def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(tmp_path: Path,
+                                                                                rebalance: bool) -> None:
     """Without rebalancing the lent rank plays new episodes, and at the reclaim its programs keep playing on it while
-    it trains, their generations routed to rank 2. (With rebalancing, the default, the lent rank plays none of its
-    own and generates for rank 2's programs instead: `tests/rollout/test_agent_run.py`'s seamless run; a routed
-    generation's way back home when its engine's rank is taken back: `tests/engine/test_remote_engine.py`.)"""
+    it trains, their generations routed to rank 2. With rebalancing (the default) it plays none of its own: while
+    lent it generates for rank 2's programs, in every lend, and hands them back when it is taken back."""
     (tmp_path / "program.py").write_text(PROGRAM)
     replies_file = tmp_path / "replies.jsonl"
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(RECIPE.format(python=sys.executable, program=tmp_path / "program.py", replies=replies_file,
-                                    runs=tmp_path / "runs"))
+                                    runs=tmp_path / "runs", rebalance=str(rebalance).lower()))
     done = run_sfhpc("run", str(recipe), timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
@@ -79,8 +80,9 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 5
 
-    moves = [e for e in events if e["event"] == "reclaimed"]
-    assert sum(e["routed"] for e in moves) >= 1, moves  # the lent rank's programs' generations, moved
+    moves = [e for e in events if e["event"] == ("rebalanced" if rebalance else "reclaimed")]
+    assert sum(e["routed"] for e in moves) >= 1, moves  # programs' generations, moved
+    reclaims = [e["time"] for e in events if e["event"] == "reclaimed"]
     # Every episode an end counted where the scheduler counted it in flight: never below zero, never more than
     # the groups in flight hold.
     assert all(0 <= r["episodes_in_flight"] <= 2 * r["groups_in_flight"] for r in rows), rows
@@ -91,7 +93,7 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
     with open_store(run_dir / "trajectories.h5") as store:
         trajectories = list(store.trajectories())
     assert not [t.id for t in trajectories if t.status == "aborted"]  # no episode was played afresh
-    crossed = 0
+    crossed, lends = 0, set()
     for t in trajectories:
         if t.status not in ("consumed", "finished"):
             continue
@@ -103,9 +105,15 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
                 if before.engine != after.engine:  # cut at a token boundary where it was, continued from the prefix
                     assert before.finish_reason == "abort", [(s.engine, s.finish_reason) for s in generated]
             # Cut on the lent rank's engine at the reclaim, continued on rank 2's while the program stayed on rank 1
-            # (an episode played afresh instead would leave its trajectory aborted).
-            crossed += any(a.engine == "test-r1" and b.engine == "test-r2" for a, b in zip(generated, generated[1:]))
+            # (an episode played afresh instead would leave its trajectory aborted); rebalanced, cut on rank 2's
+            # and continued on the lent rank's.
+            order = ("test-r2", "test-r1") if rebalance else ("test-r1", "test-r2")
+            crossed += any((a.engine, b.engine) == order for a, b in zip(generated, generated[1:]))
+            # Which lend (the reclaims before it) each of the lent rank's segments was generated in.
+            lends |= {sum(r < s.t_start for r in reclaims) for s in generated if s.engine == "test-r1"}
             # The program was handed the whole reply: what one engine made and the rest the other made.
             reply = [int(x) for index, used in reply_span for x in t.segments[index].tokens[:used]]
             assert tokenizer.decode([x for x in reply if x not in stops]) in judged
-    assert crossed >= 1, "no program's reply was cut on the lent rank's engine and finished on rank 2's"
+    assert crossed >= 1, f"no program's reply was cut on {order[0]}'s engine and finished on {order[1]}'s"
+    if rebalance:  # lent again after a reclaim, it takes generations again
+        assert len(lends) >= 2, lends

@@ -36,7 +36,7 @@ def programs(server: EndpointServer, *args: str, workers: int = 4, **keys: Any) 
 
 
 def play(server: EndpointServer, manager: TrajectoryManager, runner: AgentPrograms, secret: int, *,
-         timeout_s: float = 60, group: str = "g", heard: list[str] | None = None) -> Any:
+         timeout_s: float = 60, group: str = "g", heard: list[str] | None = None, seed: int | None = None) -> Any:
     """One supervised episode on the server's loop, as a rollout rank plays it; `heard` gets its trajectory id."""
     def on_trajectory(tid: str, tell: Callable[[str], None]) -> None:
         tell(tid)
@@ -47,7 +47,7 @@ def play(server: EndpointServer, manager: TrajectoryManager, runner: AgentProgra
         async with runner.slots:
             return await play_or_fail(
                 lambda tell: runner.play(TASK, Problem(str(secret), secret), group=group, max_tokens=1,
-                                         on_trajectory=lambda tid: on_trajectory(tid, tell)),
+                                         on_trajectory=lambda tid: on_trajectory(tid, tell), seed=seed),
                 manager, task=TASK.name, group=group, timeout_s=timeout_s)
     return server.call(supervised(), timeout=timeout_s + 30)
 
@@ -197,9 +197,10 @@ def test_episode_input_is_json_with_the_tasks_opening(server: EndpointServer, ma
     runner = AgentPrograms(AgentSpec(command=("python3", str(script))), recipe_source=str(script),
                            episodes=server.api.episodes, url_of=server.episode_url, model=MODEL)
     assert runner.runner.command[0] == sys.executable  # type: ignore[attr-defined]
-    play(server, manager, runner, 3)
+    play(server, manager, runner, 3, seed=1234)
     data = json.loads(dump.read_text())
     assert data["task"] == "guess-number" and data["model"] == MODEL and data["max_tokens"] == 1
+    assert data["seed"] == 1234  # the episode's ticket's, for a program that draws at random
     assert data["messages"] == [{"role": "user", "content": "guess 0-9"}]
     assert data["problem"] == {"key": "3"}  # its data holds the answer: only with agent.answer_to_program
     url, key, model, no_agents_traces, no_langsmith = Path(str(dump) + ".env").read_text().split()
