@@ -191,6 +191,14 @@ def test_one_invocation_runs_every_mode_at_the_timing_scale(tmp_path: Path) -> N
         assert row["timing_tokens_per_s"] == pytest.approx(results[mode]["trained_tokens_per_s"])
         assert row["sim_tokens_per_s"] > 0 and row["ratio"] == pytest.approx(row["timing_tokens_per_s"]
                                                                              / row["sim_tokens_per_s"])
+    # The simulator models what the controller does: not within the benchmark's 15% here (two measured steps of
+    # a 4-rank run on 2 cores shared with the other tests, where the real per-token work is a large share of a
+    # modelled decode step: 0.80 for both modes on a quiet machine), but far from a mechanism one of them lacks
+    # (a move the code never made gave 0.48), and what lending changes is modelled alike in both.
+    ratios = {mode: row["ratio"] for mode, row in compared.items()}
+    assert all(0.5 <= ratio <= 1.6 for ratio in ratios.values()), ratios
+    if "seamless" in ratios:
+        assert abs(ratios["seamless"] - ratios["async"]) <= 0.3, ratios
     assert report["against_simulator"]["prompt_tokens"] > 5
     assert "controller tok/s" in done.stdout and "sync is not compared" in done.stdout
     # The engines' pause per update, measured on the rollout ranks' timeline (their own account of it): staged

@@ -4,8 +4,11 @@ history whose text differs still forks and is counted."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 
+from sfhpc.data.trajectory import Trajectory
 from sfhpc.endpoint import AgentEndpoint, EndpointServer, OpenAIApi
 from sfhpc.engine import tokenizer as tk
 from tests.endpoint.conftest import RecordingManager, ReplyingEngine
@@ -40,6 +43,22 @@ def test_the_same_history_in_other_tokens_continues_the_recorded_ones() -> None:
         assert sink.trajectory(tid).history_mismatches == 1 and api.health()["history_respelled"] == 1
 
 
+def _sent_back(reply: list[int], said: str, max_tokens: int) -> tuple[Any, Any, Trajectory, OpenAIApi]:
+    """A call answered with `reply` (whose text is `said`), then a second call whose history holds that text
+    and a user's turn: both responses, the trajectory and the API."""
+    sink = RecordingManager()
+    api = OpenAIApi(AgentEndpoint(ReplyingEngine([reply, list(b"7") + [tk.END]]), sink), model_name="m")
+    with EndpointServer(api) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "write"}]
+        first = client.chat.completions.create(model="m", messages=messages, max_tokens=max_tokens)
+        assert first.choices[0].message.content == said
+        messages += [{"role": "assistant", "content": said}, {"role": "user", "content": "?"}]
+        second = client.chat.completions.create(model="m", messages=messages, max_tokens=4,
+                                                extra_headers={"X-Trajectory-Id": first.model_extra["trajectory_id"]})
+    return first, second, sink.trajectory(first.model_extra["trajectory_id"]), api
+
+
 def test_a_long_reply_respelled_in_hundreds_more_tokens_continues_the_recorded_ones() -> None:
     """The re-encoded reply can be hundreds of tokens longer or shorter than the sampled one (here 300
     broken pairs, 600 tokens, come back as 300 U+FFFD, 900 bytes): where its text ends is found by its
@@ -47,47 +66,22 @@ def test_a_long_reply_respelled_in_hundreds_more_tokens_continues_the_recorded_o
     re-encode into words), where a sixth of the episodes forked after a long reply and 28-33% of the
     generated tokens were never trained on."""
     long_reply = BROKEN * 300 + [tk.END]
-    engine = ReplyingEngine([long_reply, list(b"7") + [tk.END]])
-    sink = RecordingManager()
-    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m")
-    with EndpointServer(api) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": "write"}]
-        first = client.chat.completions.create(model="m", messages=messages, max_tokens=1000)
-        tid = first.model_extra["trajectory_id"]
-        assert first.choices[0].message.content == "\ufffd" * 300
-        messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                     {"role": "user", "content": "?"}]
-        second = client.chat.completions.create(model="m", messages=messages, max_tokens=4,
-                                                extra_headers={"X-Trajectory-Id": tid})
-        trajectory = sink.trajectory(tid)
-        assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
-        assert [list(r) for r, _ in trajectory.replies()] == [long_reply, list(b"7") + [tk.END]]
-        recorded = first.model_extra["prompt_token_ids"] + long_reply
-        assert second.model_extra["prompt_token_ids"][:len(recorded)] == recorded
-        # What the history added after the reply (the user's turn) follows it, spelled as sent.
-        assert len(second.model_extra["prompt_token_ids"]) < len(recorded) + 20
+    first, second, trajectory, api = _sent_back(long_reply, "\ufffd" * 300, max_tokens=1000)
+    assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
+    assert [list(r) for r, _ in trajectory.replies()] == [long_reply, list(b"7") + [tk.END]]
+    recorded = first.model_extra["prompt_token_ids"] + long_reply
+    assert second.model_extra["prompt_token_ids"][:len(recorded)] == recorded
+    # What the history added after the reply (the user's turn) follows it, spelled as sent.
+    assert len(second.model_extra["prompt_token_ids"]) < len(recorded) + 20
 
 
 def test_a_special_token_the_policy_wrote_inside_its_reply_is_not_a_difference() -> None:
     """The reply's text leaves out a role marker written mid-reply; the history the agent sends back is
     still the recorded one, and the marker stays in the trajectory as sampled."""
     inside = [ord("4"), tk.SYSTEM, ord("2"), tk.END]
-    engine = ReplyingEngine([inside, list(b"7") + [tk.END]])
-    sink = RecordingManager()
-    api = OpenAIApi(AgentEndpoint(engine, sink), model_name="m")
-    with EndpointServer(api) as server:
-        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": "guess"}]
-        first = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
-        assert first.choices[0].message.content == "42"
-        tid = first.model_extra["trajectory_id"]
-        messages += [{"role": "assistant", "content": "42"}, {"role": "user", "content": "?"}]
-        client.chat.completions.create(model="m", messages=messages, max_tokens=4,
-                                       extra_headers={"X-Trajectory-Id": tid})
-        trajectory = sink.trajectory(tid)
-        assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
-        assert [list(r) for r, _ in trajectory.replies()] == [inside, list(b"7") + [tk.END]]
+    _, _, trajectory, api = _sent_back(inside, "42", max_tokens=8)
+    assert trajectory.history_mismatches == 0 and api.health()["history_respelled"] == 1
+    assert [list(r) for r, _ in trajectory.replies()] == [inside, list(b"7") + [tk.END]]
 
 
 def test_a_trajectory_continued_after_a_restart_keeps_its_recorded_tokens() -> None:
