@@ -145,8 +145,6 @@ def test_bad_options_get_one_line() -> None:
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--recipe", "nope.yaml"), "nope.yaml")
     assert_one_line_error(run_sfhpc("bench", "pipeline", "--scales", "small", "--against-simulator"),
                           "--against-simulator", "timing")
-    assert_one_line_error(run_sfhpc("bench", "pipeline", "--timing-workload", "agent", "--against-simulator"),
-                          "--against-simulator", "agent")
 
 
 @pytest.mark.mpi
