@@ -84,7 +84,9 @@ def trajectory_sizes(run_dir: Path) -> dict[str, tuple[int, int]]:
 def test_the_rl_run_outlives_a_kill_and_a_preemption(slurm_cluster: str, tmp_path: Path) -> None:
     recipe = tmp_path / "outlive.yaml"
     recipe.write_text(RECIPE + f"output_dir: {tmp_path / 'runs'}\n")
-    done = run_sfhpc("launch", str(recipe))
+    # Every training step held 2 s (`sfhpc.runtime.fault_injection`): the kill after KILL_AFTER steps lands while
+    # the last step trains, however fast its episodes were (steps of 1.3 s had once finished the run before it).
+    done = run_sfhpc("launch", str(recipe), env={"SFHPC_HOLD_PHASES": "train=2"})
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     job_id = re.search(r"submitted job (\d+)", done.stdout).group(1)  # type: ignore[union-attr]
     run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
