@@ -679,7 +679,8 @@ class _StartsByGroup:
 
 class _EndCountedWhereGenerated:
     """The trajectory sink of an agent program's episode: its end counts for the rank its generation was routed
-    to, if it was (`target()`: that rank, or None), where the scheduler counts it in flight."""
+    to, if it still is (`target()`: that rank, or None, taking the routing so that a later coming home does
+    not count it again), where the scheduler counts it in flight."""
 
     def __init__(self, sink: Any, target: Callable[[], int | None]) -> None:
         self._sink, self._target = sink, target
