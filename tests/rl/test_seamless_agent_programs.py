@@ -12,37 +12,15 @@ are reported from the program's rank.
 
 from __future__ import annotations
 
-import json
-import re
-import sys
 from pathlib import Path
 
 import pytest
 
-from sfhpc.data.store import open_store
-from sfhpc.engine.tokenizer import load_tokenizer
-from tests.conftest import run_sfhpc
+from tests.rl.moving_programs import MovedRun, program
 
 pytestmark = [pytest.mark.mpi]
 
-PROGRAM = """\
-import json, random, sys
-import openai
-
-replies = sys.argv[1]
-for line in sys.stdin:
-    episode = json.loads(line)
-    client = openai.OpenAI(base_url=episode["base_url"], api_key=episode["api_key"], max_retries=0)
-    messages = episode["messages"]
-    budget = random.Random(episode["problem"]["key"]).randint(10, 70)  # replies of uneven length
-    for turn in range(3):
-        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=budget)
-        text = reply.choices[0].message.content
-        with open(replies, "a", encoding="utf-8") as f:
-            f.write(json.dumps(text) + "\\n")
-        messages = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
-    print(json.dumps({"episode_id": episode["episode_id"], "reward": 1.0}), flush=True)
-"""
+PROGRAM = program(3, 'random.Random(episode["problem"]["key"]).randint(10, 70)', "1.0")  # uneven replies
 
 RECIPE = """\
 name: programs-move
@@ -68,16 +46,8 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
     """Without rebalancing the lent rank plays new episodes, and at the reclaim its programs keep playing on it while
     it trains, their generations routed to rank 2. With rebalancing (the default) it plays none of its own: while
     lent it generates for rank 2's programs, in every lend, and hands them back when it is taken back."""
-    (tmp_path / "program.py").write_text(PROGRAM)
-    replies_file = tmp_path / "replies.jsonl"
-    recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(RECIPE.format(python=sys.executable, program=tmp_path / "program.py", replies=replies_file,
-                                    runs=tmp_path / "runs", rebalance=str(rebalance).lower()))
-    done = run_sfhpc("run", str(recipe), timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    run_dir = Path(re.search(r"run folder (\S+)", done.stdout).group(1))  # type: ignore[union-attr]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run = MovedRun(tmp_path, RECIPE, PROGRAM, timeout=600, rebalance=str(rebalance).lower())
+    events, rows = run.events, run.rows
     assert len(rows) == 5
 
     moves = [e for e in events if e["event"] == ("rebalanced" if rebalance else "reclaimed")]
@@ -87,11 +57,7 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
     # the groups in flight hold.
     assert all(0 <= r["episodes_in_flight"] <= 2 * r["groups_in_flight"] for r in rows), rows
 
-    judged = [json.loads(line) for line in replies_file.read_text().splitlines()]
-    tokenizer = load_tokenizer(run_dir / "model")
-    stops = set(tokenizer.chat_stop_ids)
-    with open_store(run_dir / "trajectories.h5") as store:
-        trajectories = list(store.trajectories())
+    trajectories = run.trajectories
     assert not [t.id for t in trajectories if t.status == "aborted"]  # no episode was played afresh
     crossed, lends = 0, set()
     for t in trajectories:
@@ -112,8 +78,7 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
             # Which lend (the reclaims before it) each of the lent rank's segments was generated in.
             lends |= {sum(r < s.t_start for r in reclaims) for s in generated if s.engine == "test-r1"}
             # The program was handed the whole reply: what one engine made and the rest the other made.
-            reply = [int(x) for index, used in reply_span for x in t.segments[index].tokens[:used]]
-            assert tokenizer.decode([x for x in reply if x not in stops]) in judged
+            assert run.handed([int(x) for index, used in reply_span for x in t.segments[index].tokens[:used]])
     assert crossed >= 1, f"no program's reply was cut on {order[0]}'s engine and finished on {order[1]}'s"
     if rebalance:  # lent again after a reclaim, it takes generations again
         assert len(lends) >= 2, lends
