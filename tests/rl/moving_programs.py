@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -56,10 +57,10 @@ class MovedRun:
         self.rows = [json.loads(line) for line in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
         self.judged = [json.loads(line) for line in replies_file.read_text().splitlines()]
         self.tokenizer = load_tokenizer(self.run_dir / "model")
+        self._stops = set(self.tokenizer.chat_stop_ids)
         with open_store(self.run_dir / "trajectories.h5") as store:
             self.trajectories = list(store.trajectories())
 
-    def handed(self, reply: list[int]) -> bool:
+    def handed(self, reply: Iterable[int]) -> bool:
         """Whether the program was handed exactly these tokens as one reply (their text, stop tokens left out)."""
-        stops = set(self.tokenizer.chat_stop_ids)
-        return self.tokenizer.decode([x for x in reply if x not in stops]) in self.judged
+        return self.tokenizer.decode([int(x) for x in reply if int(x) not in self._stops]) in self.judged

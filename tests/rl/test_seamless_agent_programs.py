@@ -65,7 +65,7 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
             continue
         lengths = {len(reply) for reply, cut in t.replies() if not cut}
         assert len(t.replies()) == 3 and len(lengths) == 1 and 10 <= lengths.pop() <= 70
-        for reply_span in t.reply_spans():
+        for reply_span, (reply, _) in zip(t.reply_spans(), t.replies()):
             generated = [t.segments[index] for index, _ in reply_span]
             for before, after in zip(generated, generated[1:]):
                 if before.engine != after.engine:  # cut at a token boundary where it was, continued from the prefix
@@ -78,7 +78,7 @@ def test_agent_programs_episodes_move_by_their_generations_and_none_is_replayed(
             # Which lend (the reclaims before it) each of the lent rank's segments was generated in.
             lends |= {sum(r < s.t_start for r in reclaims) for s in generated if s.engine == "test-r1"}
             # The program was handed the whole reply: what one engine made and the rest the other made.
-            assert run.handed([int(x) for index, used in reply_span for x in t.segments[index].tokens[:used]])
+            assert run.handed(reply)
     assert crossed >= 1, f"no program's reply was cut on {order[0]}'s engine and finished on {order[1]}'s"
     if rebalance:  # lent again after a reclaim, it takes generations again
         assert len(lends) >= 2, lends
